@@ -1,0 +1,61 @@
+// Shared helpers for the Libra planner core: integer type, input validation, hashing.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace libra {
+
+using i64 = std::int64_t;
+using u64 = std::uint64_t;
+
+// Largest packed-sequence / document length accepted. Keeps l*(l+1)/2 far below 2^63.
+constexpr i64 kMaxTokens = i64(1) << 30;
+
+// Every invalid input raises std::invalid_argument naming the field (and index where there is one).
+[[noreturn]] inline void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+inline std::string field_at(const std::string& field, i64 index) {
+  return field + "[" + std::to_string(index) + "]";
+}
+
+inline void require_positive(i64 value, const std::string& field) {
+  if (value <= 0) fail(field + " must be positive, got " + std::to_string(value));
+}
+
+// 64-bit FNV-1a over 64-bit words, finished with a splitmix64 mix; used for the StepPlan hash that
+// ranks compare. Word-wise so hashing a plan costs far less than planning it.
+class Fnv1a {
+ public:
+  void value(i64 v) { word(static_cast<u64>(v)); }
+  void value(double v) {
+    u64 w;
+    static_assert(sizeof(w) == sizeof(v), "double must be 64-bit");
+    std::memcpy(&w, &v, sizeof(w));
+    word(w);
+  }
+  template <typename T>
+  void vec(const std::vector<T>& v) {
+    static_assert(sizeof(T) == 8, "hash 64-bit elements");
+    value(static_cast<i64>(v.size()));
+    for (const T& x : v) value(x);
+  }
+  u64 digest() const {
+    u64 z = h_ + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+
+ private:
+  void word(u64 w) {
+    h_ ^= w;
+    h_ *= 1099511628211ULL;
+  }
+  u64 h_ = 1469598103934665603ULL;
+};
+
+}  // namespace libra

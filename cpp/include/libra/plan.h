@@ -1,0 +1,131 @@
+// Layout, planner options and the StepPlan contract (DESIGN.md section 5).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "libra/common.h"
+#include "libra/workload.h"
+
+namespace libra {
+
+enum class System { Ulysses = 0, Libra = 1, Wlb = 2, Distca = 3 };
+
+System parse_system(const std::string& name);
+std::string system_name(System s);
+
+// Parallel layout of one optimizer step.
+struct Layout {
+  i64 dp = 1;        // D: data-parallel replicas
+  i64 cp = 1;        // C: context-parallel ranks per replica
+  i64 tp = 1;        // T: tensor-parallel ranks
+  i64 pool = 1;      // P: pool size (replicas per pool); must divide dp
+  i64 context = 0;   // S: tokens per packed sequence
+
+  void validate() const;
+};
+
+struct PlanOptions {
+  System system = System::Libra;
+  i64 block = 0;             // query tokens per SH-tile; 0 = context / 16 (at least 1024)
+  i64 head_group = 0;        // heads per SH-tile; 0 = all heads of the rank's slice
+  double epsilon = 0.02;     // TAP soft cap: (1 + epsilon) * mean
+  double max_tile_share = 0.05;  // TAP: split tiles heavier than this share of the member mean
+  bool vrsp = true;          // libra: VRSP placement (false: production order)
+  bool tap = true;           // libra: tile moves inside the pool (false: owners execute all)
+  bool refine = true;        // libra: refinement pass after the greedy
+  i64 max_refine_moves = 0;  // 0 = 64 * pool size per group
+  double distca_tolerance = 0.05;  // distca: stop when every replica is within tol * mean
+  i64 dtype_bytes = 2;       // bytes per element of Q/K/V/O (bf16)
+  i64 wlb_outlier_len = 0;   // wlb: documents at least this long are delayed; 0 = context / 4
+  i64 wlb_max_delay = 4;     // wlb: steps an outlier may wait at most
+  i64 wlb_release_count = 0; // wlb: release an outlier level when it holds this many; 0 = dp
+
+  void validate(const Layout& layout) const;
+};
+
+// Carried planner state across steps (WLB-LLM's delay queue and overflow). Plain data, so it can
+// be checkpointed as a flat integer list.
+struct PlannerState {
+  struct Doc {
+    i64 id;
+    i64 len;
+    i64 age;
+  };
+  i64 next_doc_id = 0;
+  i64 steps = 0;
+  std::vector<Doc> queue;  // delayed outliers
+  std::vector<Doc> spill;  // documents that did not fit the step's token cap
+
+  std::vector<i64> serialize() const;
+  static PlannerState deserialize(const std::vector<i64>& flat);
+  i64 pending() const { return static_cast<i64>(queue.size() + spill.size()); }
+};
+
+// One step's plan, struct of arrays. Indices:
+//   sequences s in [0, n_seq); documents in CSR (seq_doc_offsets, doc_lengths) over sequences;
+//   replicas r in [0, D); slots in [0, m); groups g = pool * m + slot of the exchange pools;
+//   ranks (r, c) flattened r * C + c (all tp ranks of a (r, c) pair see the same plan).
+struct StepPlan {
+  System system = System::Libra;
+  i64 dp = 0, cp = 0, tp = 0, pool = 0, context = 0, slots = 0;
+  i64 exchange_pool = 1;  // replicas per exchange pool (P for libra, D for distca, 1 otherwise)
+  i64 heads_local = 0;    // heads of the coordinate space of tiles with tile_cp == -1: h/(T*C)
+  i64 kv_heads_local = 0; // KV heads of that slice (>= 1)
+  i64 head_dim = 0, dtype_bytes = 2;
+
+  // Sequences executed this step (the input, except for wlb which repacks).
+  std::vector<i64> seq_doc_offsets{0};  // [n_seq + 1]
+  std::vector<i64> doc_lengths;      // [n_doc]
+  std::vector<i64> doc_ids;          // [n_doc] input order index (wlb: global id across steps)
+  std::vector<i64> seq_replica;      // [n_seq]
+  std::vector<i64> seq_slot;         // [n_seq]
+
+  // Tiles. q_start / kv_start are token offsets inside the packed sequence. Heads are local to the
+  // rank's head slice: tiles with cp == -1 are executed by every cp rank on its own Ulysses slice of
+  // heads_local heads; tiles with cp >= 0 (wlb) by that cp rank over the h/T heads of its tp rank.
+  // A tile covers either query rows of one document against their causal prefix (doc_count == 1,
+  // kv range = [document start, last query row]) or doc_count whole consecutive documents, each
+  // attending causally inside itself (kv range == query range; short documents coalesced).
+  std::vector<i64> tile_seq, tile_doc, tile_doc_count, tile_q_start, tile_q_len, tile_head_start,
+      tile_head_count, tile_kv_start, tile_kv_len, tile_owner, tile_executor, tile_cp, tile_pairs;
+
+  // Exchange per group, [G][P][P] row = sender, column = receiver, element counts per rank of the
+  // pool communicator (one head slice). Forward: Q and KV flow owner -> executor, O and LSE back.
+  std::vector<i64> xchg_q, xchg_kv, xchg_o, xchg_lse;
+  // Tiles in send order: sorted by (group, owner, executor, tile index); offsets per group [G+1].
+  std::vector<i64> send_order, send_group_offsets;
+  // KV prefixes shipped: one entry per (group, src, dst, seq, doc, kv head), longest prefix needed.
+  std::vector<i64> kv_group, kv_src, kv_dst, kv_seq, kv_start, kv_len, kv_head;
+
+  // Metrics (loads in attention FLOPs, forward + backward).
+  std::vector<double> rank_load;          // [D*C]
+  std::vector<double> rank_load_before;   // [D*C] production order, no moves
+  std::vector<double> group_load;         // [D/P * m] per (layout pool, slot)
+  std::vector<double> rank_bytes_sent;    // [D*C] pool-exchange bytes sent, fwd + bwd
+  double max_over_mean = 0, max_over_mean_before = 0;
+  double inter_pool_imbalance = 0, inter_pool_imbalance_before = 0;  // per (pool, slot) groups
+  double pool_total_imbalance = 0, pool_total_imbalance_before = 0;  // per pool, all slots
+  double vrsp_max_group = 0, vrsp_lower_bound = 0;
+  double moved_token_fraction = 0;
+  double total_bytes = 0;
+  double plan_ms = 0;  // not part of the hash
+  u64 hash = 0;
+
+  struct Tile {
+    i64 seq, doc, doc_count, q_start, q_len, head_start, head_count, kv_start, kv_len, owner,
+        executor, cp, pairs;
+  };
+  void add_tile(const Tile& t);
+  i64 n_seq() const { return static_cast<i64>(seq_doc_offsets.size()) - 1; }
+  i64 n_tiles() const { return static_cast<i64>(tile_seq.size()); }
+  u64 compute_hash() const;
+};
+
+// Plan one step. `sequences` are the step's B packed sequences (document lengths). `state` carries
+// WLB-LLM's queue between steps (ignored by other systems); `flush` releases everything queued.
+StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout& layout,
+                   const ModelDims& model, const PlanOptions& options, PlannerState* state,
+                   bool flush = false);
+
+}  // namespace libra

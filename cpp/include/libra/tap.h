@@ -1,0 +1,33 @@
+// TAP: SH-tiles and their communication-aware placement inside a pool; DistCA's token shards.
+#pragma once
+
+#include <vector>
+
+#include "libra/common.h"
+#include "libra/plan.h"
+
+namespace libra {
+
+// Byte model of moving a tile (forward + backward): Q and dQ, O and dO, the softmax LSE (fp32),
+// and K/V plus dK/dV for the part of the KV prefix not already resident on the destination.
+struct TileBytes {
+  i64 head_dim;
+  i64 dtype_bytes;
+  i64 qo_bytes(i64 q_len, i64 heads) const { return 4 * q_len * heads * head_dim * dtype_bytes + 4 * q_len * heads; }
+  i64 kv_bytes(i64 kv_tokens) const { return 4 * kv_tokens * head_dim * dtype_bytes; }
+};
+
+// Appends tiles for documents of the plan's sequences and places them (sets tile_executor).
+// Works group by group; `group_members[g]` lists the sequences of group g, member i = index.
+void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups);
+
+// DistCA: token-level shards on a global pool, greedy on work per byte, per slot.
+void distca_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups);
+
+// Tiles of every sequence on its owner, all heads of the slice (Ulysses; libra with tap = false).
+void owner_tiles(StepPlan& plan, i64 block);
+
+// Local KV head of local query head x.
+i64 kv_head_of(const StepPlan& plan, i64 local_head);
+
+}  // namespace libra

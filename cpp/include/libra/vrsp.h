@@ -1,0 +1,40 @@
+// VRSP: variance-reduction sequence placement by exact-cardinality LPT.
+#pragma once
+
+#include <vector>
+
+#include "libra/common.h"
+
+namespace libra {
+
+// Place items (loads) into n_groups groups of exactly `cardinality` items each (items.size() must
+// equal n_groups * cardinality): heaviest first (ties: lower index), into the lightest group that
+// still has room (ties: lower group index), then pairwise swaps between the heaviest group and
+// another while they lower the maximum. Returns the group of each item.
+std::vector<i64> exact_cardinality_lpt(const std::vector<double>& loads, i64 n_groups,
+                                       i64 cardinality);
+
+// Lower bound on the max group load of any exact-cardinality placement: the mean; for each
+// j = 1..cardinality, the j smallest of the (j-1)*G+1 heaviest items (some group holds j of them)
+// plus the cardinality-j smallest items overall; and for each k <= G, the least over q of the
+// average of q groups holding the k heaviest items and the q*cardinality-k lightest items.
+double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_groups,
+                                     i64 cardinality);
+
+struct VrspPlacement {
+  std::vector<i64> replica;  // per sequence
+  std::vector<i64> slot;     // per sequence
+  double max_group = 0;
+  double lower_bound = 0;
+};
+
+// Sequences -> B/P groups of P (LPT + swaps), groups -> pools with exactly m groups each (LPT +
+// swaps on group totals), then sequence swaps between the heaviest and lightest pool that balance
+// pool totals without raising the heaviest group; slots inside a pool heaviest group first,
+// sequences inside a group heaviest first to member 0.
+VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots);
+
+// Megatron's default order: sequence i on replica i / m, slot i % m.
+VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots);
+
+}  // namespace libra

@@ -1,0 +1,389 @@
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <numeric>
+#include <tuple>
+
+#include "libra/plan.h"
+#include "libra/tap.h"
+#include "libra/vrsp.h"
+#include "libra/wlb.h"
+#include "libra/workload.h"
+
+namespace libra {
+
+System parse_system(const std::string& name) {
+  if (name == "ulysses") return System::Ulysses;
+  if (name == "libra") return System::Libra;
+  if (name == "wlb") return System::Wlb;
+  if (name == "distca") return System::Distca;
+  fail("system must be one of libra, ulysses, wlb, distca; got '" + name + "'");
+}
+
+std::string system_name(System s) {
+  switch (s) {
+    case System::Ulysses: return "ulysses";
+    case System::Libra: return "libra";
+    case System::Wlb: return "wlb";
+    case System::Distca: return "distca";
+  }
+  return "unknown";
+}
+
+void Layout::validate() const {
+  require_positive(dp, "dp");
+  require_positive(cp, "cp");
+  require_positive(tp, "tp");
+  require_positive(pool, "pool_size");
+  require_positive(context, "context");
+  if (context > kMaxTokens)
+    fail("context = " + std::to_string(context) + " exceeds " + std::to_string(kMaxTokens));
+  if (dp % pool != 0)
+    fail("pool_size (P=" + std::to_string(pool) + ") must divide dp (D=" + std::to_string(dp) + ")");
+}
+
+void PlanOptions::validate(const Layout&) const {
+  if (block < 0) fail("block must be positive (or 0 for context / 16), got " + std::to_string(block));
+  if (head_group < 0) fail("head_group must be >= 0 (0 = all heads of the slice)");
+  if (!(epsilon >= 0)) fail("epsilon must be >= 0");
+  if (!(max_tile_share >= 0)) fail("max_tile_share must be >= 0 (0 = never split)");
+  if (max_refine_moves < 0) fail("max_refine_moves must be >= 0");
+  if (!(distca_tolerance >= 0)) fail("distca_tolerance must be >= 0");
+  require_positive(dtype_bytes, "dtype_bytes");
+  if (wlb_outlier_len < 0) fail("wlb_outlier_len must be >= 0");
+  if (wlb_max_delay < 0) fail("wlb_max_delay must be >= 0");
+  if (wlb_release_count < 0) fail("wlb_release_count must be >= 0");
+}
+
+std::vector<i64> PlannerState::serialize() const {
+  std::vector<i64> out{1, next_doc_id, steps, static_cast<i64>(queue.size()),
+                       static_cast<i64>(spill.size())};
+  for (const auto* list : {&queue, &spill})
+    for (const Doc& d : *list) out.insert(out.end(), {d.id, d.len, d.age});
+  return out;
+}
+
+PlannerState PlannerState::deserialize(const std::vector<i64>& flat) {
+  if (flat.size() < 5 || flat[0] != 1) fail("planner state: unknown format (version field)");
+  PlannerState st;
+  st.next_doc_id = flat[1];
+  st.steps = flat[2];
+  const i64 nq = flat[3], ns = flat[4];
+  if (nq < 0 || ns < 0 || static_cast<i64>(flat.size()) != 5 + 3 * (nq + ns))
+    fail("planner state: length does not match its queue and spill counts");
+  std::size_t k = 5;
+  for (i64 i = 0; i < nq + ns; ++i, k += 3) {
+    const Doc d{flat[k], flat[k + 1], flat[k + 2]};
+    if (d.len <= 0 || d.id < 0 || d.age < 0) fail(field_at("planner state entry", i) + " is invalid");
+    (i < nq ? st.queue : st.spill).push_back(d);
+  }
+  return st;
+}
+
+u64 StepPlan::compute_hash() const {
+  Fnv1a h;
+  for (i64 v : {static_cast<i64>(system), dp, cp, tp, pool, context, slots, exchange_pool,
+                heads_local, kv_heads_local, head_dim, dtype_bytes})
+    h.value(v);
+  for (const auto* v : {&seq_doc_offsets, &doc_lengths, &doc_ids, &seq_replica, &seq_slot,
+                        &tile_seq, &tile_doc, &tile_doc_count, &tile_q_start, &tile_q_len, &tile_head_start,
+                        &tile_head_count, &tile_kv_start, &tile_kv_len, &tile_owner,
+                        &tile_executor, &tile_cp, &tile_pairs, &xchg_q, &xchg_kv, &xchg_o,
+                        &xchg_lse, &send_order, &send_group_offsets, &kv_group, &kv_src, &kv_dst,
+                        &kv_seq, &kv_start, &kv_len, &kv_head})
+    h.vec(*v);
+  for (const auto* v : {&rank_load, &rank_load_before, &group_load, &rank_bytes_sent}) h.vec(*v);
+  return h.digest();
+}
+
+void StepPlan::add_tile(const Tile& t) {
+  tile_seq.push_back(t.seq);
+  tile_doc.push_back(t.doc);
+  tile_doc_count.push_back(t.doc_count);
+  tile_q_start.push_back(t.q_start);
+  tile_q_len.push_back(t.q_len);
+  tile_head_start.push_back(t.head_start);
+  tile_head_count.push_back(t.head_count);
+  tile_kv_start.push_back(t.kv_start);
+  tile_kv_len.push_back(t.kv_len);
+  tile_owner.push_back(t.owner);
+  tile_executor.push_back(t.executor);
+  tile_cp.push_back(t.cp);
+  tile_pairs.push_back(t.pairs);
+}
+
+namespace {
+
+double max_over_mean_of(const std::vector<double>& v) {
+  if (v.empty()) return 1.0;
+  const double mean = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+  return mean > 0 ? *std::max_element(v.begin(), v.end()) / mean : 1.0;
+}
+
+std::vector<double> pool_totals(const std::vector<double>& group_load, i64 slots) {
+  std::vector<double> out(group_load.size() / static_cast<std::size_t>(slots), 0.0);
+  for (std::size_t g = 0; g < group_load.size(); ++g) out[g / slots] += group_load[g];
+  return out;
+}
+
+// Attention FLOPs (forward + backward) of each sequence over one rank's head slice.
+std::vector<double> sequence_flops(const StepPlan& p) {
+  std::vector<double> out(static_cast<std::size_t>(p.n_seq()), 0.0);
+  for (i64 s = 0; s < p.n_seq(); ++s)
+    for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
+      out[s] += static_cast<double>(causal_pairs(p.doc_lengths[d]));
+  for (double& f : out) f = attn_fwd_flops(f, p.heads_local, p.head_dim) * (1.0 + kAttnBwdFactor);
+  return out;
+}
+
+std::vector<std::vector<i64>> groups_of(const StepPlan& p, i64 pool) {
+  const i64 G = p.dp / pool * p.slots;
+  std::vector<std::vector<i64>> groups(static_cast<std::size_t>(G),
+                                       std::vector<i64>(static_cast<std::size_t>(pool), -1));
+  for (i64 s = 0; s < p.n_seq(); ++s) {
+    const i64 r = p.seq_replica[s];
+    groups[(r / pool) * p.slots + p.seq_slot[s]][r % pool] = s;
+  }
+  return groups;
+}
+
+void build_exchange(StepPlan& p) {
+  const i64 Px = p.exchange_pool;
+  const i64 G = p.dp / Px * p.slots;
+  const std::size_t cells = static_cast<std::size_t>(G * Px * Px);
+  p.xchg_q.assign(cells, 0);
+  p.xchg_kv.assign(cells, 0);
+  p.xchg_o.assign(cells, 0);
+  p.xchg_lse.assign(cells, 0);
+  const i64 d = p.head_dim;
+  // Moved KV prefixes: (document, kv head, destination) -> longest prefix needed there. The
+  // document fixes the sequence, so also the group and the sender.
+  const i64 kvh = p.kv_heads_local;
+  std::vector<std::pair<i64, i64>> kv;  // (key, kv_len)
+  double moved_tokens = 0, all_tokens = 0;
+  auto cell_of = [&](i64 t) {
+    const i64 o = p.tile_owner[t], e = p.tile_executor[t];
+    const i64 g = (o / Px) * p.slots + p.seq_slot[p.tile_seq[t]];
+    return (g * Px + o % Px) * Px + e % Px;
+  };
+  for (i64 t = 0; t < p.n_tiles(); ++t) {
+    const i64 qh = p.tile_q_len[t] * p.tile_head_count[t];
+    all_tokens += static_cast<double>(qh);
+    const i64 o = p.tile_owner[t], e = p.tile_executor[t];
+    if (o == e) continue;
+    if (o / Px != e / Px) fail("internal: tile " + std::to_string(t) + " leaves its exchange pool");
+    moved_tokens += static_cast<double>(qh);
+    const i64 cell = cell_of(t);
+    const i64 g = cell / (Px * Px), src = (cell / Px) % Px, dst = cell % Px;
+    p.xchg_q[cell] += qh * d;
+    p.xchg_o[(g * Px + dst) * Px + src] += qh * d;
+    p.xchg_lse[(g * Px + dst) * Px + src] += qh;
+    const i64 kv0 = kv_head_of(p, p.tile_head_start[t]);
+    const i64 kv1 = kv_head_of(p, p.tile_head_start[t] + p.tile_head_count[t] - 1);
+    for (i64 kh = kv0; kh <= kv1; ++kh)
+      kv.push_back({(p.tile_doc[t] * kvh + kh) * Px + dst, p.tile_kv_len[t]});
+  }
+  std::sort(kv.begin(), kv.end());
+  // Keep the longest prefix per key, then order the entries by exchange cell (stable).
+  std::vector<std::pair<i64, i64>> uniq;
+  for (std::size_t i = 0; i < kv.size(); ++i)
+    if (i + 1 == kv.size() || kv[i + 1].first != kv[i].first) uniq.push_back(kv[i]);
+  std::vector<i64> doc_seq(p.doc_lengths.size()), doc_start(p.doc_lengths.size());
+  for (i64 s = 0; s < p.n_seq(); ++s) {
+    i64 off = 0;
+    for (i64 j = p.seq_doc_offsets[s]; j < p.seq_doc_offsets[s + 1]; ++j) {
+      doc_seq[j] = s;
+      doc_start[j] = off;
+      off += p.doc_lengths[j];
+    }
+  }
+  auto kv_cell = [&](const std::pair<i64, i64>& e) {
+    const i64 doc = e.first / (kvh * Px), dst = e.first % Px;
+    const i64 s = doc_seq[doc], o = p.seq_replica[s];
+    return ((o / Px) * p.slots + p.seq_slot[s]) * Px * Px + (o % Px) * Px + dst;
+  };
+  const std::size_t cells_n = cells;
+  std::vector<i64> fill(cells_n + 1, 0);
+  for (const auto& e : uniq) ++fill[kv_cell(e) + 1];
+  for (std::size_t c = 0; c < cells_n; ++c) fill[c + 1] += fill[c];
+  const std::size_t nk = uniq.size();
+  for (auto* v : {&p.kv_group, &p.kv_src, &p.kv_dst, &p.kv_seq, &p.kv_start, &p.kv_len, &p.kv_head})
+    v->assign(nk, 0);
+  for (const auto& e : uniq) {
+    const i64 cell = kv_cell(e);
+    const std::size_t i = static_cast<std::size_t>(fill[cell]++);
+    const i64 doc = e.first / (kvh * Px);
+    p.kv_group[i] = cell / (Px * Px);
+    p.kv_src[i] = (cell / Px) % Px;
+    p.kv_dst[i] = cell % Px;
+    p.kv_seq[i] = doc_seq[doc];
+    p.kv_start[i] = doc_start[doc];
+    p.kv_head[i] = (e.first / Px) % kvh;
+    p.kv_len[i] = e.second;
+    p.xchg_kv[cell] += 2 * e.second * d;
+  }
+  // Send order: tiles by (group, owner member, executor member), tile index inside (counting sort).
+  std::vector<i64> start(cells_n + 1, 0);
+  for (i64 t = 0; t < p.n_tiles(); ++t) ++start[cell_of(t) + 1];
+  for (std::size_t c = 0; c < cells_n; ++c) start[c + 1] += start[c];
+  p.send_group_offsets.assign(static_cast<std::size_t>(G + 1), 0);
+  for (i64 g = 0; g <= G; ++g) p.send_group_offsets[g] = start[g * Px * Px];
+  p.send_order.assign(static_cast<std::size_t>(p.n_tiles()), 0);
+  for (i64 t = 0; t < p.n_tiles(); ++t) p.send_order[start[cell_of(t)]++] = t;
+  p.moved_token_fraction = all_tokens > 0 ? moved_tokens / all_tokens : 0.0;
+
+  // Bytes each rank sends, forward + backward: as owner Q, KV (fwd) and dO (bwd); as executor
+  // O, LSE (fwd) and dQ, dKV (bwd). Identical for every cp rank of a replica (own head slice).
+  p.rank_bytes_sent.assign(static_cast<std::size_t>(p.dp * p.cp), 0.0);
+  const double eb = static_cast<double>(p.dtype_bytes);
+  for (i64 g = 0; g < G; ++g)
+    for (i64 a = 0; a < Px; ++a) {
+      double sent = 0;
+      for (i64 b = 0; b < Px; ++b) {
+        const i64 ab = (g * Px + a) * Px + b, ba = (g * Px + b) * Px + a;
+        sent += eb * static_cast<double>(p.xchg_q[ab] + p.xchg_kv[ab] + p.xchg_o[ab] +
+                                         p.xchg_o[ba] + p.xchg_q[ba] + p.xchg_kv[ba]) +
+                4.0 * static_cast<double>(p.xchg_lse[ab]);
+      }
+      const i64 r = (g / p.slots) * Px + a;
+      for (i64 c = 0; c < p.cp; ++c) p.rank_bytes_sent[r * p.cp + c] += sent;
+    }
+  p.total_bytes = std::accumulate(p.rank_bytes_sent.begin(), p.rank_bytes_sent.end(), 0.0);
+}
+
+void compute_metrics(StepPlan& p, const std::vector<std::vector<i64>>& input) {
+  const i64 C = p.cp, m = p.slots, P = p.pool;
+  p.rank_load.assign(static_cast<std::size_t>(p.dp * C), 0.0);
+  p.group_load.assign(static_cast<std::size_t>(p.dp / P * m), 0.0);
+  const double bwd = 1.0 + kAttnBwdFactor;
+  for (i64 t = 0; t < p.n_tiles(); ++t) {
+    const double f =
+        attn_fwd_flops(static_cast<double>(p.tile_pairs[t]), p.tile_head_count[t], p.head_dim) * bwd;
+    const i64 e = p.tile_executor[t];
+    const i64 g = (e / P) * m + p.seq_slot[p.tile_seq[t]];
+    if (p.tile_cp[t] < 0) {
+      for (i64 c = 0; c < C; ++c) p.rank_load[e * C + c] += f;
+      p.group_load[g] += f * static_cast<double>(C);
+    } else {
+      p.rank_load[e * C + p.tile_cp[t]] += f;
+      p.group_load[g] += f;
+    }
+  }
+  // Before: the input in Megatron's production order under Ulysses (no balancing, no moves).
+  p.rank_load_before.assign(static_cast<std::size_t>(p.dp * C), 0.0);
+  std::vector<double> group_before(p.group_load.size(), 0.0);
+  for (std::size_t s = 0; s < input.size(); ++s) {
+    double pairs = 0;
+    for (i64 l : input[s]) pairs += static_cast<double>(causal_pairs(l));
+    const double f = attn_fwd_flops(pairs, p.heads_local, p.head_dim) * bwd;
+    const i64 r = static_cast<i64>(s) / m, slot = static_cast<i64>(s) % m;
+    for (i64 c = 0; c < C; ++c) p.rank_load_before[r * C + c] += f;
+    group_before[(r / P) * m + slot] += f * static_cast<double>(C);
+  }
+  p.max_over_mean = max_over_mean_of(p.rank_load);
+  p.max_over_mean_before = max_over_mean_of(p.rank_load_before);
+  p.inter_pool_imbalance = max_over_mean_of(p.group_load) - 1.0;
+  p.inter_pool_imbalance_before = max_over_mean_of(group_before) - 1.0;
+  p.pool_total_imbalance = max_over_mean_of(pool_totals(p.group_load, m)) - 1.0;
+  p.pool_total_imbalance_before = max_over_mean_of(pool_totals(group_before, m)) - 1.0;
+}
+
+void check_heads(const ModelDims& model, const Layout& layout, System system) {
+  const i64 ct = layout.cp * layout.tp;
+  if (model.heads % ct != 0)
+    fail("model.heads (h=" + std::to_string(model.heads) + ") must be divisible by cp*tp (" +
+         std::to_string(ct) + ")");
+  const i64 g = model.heads / model.kv_heads;
+  const i64 slice = system == System::Wlb ? model.heads / layout.tp : model.heads / ct;
+  if (slice % g != 0 && g % slice != 0)
+    fail("model.kv_heads (" + std::to_string(model.kv_heads) + "): the " + std::to_string(slice) +
+         " query heads of a rank's slice must hold whole KV-head groups of " + std::to_string(g) +
+         " or lie inside one");
+}
+
+}  // namespace
+
+StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout& layout,
+                   const ModelDims& model, const PlanOptions& options, PlannerState* state,
+                   bool flush) {
+  const auto t0 = std::chrono::steady_clock::now();
+  layout.validate();
+  model.validate();
+  options.validate(layout);
+  check_heads(model, layout, options.system);
+  const i64 B = static_cast<i64>(sequences.size());
+  if (B == 0) fail("sequences is empty: a step needs at least dp packed sequences");
+  if (B % layout.dp != 0)
+    fail("gbs (B=" + std::to_string(B) + ") must be divisible by dp (D=" +
+         std::to_string(layout.dp) + ")");
+  validate_sequences(sequences, layout.context);
+  if (options.system == System::Wlb && state == nullptr)
+    fail("state: the wlb system carries a delay queue and needs a PlannerState");
+
+  StepPlan p;
+  p.system = options.system;
+  p.dp = layout.dp; p.cp = layout.cp; p.tp = layout.tp; p.pool = layout.pool;
+  p.context = layout.context; p.slots = B / layout.dp;
+  p.heads_local = model.heads / (layout.cp * layout.tp);
+  const i64 g = model.heads / model.kv_heads;
+  p.kv_heads_local = std::max<i64>(1, p.heads_local / g);
+  p.head_dim = model.head_dim;
+  p.dtype_bytes = options.dtype_bytes;
+
+  PlanOptions opt = options;
+  if (opt.block == 0) opt.block = std::max<i64>(1024, layout.context / 16);
+  {
+    // Refuse plans whose tile count would exhaust memory rather than failing mid-way.
+    const i64 hl = model.heads / (layout.cp * layout.tp);
+    const i64 hg = opt.head_group > 0 ? std::min(opt.head_group, hl) : hl;
+    double est = 0;
+    for (const auto& seq : sequences) {
+      i64 tokens = 0;
+      for (i64 l : seq) tokens += l;
+      est += static_cast<double>(tokens / opt.block + static_cast<i64>(seq.size()) + 1);
+    }
+    est *= static_cast<double>((hl + hg - 1) / hg);
+    if (est > static_cast<double>(i64(1) << 26))
+      fail("block (" + std::to_string(opt.block) + ") and head_group (" + std::to_string(hg) +
+           ") would cut this step into about " + std::to_string(static_cast<i64>(est)) +
+           " tiles; raise block or head_group");
+  }
+  VrspPlacement placement;
+  if (options.system == System::Wlb) {
+    wlb_pack(p, sequences, opt, *state, flush);
+    placement = production_place(sequence_flops(p), p.dp, p.pool, p.slots);
+    wlb_tiles(p);
+  } else {
+    p.seq_doc_offsets.assign(1, 0);
+    for (const auto& seq : sequences) {
+      p.doc_lengths.insert(p.doc_lengths.end(), seq.begin(), seq.end());
+      p.seq_doc_offsets.push_back(static_cast<i64>(p.doc_lengths.size()));
+    }
+    p.doc_ids.resize(p.doc_lengths.size());
+    std::iota(p.doc_ids.begin(), p.doc_ids.end(), i64{0});
+    const std::vector<double> loads = sequence_flops(p);
+    const bool vrsp = options.system == System::Libra && options.vrsp;
+    placement = vrsp ? vrsp_place(loads, p.dp, p.pool, p.slots)
+                     : production_place(loads, p.dp, p.pool, p.slots);
+    p.seq_replica = placement.replica;
+    p.seq_slot = placement.slot;
+    if (options.system == System::Libra && options.tap) {
+      p.exchange_pool = p.pool;
+      tap_place(p, opt, groups_of(p, p.pool));
+    } else if (options.system == System::Distca) {
+      p.exchange_pool = p.dp;
+      distca_place(p, opt, groups_of(p, p.dp));
+    } else {
+      owner_tiles(p, opt.block);
+    }
+  }
+  p.vrsp_max_group = placement.max_group;
+  p.vrsp_lower_bound = placement.lower_bound;
+  build_exchange(p);
+  compute_metrics(p, sequences);
+  p.hash = p.compute_hash();
+  p.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return p;
+}
+
+}  // namespace libra

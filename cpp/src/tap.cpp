@@ -1,0 +1,419 @@
+#include "libra/tap.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "libra/workload.h"
+
+namespace libra {
+
+i64 kv_head_of(const StepPlan& plan, i64 local_head) {
+  return local_head / (plan.heads_local / plan.kv_heads_local);
+}
+
+namespace {
+
+void push_tile(StepPlan& p, i64 seq, i64 doc, i64 doc_off, i64 a, i64 b, i64 h0, i64 hc, i64 owner,
+               i64 executor) {
+  p.add_tile({seq, doc, 1, doc_off + a, b - a, h0, hc, doc_off, b, owner, executor, -1,
+              block_pairs(a, b)});
+}
+
+// Cut sequence s into SH-tiles: documents of at least `block` tokens into query blocks of `block`
+// rows against their causal prefix; runs of shorter consecutive documents coalesced into tiles of
+// at most `block` tokens; every tile split into head groups of `head_group` heads. A single-
+// document tile whose load (pairs x heads) exceeds `max_load` (> 0) is split further, heads in
+// halves first, then rows at the midpoint of work, down to kMinSplitRows rows. Calls emit(tile)
+// for each, executor = owner.
+constexpr i64 kMinSplitRows = 128;
+
+template <typename Emit>
+void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, Emit& emit) {
+  const double load = static_cast<double>(t.pairs) * static_cast<double>(t.head_count);
+  if (max_load <= 0 || load <= max_load || (t.head_count == 1 && t.q_len < 2 * kMinSplitRows)) {
+    emit(t);
+    return;
+  }
+  if (t.head_count > 1) {
+    StepPlan::Tile lo = t, hi = t;
+    lo.head_count = t.head_count / 2;
+    hi.head_start = t.head_start + lo.head_count;
+    hi.head_count = t.head_count - lo.head_count;
+    split_tile(lo, doc_off, max_load, emit);
+    split_tile(hi, doc_off, max_load, emit);
+    return;
+  }
+  const i64 a = t.q_start - doc_off, b = a + t.q_len;
+  // c with pairs(a, c) ~ pairs(c, b): c(c+1) ~ (a(a+1) + b(b+1)) / 2.
+  const double mid = std::sqrt((static_cast<double>(a) * (a + 1) + static_cast<double>(b) * (b + 1)) / 2.0);
+  const i64 c = std::min(b - kMinSplitRows, std::max(a + kMinSplitRows, static_cast<i64>(mid)));
+  StepPlan::Tile lo = t, hi = t;
+  lo.q_len = c - a;
+  lo.kv_len = c;
+  lo.pairs = block_pairs(a, c);
+  hi.q_start = doc_off + c;
+  hi.q_len = b - c;
+  hi.pairs = block_pairs(c, b);
+  split_tile(lo, doc_off, max_load, emit);
+  split_tile(hi, doc_off, max_load, emit);
+}
+
+template <typename Emit>
+void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double max_load,
+                    Emit&& emit) {
+  const i64 owner = p.seq_replica[s];
+  auto heads = [&](StepPlan::Tile t, i64 doc_off) {
+    for (i64 h0 = 0; h0 < p.heads_local; h0 += head_group) {
+      t.head_start = h0;
+      t.head_count = std::min(head_group, p.heads_local - h0);
+      if (t.doc_count == 1) {
+        split_tile(t, doc_off, max_load, emit);
+      } else {
+        emit(t);
+      }
+    }
+  };
+  i64 run_doc = -1, run_count = 0, run_start = 0, run_len = 0, run_pairs = 0;
+  auto flush_run = [&]() {
+    if (run_count > 0)
+      heads({s, run_doc, run_count, run_start, run_len, 0, 0, run_start, run_len, owner, owner, -1,
+             run_pairs}, run_start);
+    run_count = 0;
+  };
+  i64 off = 0;
+  for (i64 doc = p.seq_doc_offsets[s]; doc < p.seq_doc_offsets[s + 1]; ++doc) {
+    const i64 l = p.doc_lengths[doc];
+    if (l >= block) {
+      flush_run();
+      for (i64 a = 0; a < l; a += block) {
+        const i64 b = std::min(l, a + block);
+        heads({s, doc, 1, off + a, b - a, 0, 0, off, b, owner, owner, -1, block_pairs(a, b)}, off);
+      }
+    } else {
+      if (run_count > 0 && run_len + l > block) flush_run();
+      if (run_count == 0) {
+        run_doc = doc;
+        run_start = off;
+        run_len = 0;
+        run_pairs = 0;
+      }
+      ++run_count;
+      run_len += l;
+      run_pairs += causal_pairs(l);
+    }
+    off += l;
+  }
+  flush_run();
+}
+
+// KV residency of one group: resident[member][local doc * kv_heads + kv head] = prefix length
+// already on that member (the owner holds every prefix of its own documents).
+struct Residency {
+  i64 kv_heads;
+  std::vector<std::vector<i64>> have;
+  Residency(i64 members, i64 docs, i64 kvh)
+      : kv_heads(kvh), have(static_cast<std::size_t>(members),
+                            std::vector<i64>(static_cast<std::size_t>(docs * kvh), 0)) {}
+};
+
+struct GroupTiles {
+  std::vector<i64> index;      // plan tile index
+  std::vector<i64> owner;      // member index
+  std::vector<i64> local_doc;  // document index inside the group
+  std::vector<double> load;    // pairs * heads
+};
+
+class Placer {
+ public:
+  Placer(StepPlan& plan, const TileBytes& bytes, const GroupTiles& gt, i64 members, i64 n_docs)
+      : plan_(plan), bytes_(bytes), gt_(gt), res_(members, n_docs, plan.kv_heads_local),
+        load_(static_cast<std::size_t>(members), 0.0),
+        exec_(gt.index.size(), -1) {}
+
+  // Bytes that executing local tile k on member j adds, given what is resident there.
+  i64 increment(std::size_t k, i64 j) const {
+    if (gt_.owner[k] == j) return 0;
+    const i64 t = gt_.index[k];
+    i64 inc = bytes_.qo_bytes(plan_.tile_q_len[t], plan_.tile_head_count[t]);
+    const i64 kv0 = kv_head_of(plan_, plan_.tile_head_start[t]);
+    const i64 kv1 = kv_head_of(plan_, plan_.tile_head_start[t] + plan_.tile_head_count[t] - 1);
+    const auto& have = res_.have[j];
+    for (i64 kh = kv0; kh <= kv1; ++kh) {
+      const i64 r = have[gt_.local_doc[k] * res_.kv_heads + kh];
+      if (plan_.tile_kv_len[t] > r) inc += bytes_.kv_bytes(plan_.tile_kv_len[t] - r);
+    }
+    return inc;
+  }
+
+  void assign(std::size_t k, i64 j) {
+    if (exec_[k] >= 0) load_[exec_[k]] -= gt_.load[k];
+    exec_[k] = j;
+    load_[j] += gt_.load[k];
+    if (gt_.owner[k] == j) return;
+    const i64 t = gt_.index[k];
+    const i64 kv0 = kv_head_of(plan_, plan_.tile_head_start[t]);
+    const i64 kv1 = kv_head_of(plan_, plan_.tile_head_start[t] + plan_.tile_head_count[t] - 1);
+    for (i64 kh = kv0; kh <= kv1; ++kh) {
+      i64& r = res_.have[j][gt_.local_doc[k] * res_.kv_heads + kh];
+      r = std::max(r, plan_.tile_kv_len[t]);
+    }
+  }
+
+  std::vector<double>& load() { return load_; }
+  std::vector<i64>& exec() { return exec_; }
+
+ private:
+  StepPlan& plan_;
+  TileBytes bytes_;
+  const GroupTiles& gt_;
+  Residency res_;
+  std::vector<double> load_;
+  std::vector<i64> exec_;
+};
+
+GroupTiles make_group_tiles(StepPlan& plan, const std::vector<i64>& members, i64 block,
+                            i64 head_group, double max_tile_share, i64& n_docs) {
+  GroupTiles gt;
+  n_docs = 0;
+  double total = 0;  // the group's load, to size the largest tile against the member mean
+  for (i64 s : members)
+    for (i64 doc = plan.seq_doc_offsets[s]; doc < plan.seq_doc_offsets[s + 1]; ++doc)
+      total += static_cast<double>(causal_pairs(plan.doc_lengths[doc])) *
+               static_cast<double>(plan.heads_local);
+  const double max_load = max_tile_share * total / static_cast<double>(members.size());
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    const i64 first_doc = plan.seq_doc_offsets[members[i]];
+    sequence_tiles(plan, members[i], block, head_group, max_load, [&](const StepPlan::Tile& t) {
+      gt.index.push_back(plan.n_tiles());
+      gt.owner.push_back(static_cast<i64>(i));
+      gt.local_doc.push_back(n_docs + t.doc - first_doc);
+      gt.load.push_back(static_cast<double>(t.pairs) * static_cast<double>(t.head_count));
+      plan.add_tile(t);
+    });
+    n_docs += plan.seq_doc_offsets[members[i] + 1] - first_doc;
+  }
+  return gt;
+}
+
+}  // namespace
+
+void owner_tiles(StepPlan& plan, i64 block) {
+  for (i64 s = 0; s < plan.n_seq(); ++s)
+    sequence_tiles(plan, s, block, plan.heads_local, 0.0,
+                   [&](const StepPlan::Tile& t) { plan.add_tile(t); });
+}
+
+void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups) {
+  const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
+  const i64 head_group = opt.head_group > 0 ? std::min(opt.head_group, plan.heads_local)
+                                            : plan.heads_local;
+  for (const auto& members : groups) {
+    const i64 P = static_cast<i64>(members.size());
+    i64 n_docs = 0;
+    const GroupTiles gt =
+        make_group_tiles(plan, members, opt.block, head_group, opt.max_tile_share, n_docs);
+    const std::size_t n = gt.index.size();
+    if (n == 0) continue;
+    const double total = std::accumulate(gt.load.begin(), gt.load.end(), 0.0);
+    const double cap = (1.0 + opt.epsilon) * total / static_cast<double>(P);
+    Placer placer(plan, bytes, gt, P, n_docs);
+    auto& load = placer.load();
+    // Pass 1: owners keep their own tiles while under the soft cap, least work per byte first
+    // (early query blocks and short documents stay; late blocks of long documents, the cheapest
+    // work to ship, are the ones left over).
+    std::vector<double> per_byte(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      const i64 t = gt.index[k];
+      const i64 kvh = kv_head_of(plan, plan.tile_head_start[t] + plan.tile_head_count[t] - 1) -
+                      kv_head_of(plan, plan.tile_head_start[t]) + 1;
+      per_byte[k] = gt.load[k] / static_cast<double>(
+                                     bytes.qo_bytes(plan.tile_q_len[t], plan.tile_head_count[t]) +
+                                     kvh * bytes.kv_bytes(plan.tile_kv_len[t]));
+    }
+    std::vector<std::size_t> order(n);
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return per_byte[a] != per_byte[b] ? per_byte[a] < per_byte[b] : a < b;
+    });
+    std::vector<std::size_t> rest;
+    for (std::size_t k : order) {
+      if (load[gt.owner[k]] + gt.load[k] <= cap) {
+        placer.assign(k, gt.owner[k]);
+      } else {
+        rest.push_back(k);
+      }
+    }
+    // Pass 2, heaviest first: among members that stay under the cap, the smallest byte increment
+    // (KV prefixes already shipped there are not sent twice), then the lightest; if none stays
+    // under, the lightest member.
+    std::sort(rest.begin(), rest.end(), [&](std::size_t a, std::size_t b) {
+      return gt.load[a] != gt.load[b] ? gt.load[a] > gt.load[b] : a < b;
+    });
+    for (std::size_t k : rest) {
+      const double w = gt.load[k];
+      i64 best = -1;
+      i64 best_inc = 0;
+      for (i64 j = 0; j < P; ++j) {
+        if (load[j] + w > cap) continue;
+        const i64 inc = placer.increment(k, j);
+        if (best < 0 || inc < best_inc || (inc == best_inc && load[j] < load[best])) {
+          best = j;
+          best_inc = inc;
+        }
+      }
+      if (best < 0) {
+        for (i64 j = 0; j < P; ++j) {
+          if (best < 0 || load[j] < load[best]) {
+            best = j;
+            best_inc = placer.increment(k, j);
+          } else if (load[j] == load[best]) {
+            const i64 inc = placer.increment(k, j);
+            if (inc < best_inc) {
+              best = j;
+              best_inc = inc;
+            }
+          }
+        }
+      }
+      placer.assign(k, best);
+    }
+    // Refinement: move one tile from the most loaded member to the least loaded one while that
+    // lowers the pair's maximum; among such tiles the lowest new maximum, then fewest bytes.
+    if (opt.refine && P > 1) {
+      const i64 limit = opt.max_refine_moves > 0 ? opt.max_refine_moves : 64 * P;
+      auto& exec = placer.exec();
+      std::vector<std::vector<std::size_t>> on(static_cast<std::size_t>(P));
+      for (std::size_t k = 0; k < n; ++k) on[exec[k]].push_back(k);  // ascending tile order
+      for (i64 moves = 0; moves < limit; ++moves) {
+        const i64 hi = std::max_element(load.begin(), load.end()) - load.begin();
+        const i64 lo = std::min_element(load.begin(), load.end()) - load.begin();
+        if (hi == lo) break;
+        std::size_t pick = n, pick_pos = 0;
+        double pick_max = 0.0;
+        i64 pick_inc = 0;
+        for (std::size_t pos = 0; pos < on[hi].size(); ++pos) {
+          const std::size_t k = on[hi][pos];
+          const double w = gt.load[k];
+          const double new_max = std::max(load[hi] - w, load[lo] + w);
+          if (!(new_max < load[hi])) continue;
+          const i64 inc = placer.increment(k, lo);
+          if (pick == n || new_max < pick_max || (new_max == pick_max && inc < pick_inc)) {
+            pick = k;
+            pick_pos = pos;
+            pick_max = new_max;
+            pick_inc = inc;
+          }
+        }
+        if (pick == n) break;
+        placer.assign(pick, lo);
+        on[hi].erase(on[hi].begin() + static_cast<std::ptrdiff_t>(pick_pos));
+        on[lo].insert(std::upper_bound(on[lo].begin(), on[lo].end(), pick), pick);
+      }
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+      const i64 t = gt.index[k];
+      plan.tile_executor[t] = plan.seq_replica[members[placer.exec()[k]]];
+    }
+  }
+}
+
+void distca_place(StepPlan& plan, const PlanOptions& opt,
+                  const std::vector<std::vector<i64>>& groups) {
+  const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
+  const double hl = static_cast<double>(plan.heads_local);
+  for (const auto& members : groups) {
+    const i64 P = static_cast<i64>(members.size());
+    // Shards: one per document to start with; split on demand.
+    struct Shard {
+      i64 seq, doc, off, a, b, owner;  // owner: member index
+      i64 exec;
+    };
+    std::vector<Shard> shards;
+    std::vector<double> load(static_cast<std::size_t>(P), 0.0);
+    for (i64 i = 0; i < P; ++i) {
+      const i64 s = members[i];
+      i64 off = 0;
+      for (i64 doc = plan.seq_doc_offsets[s]; doc < plan.seq_doc_offsets[s + 1]; ++doc) {
+        const i64 l = plan.doc_lengths[doc];
+        shards.push_back({s, doc, off, 0, l, i, i});
+        load[i] += static_cast<double>(causal_pairs(l)) * hl;
+        off += l;
+      }
+    }
+    const double mean = std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(P);
+    // Residency of KV prefixes shipped to each member: key (document, member) -> longest prefix.
+    std::vector<std::vector<i64>> resident(static_cast<std::size_t>(P));
+    const i64 n_doc_total = static_cast<i64>(plan.doc_lengths.size());
+    auto kv_have = [&](i64 member, i64 doc) -> i64& {
+      auto& v = resident[member];
+      if (v.empty()) v.assign(static_cast<std::size_t>(n_doc_total), 0);
+      return v[doc];
+    };
+    auto shard_bytes = [&](const Shard& sh, i64 dst) -> i64 {
+      if (dst == sh.owner) return 0;
+      const i64 kv_have_len = kv_have(dst, sh.doc);
+      const i64 kv_missing = std::max<i64>(0, sh.b - kv_have_len);
+      return bytes.qo_bytes(sh.b - sh.a, plan.heads_local) +
+             bytes.kv_bytes(kv_missing) * plan.kv_heads_local;
+    };
+    const i64 limit = 8 * P + 4 * static_cast<i64>(shards.size());
+    for (i64 it = 0; it < limit && mean > 0; ++it) {
+      const i64 lo = std::min_element(load.begin(), load.end()) - load.begin();
+      const double need = mean - load[lo];
+      if (need <= opt.distca_tolerance * mean) break;
+      // Candidate: highest work per byte among shards on members above the mean.
+      std::size_t pick = shards.size();
+      double pick_e = -1.0;
+      for (std::size_t k = 0; k < shards.size(); ++k) {
+        const Shard& sh = shards[k];
+        if (load[sh.exec] <= mean || sh.exec == lo) continue;
+        const double f = static_cast<double>(block_pairs(sh.a, sh.b)) * hl;
+        const i64 v = shard_bytes(sh, lo);
+        const double e = v == 0 ? 1e300 : f / static_cast<double>(v);
+        if (e > pick_e) {
+          pick = k;
+          pick_e = e;
+        }
+      }
+      if (pick == shards.size()) break;
+      Shard sh = shards[pick];
+      const double f = static_cast<double>(block_pairs(sh.a, sh.b)) * hl;
+      const double amount = std::min({need, load[sh.exec] - mean, f});
+      i64 cut = sh.a;  // move rows [cut, b)
+      if (amount < f) {
+        // Smallest cut with pairs(cut, b) * hl <= amount: cut(cut+1) >= b(b+1) - 2*amount/hl.
+        const double x = static_cast<double>(sh.b) * static_cast<double>(sh.b + 1) - 2.0 * amount / hl;
+        i64 c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
+        c = std::max(c, sh.a);
+        while (c < sh.b && static_cast<double>(block_pairs(c, sh.b)) * hl > amount) ++c;
+        while (c > sh.a && static_cast<double>(block_pairs(c - 1, sh.b)) * hl <= amount) --c;
+        if (c >= sh.b) break;  // not even one row fits the need: within the model's resolution
+        cut = c;
+      }
+      const double moved = static_cast<double>(block_pairs(cut, sh.b)) * hl;
+      const i64 from = sh.exec;
+      load[from] -= moved;
+      load[lo] += moved;
+      i64& have = kv_have(lo, sh.doc);
+      if (lo != sh.owner) have = std::max(have, sh.b);
+      if (cut == sh.a) {
+        shards[pick].exec = lo;
+      } else {
+        shards[pick].b = cut;
+        Shard tail = sh;
+        tail.a = cut;
+        tail.exec = lo;
+        shards.push_back(tail);
+      }
+    }
+    std::stable_sort(shards.begin(), shards.end(), [](const Shard& x, const Shard& y) {
+      return x.seq != y.seq ? x.seq < y.seq : (x.doc != y.doc ? x.doc < y.doc : x.a < y.a);
+    });
+    for (const Shard& sh : shards)
+      push_tile(plan, sh.seq, sh.doc, sh.off, sh.a, sh.b, 0, plan.heads_local,
+                plan.seq_replica[members[sh.owner]], plan.seq_replica[members[sh.exec]]);
+  }
+}
+
+}  // namespace libra

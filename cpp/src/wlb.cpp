@@ -1,0 +1,116 @@
+#include "libra/wlb.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "libra/workload.h"
+
+namespace libra {
+
+void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
+              const PlanOptions& opt, PlannerState& state, bool flush) {
+  using Doc = PlannerState::Doc;
+  const i64 n_buckets = plan.dp * plan.slots;
+  const i64 S = plan.context;
+  const i64 threshold = opt.wlb_outlier_len > 0 ? opt.wlb_outlier_len : std::max<i64>(1, S / 4);
+  const i64 release_count = opt.wlb_release_count > 0 ? opt.wlb_release_count : plan.dp;
+
+  std::vector<Doc> regular;
+  for (const auto& seq : sequences)
+    for (i64 len : seq) {
+      const Doc doc{state.next_doc_id++, len, 0};
+      if (len >= threshold) {
+        state.queue.push_back(doc);
+      } else {
+        regular.push_back(doc);
+      }
+    }
+
+  // Outlier levels: floor(log2(len / threshold)). A level is released once it holds
+  // release_count documents; any document that waited wlb_max_delay steps is released too.
+  std::map<i64, i64> level_count;
+  auto level_of = [&](i64 len) {
+    i64 lvl = 0;
+    for (i64 t = threshold; t * 2 <= len; t *= 2) ++lvl;
+    return lvl;
+  };
+  for (const Doc& d : state.queue) ++level_count[level_of(d.len)];
+  std::vector<Doc> candidates = std::move(state.spill);
+  state.spill.clear();
+  std::vector<Doc> kept;
+  for (const Doc& d : state.queue) {
+    if (flush || d.age >= opt.wlb_max_delay || level_count[level_of(d.len)] >= release_count) {
+      candidates.push_back(d);
+    } else {
+      kept.push_back(d);
+    }
+  }
+  state.queue = std::move(kept);
+  candidates.insert(candidates.end(), regular.begin(), regular.end());
+
+  // Workload-aware packing: heaviest document first, into the bucket with the least attention
+  // work that still has token room; documents that fit nowhere wait for the next step.
+  std::stable_sort(candidates.begin(), candidates.end(), [](const Doc& a, const Doc& b) {
+    return a.len != b.len ? a.len > b.len : a.id < b.id;
+  });
+  std::vector<std::vector<Doc>> buckets(static_cast<std::size_t>(n_buckets));
+  std::vector<i64> tokens(static_cast<std::size_t>(n_buckets), 0);
+  std::vector<double> work(static_cast<std::size_t>(n_buckets), 0.0);
+  for (const Doc& d : candidates) {
+    i64 best = -1;
+    for (i64 b = 0; b < n_buckets; ++b) {
+      if (tokens[b] + d.len > S) continue;
+      if (best < 0 || work[b] < work[best]) best = b;
+    }
+    if (best < 0) {
+      state.spill.push_back({d.id, d.len, d.age + 1});
+      continue;
+    }
+    buckets[best].push_back(d);
+    tokens[best] += d.len;
+    work[best] += static_cast<double>(causal_pairs(d.len));
+  }
+  for (Doc& d : state.queue) ++d.age;
+  ++state.steps;
+
+  plan.seq_doc_offsets.assign(1, 0);
+  plan.doc_lengths.clear();
+  plan.doc_ids.clear();
+  plan.seq_replica.clear();
+  plan.seq_slot.clear();
+  for (i64 b = 0; b < n_buckets; ++b) {
+    for (const Doc& d : buckets[b]) {
+      plan.doc_lengths.push_back(d.len);
+      plan.doc_ids.push_back(d.id);
+    }
+    plan.seq_doc_offsets.push_back(static_cast<i64>(plan.doc_lengths.size()));
+    // Round robin over replicas, so the heaviest buckets (filled first) land on distinct replicas.
+    plan.seq_replica.push_back(b % plan.dp);
+    plan.seq_slot.push_back(b / plan.dp);
+  }
+}
+
+void wlb_tiles(StepPlan& plan) {
+  const i64 C = plan.cp;
+  const i64 heads_tp = plan.heads_local * C;
+  for (i64 s = 0; s < plan.n_seq(); ++s) {
+    i64 off = 0;
+    const i64 r = plan.seq_replica[s];
+    for (i64 doc = plan.seq_doc_offsets[s]; doc < plan.seq_doc_offsets[s + 1]; ++doc) {
+      const i64 l = plan.doc_lengths[doc];
+      const i64 chunk = (l + 2 * C - 1) / (2 * C);  // document padded to a multiple of 2C
+      for (i64 c = 0; c < C; ++c) {
+        for (i64 k : {c, 2 * C - 1 - c}) {
+          const i64 a = std::min(l, k * chunk);
+          const i64 b = std::min(l, (k + 1) * chunk);
+          if (a >= b) continue;
+          plan.add_tile({s, doc, 1, off + a, b - a, 0, heads_tp, off, b, r, r, c, block_pairs(a, b)});
+        }
+      }
+      off += l;
+    }
+  }
+}
+
+}  // namespace libra

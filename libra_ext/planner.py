@@ -1,0 +1,240 @@
+"""Python face of the C++ planner: typed options, `plan_step`, and the `StepPlan` it returns.
+
+One call plans one optimizer step (DESIGN.md section 5). Arrays come back as numpy arrays that
+own the C++ buffers (no copy). The call releases the GIL, so the sampler can plan the next step
+from a background thread while the current one trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Sequence
+
+import numpy as np
+
+from libra_ext import _planner as _core
+from libra_ext.workload import ModelConfig
+
+SYSTEMS = ("libra", "ulysses", "wlb", "distca")
+"""Systems the planner serves behind one switch."""
+
+
+@dataclass
+class LayoutConfig:
+    """Parallel layout of a step (Megatron rank order tp-cp-ep-dp-pp)."""
+
+    dp: int
+    """D: data-parallel replicas."""
+    cp: int
+    """C: context-parallel ranks per replica."""
+    pool_size: int
+    """P: replicas per sequence pool; must divide dp."""
+    context: int
+    """S: tokens per packed sequence."""
+    tp: int = 1
+    """T: tensor-parallel ranks."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{f.name} must be an integer, got {v!r}")
+        self.to_core().validate()
+
+    def to_core(self) -> "_core.Layout":
+        out = _core.Layout()
+        out.dp, out.cp, out.tp, out.pool, out.context = (
+            self.dp, self.cp, self.tp, self.pool_size, self.context)
+        return out
+
+
+@dataclass
+class PlannerOptions:
+    """Which system plans the step, and its knobs."""
+
+    system: str = "libra"
+    """One of libra, ulysses, wlb, distca."""
+    block: int = 0
+    """Query tokens per SH-tile; 0 = context / 16 (at least 1024)."""
+    head_group: int = 0
+    """Heads per SH-tile; 0 = all heads of a rank's slice."""
+    epsilon: float = 0.02
+    """TAP soft cap: a member takes tiles up to (1 + epsilon) x the group mean."""
+    max_tile_share: float = 0.05
+    """TAP: tiles heavier than this share of a member's mean load are split (heads, then rows);
+    0 never splits."""
+    vrsp: bool = True
+    """libra: VRSP placement (False: Megatron's production order)."""
+    tap: bool = True
+    """libra: move tiles inside the pool (False: every owner computes its own attention)."""
+    refine: bool = True
+    """libra: refinement pass after the greedy."""
+    distca_tolerance: float = 0.05
+    """distca: stop when every replica is within tolerance x mean of the mean."""
+    dtype_bytes: int = 2
+    """Bytes per Q/K/V/O element (2 for bf16)."""
+    wlb_outlier_len: int = 0
+    """wlb: documents at least this long wait in the delay queue; 0 = context / 4."""
+    wlb_max_delay: int = 4
+    """wlb: most steps an outlier document may wait."""
+    wlb_release_count: int = 0
+    """wlb: an outlier level is released once it holds this many documents; 0 = dp."""
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"system must be one of {', '.join(SYSTEMS)}; got {self.system!r}")
+        self.to_core()
+
+    def to_core(self) -> "_core.PlanOptions":
+        out = _core.PlanOptions()
+        for f in fields(self):
+            v = getattr(self, f.name)
+            expected = type(getattr(out, f.name))
+            if expected is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"{f.name} must be an integer, got {v!r}")
+            if expected is float and not isinstance(v, (int, float)):
+                raise ValueError(f"{f.name} must be a number, got {v!r}")
+            setattr(out, f.name, v)
+        return out
+
+
+_SCALARS = ("dp", "cp", "tp", "pool", "context", "slots", "exchange_pool", "heads_local",
+            "kv_heads_local", "head_dim", "dtype_bytes")
+_METRICS = ("max_over_mean", "max_over_mean_before", "inter_pool_imbalance",
+            "inter_pool_imbalance_before", "pool_total_imbalance", "pool_total_imbalance_before",
+            "vrsp_max_group", "vrsp_lower_bound", "moved_token_fraction", "total_bytes", "plan_ms")
+
+
+class StepPlan:
+    """One step's plan: flat integer arrays plus metrics (see DESIGN.md section 5).
+
+    Attributes mirror the C++ struct: `seq_doc_offsets`, `doc_lengths`, `doc_ids`, `seq_replica`,
+    `seq_slot`, `tile_*`, `xchg_q|kv|o|lse` (shape [groups, P, P], sender x receiver, elements
+    per rank), `send_order`, `send_group_offsets`, `kv_*`, `rank_load` ([D, C]) and the scalar
+    metrics. `hash` is the 64-bit plan hash that ranks compare.
+    """
+
+    def __init__(self, raw: dict):
+        self.system: str = raw.pop("system")
+        self.hash: int = int(raw.pop("hash"))
+        for k in _SCALARS:
+            setattr(self, k, int(raw.pop(k)))
+        for k in _METRICS:
+            setattr(self, k, float(raw.pop(k)))
+        px = self.exchange_pool
+        for k in ("xchg_q", "xchg_kv", "xchg_o", "xchg_lse"):
+            raw[k] = raw[k].reshape(-1, px, px)
+        for k in ("rank_load", "rank_load_before", "rank_bytes_sent"):
+            raw[k] = raw[k].reshape(self.dp, self.cp)
+        for k, v in raw.items():
+            setattr(self, k, v)
+        self._arrays = tuple(raw)
+
+    @property
+    def n_seq(self) -> int:
+        return len(self.seq_replica)
+
+    @property
+    def n_tiles(self) -> int:
+        return len(self.tile_seq)
+
+    @property
+    def vrsp_lower_bound_ratio(self) -> float:
+        """VRSP's max group load over the exact-cardinality lower bound."""
+        return self.vrsp_max_group / self.vrsp_lower_bound if self.vrsp_lower_bound > 0 else 1.0
+
+    def sequences(self) -> list[list[int]]:
+        """Document lengths of every executed packed sequence."""
+        off = self.seq_doc_offsets
+        return [self.doc_lengths[off[s]:off[s + 1]].tolist() for s in range(self.n_seq)]
+
+    def group_of(self, replica: int, slot: int) -> int:
+        """Exchange group of a (replica, slot)."""
+        return (replica // self.exchange_pool) * self.slots + slot
+
+    def metrics(self) -> dict:
+        out = {k: getattr(self, k) for k in _METRICS}
+        out["vrsp_lower_bound_ratio"] = self.vrsp_lower_bound_ratio
+        out["bytes_moved_per_rank"] = float(self.rank_bytes_sent.mean())
+        out["bytes_moved_max_rank"] = float(self.rank_bytes_sent.max())
+        return out
+
+    def rank_slice(self, replica: int, cp_rank: int) -> dict:
+        """What rank (replica, cp_rank) needs of the plan: its sequences, the tiles it owns and
+        executes, and per slot its rows (sends) and columns (receives) of the exchange matrices.
+        Every tp rank of the pair gets the same slice."""
+        if not 0 <= replica < self.dp:
+            raise ValueError(f"replica must be in [0, {self.dp}), got {replica}")
+        if not 0 <= cp_rank < self.cp:
+            raise ValueError(f"cp_rank must be in [0, {self.cp}), got {cp_rank}")
+        mine_cp = (self.tile_cp == -1) | (self.tile_cp == cp_rank)
+        px, member = self.exchange_pool, replica % self.exchange_pool
+        groups = [self.group_of(replica, s) for s in range(self.slots)]
+        out = {
+            "sequences": np.flatnonzero(self.seq_replica == replica),
+            "tiles_owned": np.flatnonzero((self.tile_owner == replica) & mine_cp),
+            "tiles_executed": np.flatnonzero((self.tile_executor == replica) & mine_cp),
+            "groups": np.asarray(groups, dtype=np.int64),
+        }
+        for k in ("xchg_q", "xchg_kv", "xchg_o", "xchg_lse"):
+            m = getattr(self, k)
+            out[k + "_send"] = m[groups, member, :].reshape(self.slots, px)
+            out[k + "_recv"] = m[groups, :, member].reshape(self.slots, px)
+        return out
+
+
+def _sequences_arg(sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    try:
+        return [list(map(int, s)) if isinstance(s, np.ndarray) else list(s) for s in sequences]
+    except TypeError:
+        raise ValueError("sequences must be a list of lists of document lengths") from None
+
+
+def _locate_bad_entry(sequences: list[list]) -> str:
+    for i, seq in enumerate(sequences):
+        if not isinstance(seq, (list, tuple)):
+            return f"sequences[{i}] must be a list of document lengths, got {seq!r}"
+        for j, v in enumerate(seq):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                return f"sequences[{i}][{j}] must be an integer, got {v!r}"
+            if not -(2**63) <= int(v) < 2**63:
+                return f"sequences[{i}][{j}] = {v} is out of range"
+    return "sequences must be a list of lists of integers"
+
+
+class Planner:
+    """Plans steps for one layout, model and system; carries WLB-LLM's queue between steps."""
+
+    def __init__(self, layout: LayoutConfig, model: ModelConfig, options: PlannerOptions):
+        self.layout, self.model, self.options = layout, model, options
+        self._layout, self._model, self._options = layout.to_core(), model.to_core(), options.to_core()
+        self.state = _core.PlannerState()
+
+    def plan(self, sequences: Sequence[Sequence[int]], flush: bool = False) -> StepPlan:
+        seqs = _sequences_arg(sequences)
+        try:
+            raw = _core.plan_step(seqs, self._layout, self._model, self._options, self.state, flush)
+        except TypeError:
+            raise ValueError(_locate_bad_entry(seqs)) from None
+        return StepPlan(raw)
+
+    @property
+    def pending_documents(self) -> int:
+        """Documents held back in WLB-LLM's delay queue or overflow."""
+        return int(self.state.pending)
+
+    def state_dict(self) -> dict:
+        return {"planner_state": list(self.state.serialize())}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = _core.PlannerState.deserialize(list(sd["planner_state"]))
+
+
+def plan_step(
+    sequences: Sequence[Sequence[int]],
+    layout: LayoutConfig,
+    model: ModelConfig | None = None,
+    options: PlannerOptions | None = None,
+) -> StepPlan:
+    """Plan one step with a fresh planner state (for wlb use `Planner` to carry the queue)."""
+    return Planner(layout, model or ModelConfig(), options or PlannerOptions()).plan(sequences)

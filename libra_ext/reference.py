@@ -1,0 +1,288 @@
+"""A straightforward pure-Python implementation of Libra's planner (VRSP + TAP).
+
+It makes the same decisions as the C++ core, in the same order and with the same tie-breaks, so
+tests can require identical placements, and `libra bench planner` can time the C++ core against
+it. It is the readable statement of the algorithm, not a production path.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from libra_ext.workload import ATTN_BWD_FACTOR, block_pairs, causal_pairs
+
+
+@dataclass
+class ReferencePlan:
+    seq_replica: list[int]
+    seq_slot: list[int]
+    tiles: list[tuple]  # (seq, doc, doc_count, q_start, q_len, head_start, head_count, kv_start, kv_len, owner, executor)
+    max_group: float
+    lower_bound: float
+
+
+def lpt(loads: list[float], n_groups: int, card: int) -> list[int]:
+    """Exact-cardinality LPT, then swaps between the heaviest group and another."""
+    order = sorted(range(len(loads)), key=lambda i: -loads[i])  # stable: ties by index
+    heap = [(0.0, g) for g in range(n_groups)]
+    count = [0] * n_groups
+    group = [-1] * len(loads)
+    for i in order:
+        load, g = heapq.heappop(heap)
+        group[i] = g
+        count[g] += 1
+        if count[g] < card:
+            heapq.heappush(heap, (load + loads[i], g))
+    gl = [0.0] * n_groups
+    members: list[list[int]] = [[] for _ in range(n_groups)]
+    for i, g in enumerate(group):
+        gl[g] += loads[i]
+        members[g].append(i)
+    for _ in range(4 * len(loads)):
+        hi = gl.index(max(gl))
+        best, best_h, best_a, best_b = gl[hi], -1, 0, 0
+        for h in range(n_groups):
+            if h == hi:
+                continue
+            for a, ia in enumerate(members[hi]):
+                for b, ib in enumerate(members[h]):
+                    delta = loads[ia] - loads[ib]
+                    if not delta > 0:
+                        continue
+                    pair_max = max(gl[hi] - delta, gl[h] + delta)
+                    if pair_max < best:
+                        best, best_h, best_a, best_b = pair_max, h, a, b
+        if best_h < 0:
+            break
+        ia, ib = members[hi][best_a], members[best_h][best_b]
+        delta = loads[ia] - loads[ib]
+        gl[hi] -= delta
+        gl[best_h] += delta
+        members[hi][best_a], members[best_h][best_b] = ib, ia
+        group[ia], group[ib] = best_h, hi
+    return group
+
+
+def lower_bound(loads: list[float], n_groups: int, card: int) -> float:
+    x = sorted(loads, reverse=True)
+    prefix = [0.0]
+    for v in x:
+        prefix.append(prefix[-1] + v)
+    n = len(x)
+    bound = prefix[n] / n_groups
+    for j in range(1, card + 1):
+        top = (j - 1) * n_groups + 1
+        bound = max(bound, prefix[top] - prefix[top - j] + prefix[n] - prefix[n - (card - j)])
+    for k in range(2, min(n_groups, n) + 1):
+        least = min((prefix[k] + prefix[n] - prefix[n - (q * card - k)]) / q
+                    for q in range((k + card - 1) // card, k + 1))
+        bound = max(bound, least)
+    return bound
+
+
+def plan_libra(sequences, dp, cp, tp, pool, context, heads, kv_heads, head_dim, block=0,
+               head_group=0, epsilon=0.02, dtype_bytes=2, refine=True) -> ReferencePlan:
+    B = len(sequences)
+    m = B // dp
+    hl = heads // (cp * tp)
+    kvh_local = max(1, hl // (heads // kv_heads))
+    q_per_kv = hl // kvh_local
+    block = block or max(1024, context // 16)
+    hg = min(head_group, hl) if head_group > 0 else hl
+    bwd = 1.0 + ATTN_BWD_FACTOR
+    loads = []
+    for seq in sequences:
+        pairs = 0.0
+        for l in seq:
+            pairs += float(causal_pairs(l))
+        loads.append(4.0 * head_dim * hl * pairs * bwd)
+    # VRSP: sequences -> groups of P, groups -> pools of m, then sequence swaps between the
+    # heaviest and lightest pool that balance pool totals without raising the heaviest group.
+    n_groups = B // pool
+    n_pools = dp // pool
+    seq_group = lpt(loads, n_groups, pool)
+    gload = [0.0] * n_groups
+    for s, g in enumerate(seq_group):
+        gload[g] += loads[s]
+    group_pool = lpt(gload, n_pools, m)
+    ptotal = [0.0] * n_pools
+    for g in range(n_groups):
+        ptotal[group_pool[g]] += gload[g]
+    max_group = max(gload)
+    pool_seqs = [[s for s in range(B) if group_pool[seq_group[s]] == k] for k in range(n_pools)]
+    for _ in range(4 * B if n_pools > 1 else 0):
+        hi, lo = ptotal.index(max(ptotal)), ptotal.index(min(ptotal))
+        best, best_a, best_b = ptotal[hi], -1, -1
+        for a in pool_seqs[hi]:
+            for b in pool_seqs[lo]:
+                delta = loads[a] - loads[b]
+                if not delta > 0 or gload[seq_group[b]] + delta > max_group:
+                    continue
+                pair_max = max(ptotal[hi] - delta, ptotal[lo] + delta)
+                if pair_max < best:
+                    best, best_a, best_b = pair_max, a, b
+        if best_a < 0:
+            break
+        delta = loads[best_a] - loads[best_b]
+        ga, gb = seq_group[best_a], seq_group[best_b]
+        gload[ga] -= delta
+        gload[gb] += delta
+        ptotal[hi] -= delta
+        ptotal[lo] += delta
+        seq_group[best_a], seq_group[best_b] = gb, ga
+        pool_seqs[hi][pool_seqs[hi].index(best_a)] = best_b
+        pool_seqs[lo][pool_seqs[lo].index(best_b)] = best_a
+    gload = [0.0] * n_groups  # recomputed in sequence order, as the core does
+    members = [[] for _ in range(n_groups)]
+    for s, g in enumerate(seq_group):
+        gload[g] += loads[s]
+        members[g].append(s)
+    replica, slot = [-1] * B, [-1] * B
+    pools = [[g for g in range(n_groups) if group_pool[g] == k] for k in range(n_pools)]
+    group_seqs = {}
+    for k, gs in enumerate(pools):
+        gs.sort(key=lambda g: -gload[g])
+        for sl, g in enumerate(gs):
+            ms = sorted(members[g], key=lambda s: -loads[s])
+            for i, s in enumerate(ms):
+                replica[s], slot[s] = k * pool + i, sl
+            group_seqs[k * m + sl] = ms
+    # TAP inside every group.
+    tiles = []
+    for g in range(n_groups):
+        ms = group_seqs[g]
+        gt = []  # (tile index, owner member, local doc, load)
+        n_docs = 0
+        for i, s in enumerate(ms):
+            owner = replica[s]
+            doc0 = sum(len(x) for x in sequences[:s])
+
+            def emit(doc, cnt, q0, ql, kv0, kvl, pairs):
+                for h0 in range(0, hl, hg):
+                    hc = min(hg, hl - h0)
+                    gt.append((len(tiles), i, n_docs + doc - doc0, float(pairs) * float(hc)))
+                    tiles.append([s, doc, cnt, q0, ql, h0, hc, kv0, kvl, owner, owner])
+
+            run = None  # [first doc, count, start, length, pairs]
+            off = 0
+            for j, l in enumerate(sequences[s]):
+                doc = doc0 + j
+                if l >= block:
+                    if run:
+                        emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4])
+                        run = None
+                    for a in range(0, l, block):
+                        b = min(l, a + block)
+                        emit(doc, 1, off + a, b - a, off, b, block_pairs(a, b))
+                else:
+                    if run and run[3] + l > block:
+                        emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4])
+                        run = None
+                    if run is None:
+                        run = [doc, 0, off, 0, 0]
+                    run[1] += 1
+                    run[3] += l
+                    run[4] += causal_pairs(l)
+                off += l
+            if run:
+                emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4])
+            n_docs += len(sequences[s])
+        if not gt:
+            continue
+        P = len(ms)
+        total = 0.0
+        for x in gt:
+            total += x[3]
+        cap = (1.0 + epsilon) * total / P
+        load = [0.0] * P
+        exe = [-1] * len(gt)
+        have = [dict() for _ in range(P)]
+
+        def qo(ql, hc):
+            return 4 * ql * hc * head_dim * dtype_bytes + 4 * ql * hc
+
+        def kvb(n):
+            return 4 * n * head_dim * dtype_bytes
+
+        def kv_heads_of(t):
+            return range(t[5] // q_per_kv, (t[5] + t[6] - 1) // q_per_kv + 1)
+
+        def increment(k, j):
+            ti, owner, ldoc, _ = gt[k]
+            if owner == j:
+                return 0
+            t = tiles[ti]
+            inc = qo(t[4], t[6])
+            for kh in kv_heads_of(t):
+                r = have[j].get((ldoc, kh), 0)
+                if t[8] > r:
+                    inc += kvb(t[8] - r)
+            return inc
+
+        def assign(k, j):
+            ti, owner, ldoc, w = gt[k]
+            if exe[k] >= 0:
+                load[exe[k]] -= w
+            exe[k] = j
+            load[j] += w
+            if owner != j:
+                t = tiles[ti]
+                for kh in kv_heads_of(t):
+                    have[j][(ldoc, kh)] = max(have[j].get((ldoc, kh), 0), t[8])
+
+        def per_byte(k):
+            t = tiles[gt[k][0]]
+            return gt[k][3] / float(qo(t[4], t[6]) + len(kv_heads_of(t)) * kvb(t[8]))
+
+        rest = []
+        for k in sorted(range(len(gt)), key=lambda k: (per_byte(k), k)):
+            if load[gt[k][1]] + gt[k][3] <= cap:
+                assign(k, gt[k][1])
+            else:
+                rest.append(k)
+        rest.sort(key=lambda k: (-gt[k][3], k))
+        for k in rest:
+            w = gt[k][3]
+            best, best_inc = -1, 0
+            for j in range(P):
+                if load[j] + w > cap:
+                    continue
+                inc = increment(k, j)
+                if best < 0 or inc < best_inc or (inc == best_inc and load[j] < load[best]):
+                    best, best_inc = j, inc
+            if best < 0:
+                for j in range(P):
+                    if best < 0 or load[j] < load[best]:
+                        best, best_inc = j, increment(k, j)
+                    elif load[j] == load[best]:
+                        inc = increment(k, j)
+                        if inc < best_inc:
+                            best, best_inc = j, inc
+            assign(k, best)
+        if refine and P > 1:
+            on = [[k for k in range(len(gt)) if exe[k] == j] for j in range(P)]
+            for _ in range(64 * P):
+                hi = load.index(max(load))
+                lo = load.index(min(load))
+                if hi == lo:
+                    break
+                pick, pick_pos, pick_max, pick_inc = None, 0, 0.0, 0
+                for pos, k in enumerate(on[hi]):
+                    w = gt[k][3]
+                    new_max = max(load[hi] - w, load[lo] + w)
+                    if not new_max < load[hi]:
+                        continue
+                    inc = increment(k, lo)
+                    if pick is None or new_max < pick_max or (new_max == pick_max and inc < pick_inc):
+                        pick, pick_pos, pick_max, pick_inc = k, pos, new_max, inc
+                if pick is None:
+                    break
+                assign(pick, lo)
+                del on[hi][pick_pos]
+                on[lo].append(pick)
+                on[lo].sort()
+        for k, (ti, _, _, _) in enumerate(gt):
+            tiles[ti][10] = replica[ms[exe[k]]]
+    return ReferencePlan(replica, slot, [tuple(t) for t in tiles], max(gload),
+                         lower_bound(loads, n_groups, pool))

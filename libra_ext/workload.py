@@ -1,0 +1,195 @@
+"""Workload description and cost model (DESIGN.md section 4), mirrored from the C++ core.
+
+The pure formulas (pairs, FLOPs) are written out here so that Python callers and the tests can
+check the C++ core against them; generators and packing call into ``libra_ext._planner`` so that
+the same seed gives the same documents in both languages.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from libra_ext import _planner as _core
+
+ATTN_BWD_FACTOR = 2.5
+"""Attention backward FLOPs per forward FLOP."""
+LINEAR_BWD_FACTOR = 2.0
+"""Linear-layer backward FLOPs per forward FLOP."""
+MAX_TOKENS = int(_core.MAX_TOKENS)
+"""Largest document or packed-sequence length the core accepts (2^30)."""
+
+PRESET_CONTEXT = {"libra-256k": 262_144, "libra-1m": 1_048_576}
+"""Default packed-sequence length of each workload preset."""
+
+
+@dataclass
+class ModelConfig:
+    """Transformer dimensions the cost model needs (defaults: Qwen3-30B-A3B-like)."""
+
+    hidden: int = 2048
+    """Model width H."""
+    heads: int = 32
+    """Query heads h."""
+    kv_heads: int = 4
+    """Key/value heads h_kv (GQA when smaller than heads)."""
+    head_dim: int = 128
+    """Head dimension d."""
+    ffn: int = 6144
+    """Dense SwiGLU intermediate size (used when moe_topk == 0)."""
+    layers: int = 48
+    """Transformer layers."""
+    moe_topk: int = 8
+    """Experts per token; 0 for a dense model."""
+    moe_ffn: int = 768
+    """Per-expert intermediate size."""
+    shared_ffn: int = 0
+    """Shared-expert intermediate size (0 = none)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "layers", "moe_topk",
+                     "moe_ffn", "shared_ffn"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"model.{name} must be an integer, got {value!r}")
+        self.to_core().validate()
+
+    def to_core(self) -> "_core.ModelDims":
+        dims = _core.ModelDims()
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "layers", "moe_topk",
+                     "moe_ffn", "shared_ffn"):
+            setattr(dims, name, getattr(self, name))
+        return dims
+
+
+def causal_pairs(length: int) -> int:
+    """Causal (query, key) pairs of a document: l(l+1)/2."""
+    return length * (length + 1) // 2
+
+
+def block_pairs(a: int, b: int) -> int:
+    """Pairs of query rows [a, b) of a document against their causal prefix."""
+    return (b * (b + 1) - a * (a + 1)) // 2
+
+
+def attn_fwd_flops(pairs: float, heads: int, head_dim: int) -> float:
+    """Attention forward FLOPs: 4 * d * heads * pairs."""
+    return 4.0 * head_dim * heads * pairs
+
+
+def linear_fwd_flops_per_token(m: ModelConfig) -> float:
+    """Forward FLOPs per token per layer of QKV/O projections and the SwiGLU MLP (or MoE)."""
+    qkv_o = m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
+    ffn = m.moe_topk * m.moe_ffn + m.shared_ffn if m.moe_topk > 0 else m.ffn
+    return 2.0 * qkv_o + 2.0 * 3.0 * m.hidden * ffn
+
+
+@dataclass
+class PackedSequence:
+    """One packed sequence: its document lengths and cu_seqlens."""
+
+    doc_lengths: list[int]
+    cu_seqlens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.cu_seqlens:
+            self.cu_seqlens = list(_core.cu_seqlens(self.doc_lengths))
+
+    @property
+    def tokens(self) -> int:
+        return self.cu_seqlens[-1]
+
+
+def _int_list(values: Iterable, field_name: str) -> list[int]:
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int,)) and not hasattr(v, "__index__"):
+            raise ValueError(f"{field_name}[{i}] must be an integer, got {v!r}")
+        out.append(int(v))
+    return out
+
+
+def pack_production(lengths: Sequence[int], context: int, max_sequences: int = 0) -> list[PackedSequence]:
+    """Sequential fill of `context`-token sequences, splitting documents at the boundary."""
+    seqs = _core.pack_production(_int_list(lengths, "lengths"), int(context), int(max_sequences))
+    return [PackedSequence(s) for s in seqs]
+
+
+def pack_best_fit(lengths: Sequence[int], context: int) -> list[PackedSequence]:
+    """Best-fit greedy knapsack packing; a document longer than `context` is an error."""
+    return [PackedSequence(s) for s in _core.pack_best_fit(_int_list(lengths, "lengths"), int(context))]
+
+
+def read_lengths_file(path: str | os.PathLike) -> list[int]:
+    """Read one positive integer per line (blank lines and '#' comments skipped)."""
+    values: list[int] = []
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"lengths file {path}: cannot open ({e.strerror})") from None
+    with fh:
+        for lineno, raw in enumerate(fh, start=1):
+            text = raw.split("#", 1)[0].strip()
+            if not text:
+                continue
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(
+                    f"lengths file {path} line {lineno}: {text!r} is not a positive integer"
+                ) from None
+            if value <= 0 or value > MAX_TOKENS:
+                raise ValueError(
+                    f"lengths file {path} line {lineno}: {value} is not in [1, {MAX_TOKENS}]"
+                )
+            values.append(value)
+    if not values:
+        raise ValueError(f"lengths file {path} is empty: it needs one positive integer per line")
+    return values
+
+
+@dataclass
+class LengthSource:
+    """Where document lengths come from: a named preset, or lengths drawn from a file."""
+
+    preset: str | None = "libra-256k"
+    """Preset name (see `preset_names()`); ignored when `lengths_file` is set."""
+    lengths_file: str | None = None
+    """File with one positive integer per line, drawn with replacement by seed."""
+
+    def __post_init__(self) -> None:
+        if self.lengths_file is not None:
+            self._dist = _core.LengthDist()
+            self._dist.kind = "empirical"
+            self._dist.values = read_lengths_file(self.lengths_file)
+            self._dist.cap = max(self._dist.values)
+        elif self.preset is not None:
+            self._dist = _core.preset(self.preset)
+        else:
+            raise ValueError("workload: give a preset name or a lengths file")
+
+    @property
+    def name(self) -> str:
+        return f"file:{self.lengths_file}" if self.lengths_file else str(self.preset)
+
+    def default_context(self) -> int | None:
+        return None if self.lengths_file else PRESET_CONTEXT.get(self.preset)
+
+    def sample(self, n: int, seed: int) -> list[int]:
+        """n document lengths drawn with the given seed."""
+        return list(_core.sample_lengths(self._dist, int(n), int(seed)))
+
+    def step(self, gbs: int, context: int, seed: int, step: int) -> list[list[int]]:
+        """The gbs packed sequences of one step (production packing of a seeded stream)."""
+        return _core.step_sequences(self._dist, int(gbs), int(context), int(seed), int(step))
+
+
+def preset_names() -> list[str]:
+    return list(_core.preset_names())
+
+
+def sequence_pairs(doc_lengths: Iterable[int]) -> int:
+    """Causal pairs of one packed sequence: the sum over its documents."""
+    return sum(causal_pairs(int(l)) for l in doc_lengths)
+

@@ -1,0 +1,48 @@
+"""`libra` command line: planner, benchmarks (later: simulate, train, ab, verify).
+
+Every bad input ends with exit code 2 and a one-line message naming the field or line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+from megatron.libra import commands
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="libra", description="Libra for Megatron-Core")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands.add_plan_parser(sub)
+    commands.add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = args.func(args)
+    except ValueError as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"libra {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    if result is not None:
+        if getattr(args, "json", False):
+            print(json.dumps(result, sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Implementations of the `libra` subcommands that need no torch: `plan` and `bench planner`."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from libra_ext import checks
+from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
+from libra_ext.reference import plan_libra
+from libra_ext.workload import LengthSource, ModelConfig, preset_names
+
+MODEL_PRESETS = {
+    "qwen3-30b-a3b": ModelConfig(),
+    "llama3-8b": ModelConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, layers=32,
+                             moe_topk=0, moe_ffn=0),
+}
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--workload", default="libra-256k", choices=preset_names(),
+                     help="document-length preset (default libra-256k)")
+    src.add_argument("--lengths-file", help="file of document lengths, one positive integer a line")
+    p.add_argument("--context", type=int, help="tokens per packed sequence (default: the preset's)")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODEL_PRESETS))
+    p.add_argument("--heads", type=int, help="query heads (default: the model's)")
+    p.add_argument("--kv-heads", type=int, help="KV heads (default: the model's)")
+    p.add_argument("--head-dim", type=int, help="head dimension (default: the model's)")
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="plan steps and report balance, traffic and exactness",
+                       description="Plan N steps of a workload and report the plan's metrics.")
+    p.add_argument("--system", default="libra", choices=SYSTEMS)
+    _add_workload_args(p)
+    p.add_argument("--gbs", type=int, default=128, help="packed sequences per step (B)")
+    p.add_argument("--dp", type=int, default=16, help="data-parallel replicas (D)")
+    p.add_argument("--cp", type=int, default=8, help="context-parallel ranks per replica (C)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (T)")
+    p.add_argument("--pool-size", type=int, default=8, help="replicas per pool (P)")
+    _add_model_args(p)
+    p.add_argument("--block", type=int, default=0, help="query tokens per tile (0: context/16)")
+    p.add_argument("--head-group", type=int, default=0, help="heads per tile (0: whole slice)")
+    p.add_argument("--epsilon", type=float, default=0.02, help="TAP soft-cap slack")
+    p.add_argument("--no-vrsp", action="store_true", help="libra: keep production placement")
+    p.add_argument("--no-tap", action="store_true", help="libra: no tile moves")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_plan)
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
+    b = bsub.add_parser("planner", help="C++ planner against the pure-Python reference",
+                        description="Planning time per step, C++ core against the Python "
+                                    "reference implementation, measured side by side.")
+    b.add_argument("--steps", type=int, default=10, help="C++ steps timed per case")
+    b.add_argument("--python-steps", type=int, default=3, help="Python steps timed per case")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=run_bench_planner)
+
+
+def _positive(value: int, field: str) -> int:
+    if value <= 0:
+        raise ValueError(f"{field} must be positive, got {value}")
+    return value
+
+
+def _model(args) -> ModelConfig:
+    base = MODEL_PRESETS[args.model]
+    kw = {k: getattr(base, k) for k in base.__dataclass_fields__}
+    for arg, key in (("heads", "heads"), ("kv_heads", "kv_heads"), ("head_dim", "head_dim")):
+        if getattr(args, arg) is not None:
+            kw[key] = getattr(args, arg)
+    return ModelConfig(**kw)
+
+
+def _source(args) -> tuple[LengthSource, int]:
+    source = LengthSource(preset=args.workload, lengths_file=args.lengths_file)
+    context = args.context if args.context is not None else source.default_context()
+    if context is None:
+        raise ValueError("context: --context is required with --lengths-file")
+    return source, _positive(context, "context")
+
+
+def run_plan(args) -> dict | None:
+    _positive(args.steps, "steps")
+    source, context = _source(args)
+    layout = LayoutConfig(dp=args.dp, cp=args.cp, tp=args.tp, pool_size=args.pool_size,
+                          context=context)
+    model = _model(args)
+    options = PlannerOptions(system=args.system, block=args.block, head_group=args.head_group,
+                             epsilon=args.epsilon, vrsp=not args.no_vrsp, tap=not args.no_tap)
+    if args.gbs <= 0 or args.gbs % args.dp:
+        raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
+    planner = Planner(layout, model, options)
+    plans, inputs = [], []
+    for step in range(args.steps):
+        seqs = source.step(args.gbs, context, args.seed, step)
+        inputs.append(seqs)
+        plans.append(planner.plan(seqs))
+    if args.system == "wlb":  # release what the delay queue still holds
+        empty = [[] for _ in range(args.gbs)]
+        for _ in range(10_000):
+            if planner.pending_documents == 0:
+                break
+            plans.append(planner.plan(empty, flush=True))
+    exact = [checks.pairs_exact(p) for p in plans]
+    if args.system == "wlb":
+        preserved = [checks.documents_preserved([l for s in inputs for q in s for l in q], plans)]
+    else:
+        preserved = [checks.samples_preserved(i, p) for i, p in zip(inputs, plans)]
+    measured = plans[: args.steps]
+    metrics = [p.metrics() for p in measured]
+
+    def mean(key):
+        return float(np.mean([m[key] for m in metrics]))
+
+    def worst(key):
+        return float(np.max([m[key] for m in metrics]))
+
+    result = {
+        "system": args.system,
+        "workload": source.name,
+        "steps": args.steps,
+        "layout": {"gbs": args.gbs, "dp": args.dp, "cp": args.cp, "tp": args.tp,
+                   "pool_size": args.pool_size, "context": context},
+        "inter_pool_imbalance": mean("inter_pool_imbalance"),
+        "inter_pool_imbalance_before": mean("inter_pool_imbalance_before"),
+        "pool_total_imbalance": mean("pool_total_imbalance"),
+        "pool_total_imbalance_before": mean("pool_total_imbalance_before"),
+        "vrsp_lower_bound_ratio": worst("vrsp_lower_bound_ratio"),
+        "max_over_mean": mean("max_over_mean"),
+        "max_over_mean_worst": worst("max_over_mean"),
+        "max_over_mean_before": mean("max_over_mean_before"),
+        "moved_token_fraction": mean("moved_token_fraction"),
+        "bytes_moved_per_rank": mean("bytes_moved_per_rank"),
+        "bytes_moved_max_rank": worst("bytes_moved_max_rank"),
+        "plan_ms": float(statistics.median(m["plan_ms"] for m in metrics)),
+        "tiles_per_step": float(np.mean([p.n_tiles for p in measured])),
+        "pairs_exact": all(ok for ok, _ in exact),
+        "samples_preserved": all(ok for ok, _ in preserved),
+        "hashes": [f"{p.hash:016x}" for p in measured],
+    }
+    problems = [why for ok, why in exact + preserved if not ok]
+    if problems:
+        result["problems"] = sorted(set(problems))
+    if args.json:
+        return result
+    _print_plan_table(result)
+    return None
+
+
+def _print_plan_table(r: dict) -> None:
+    lay = r["layout"]
+    print(f"libra plan: system={r['system']} workload={r['workload']} steps={r['steps']} "
+          f"S={lay['context']} B={lay['gbs']} D={lay['dp']} C={lay['cp']} T={lay['tp']} "
+          f"P={lay['pool_size']}")
+    rows = [
+        ("inter-pool imbalance (max/mean-1, (pool,slot) groups)", r["inter_pool_imbalance_before"],
+         r["inter_pool_imbalance"]),
+        ("pool-total imbalance (max/mean-1)", r["pool_total_imbalance_before"],
+         r["pool_total_imbalance"]),
+        ("per-rank attention max/mean", r["max_over_mean_before"], r["max_over_mean"]),
+    ]
+    print(f"  {'metric':58s} {'production':>11s} {'planned':>9s}")
+    for name, before, after in rows:
+        print(f"  {name:58s} {before:11.4f} {after:9.4f}")
+    print(f"  worst-step max/mean                    {r['max_over_mean_worst']:.4f}")
+    print(f"  VRSP max group / lower bound (worst)   {r['vrsp_lower_bound_ratio']:.4f}")
+    print(f"  moved query-token fraction             {r['moved_token_fraction']:.4f}")
+    print(f"  pool bytes sent per rank (fwd+bwd)     {r['bytes_moved_per_rank'] / 2**20:.1f} MiB")
+    print(f"  plan time per step (median)            {r['plan_ms']:.3f} ms")
+    print(f"  pairs exact / samples preserved        {r['pairs_exact']} / {r['samples_preserved']}")
+
+
+BENCH_CASES = {
+    # name: (preset, context, gbs, dp, cp, pool)
+    "256k": ("libra-256k", 262_144, 128, 16, 8, 8),
+    "1m": ("libra-1m", 1_048_576, 32, 16, 16, 8),
+}
+
+
+def run_bench_planner(args) -> dict | None:
+    _positive(args.steps, "steps")
+    _positive(args.python_steps, "python_steps")
+    model = ModelConfig()
+    out = {"model": "qwen3-30b-a3b", "cases": {}}
+    for name, (preset, context, gbs, dp, cp, pool) in BENCH_CASES.items():
+        source = LengthSource(preset=preset)
+        layout = LayoutConfig(dp=dp, cp=cp, pool_size=pool, context=context)
+        planner = Planner(layout, model, PlannerOptions(system="libra"))
+        steps = [source.step(gbs, context, args.seed, s) for s in range(args.steps)]
+        cpp_ms, wall_ms, plans = [], [], []
+        for seqs in steps:
+            t0 = time.perf_counter()
+            plan = planner.plan(seqs)
+            wall_ms.append((time.perf_counter() - t0) * 1e3)
+            cpp_ms.append(plan.plan_ms)
+            plans.append(plan)
+        py_ms, identical = [], True
+        for seqs, plan in list(zip(steps, plans))[: args.python_steps]:
+            t0 = time.perf_counter()
+            ref = plan_libra(seqs, dp, cp, 1, pool, context, model.heads, model.kv_heads,
+                             model.head_dim)
+            py_ms.append((time.perf_counter() - t0) * 1e3)
+            identical &= ref.seq_replica == plan.seq_replica.tolist()
+            identical &= ref.seq_slot == plan.seq_slot.tolist()
+            identical &= [t[10] for t in ref.tiles] == plan.tile_executor.tolist()
+        cpp, py = statistics.median(cpp_ms), statistics.median(py_ms)
+        out["cases"][name] = {
+            "workload": preset, "context": context, "gbs": gbs, "dp": dp, "cp": cp, "pool": pool,
+            "tiles_per_step": float(np.mean([p.n_tiles for p in plans])),
+            "cpp_ms": cpp, "cpp_call_ms": statistics.median(wall_ms), "python_ms": py,
+            "speedup": py / cpp if cpp > 0 else float("inf"), "identical": bool(identical),
+            "cpp_steps": args.steps, "python_steps": len(py_ms),
+        }
+    if args.json:
+        return out
+    print("libra bench planner: planning time per step (median), C++ core vs Python reference")
+    print(f"  {'case':6s} {'tiles':>7s} {'C++ ms':>8s} {'call ms':>8s} {'Python ms':>10s} "
+          f"{'ratio':>7s} identical")
+    for name, c in out["cases"].items():
+        print(f"  {name:6s} {c['tiles_per_step']:7.0f} {c['cpp_ms']:8.3f} {c['cpp_call_ms']:8.3f} "
+              f"{c['python_ms']:10.1f} {c['speedup']:6.0f}x {c['identical']}")
+    return None

@@ -1,0 +1,20 @@
+"""Build script: the pybind11 extension libra_ext._planner from cpp/ (C++17, -O3, warnings on)."""
+
+from glob import glob
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_namespace_packages, setup
+
+ext = Pybind11Extension(
+    "libra_ext._planner",
+    sorted(glob("cpp/src/*.cpp")) + ["cpp/bindings/module.cpp"],
+    include_dirs=["cpp/include"],
+    cxx_std=17,
+    extra_compile_args=["-O3", "-Wall", "-Wextra"],
+)
+
+setup(
+    packages=find_namespace_packages(include=["libra_ext", "libra_ext.*", "megatron.libra", "megatron.libra.*"]),
+    ext_modules=[ext],
+    cmdclass={"build_ext": build_ext},
+)
