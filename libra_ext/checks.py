@@ -40,7 +40,9 @@ def pairs_exact(plan: StepPlan) -> tuple[bool, str]:
     t_doc, t_cnt = plan.tile_doc, plan.tile_doc_count
     if (t_doc < 0).any() or (t_doc + t_cnt > n_doc).any() or (t_cnt < 1).any():
         return False, "tile document index out of range"
-    if (doc_seq[t_doc] != plan.tile_seq).any() or (doc_seq[t_doc + t_cnt - 1] != plan.tile_seq).any():
+    if (doc_seq[t_doc] != plan.tile_seq).any() or (
+        doc_seq[t_doc + t_cnt - 1] != plan.tile_seq
+    ).any():
         return False, "tile documents not in the tile's sequence"
     ulysses_like = plan.tile_cp < 0
     if ulysses_like.any() and not ulysses_like.all():
@@ -49,14 +51,14 @@ def pairs_exact(plan: StepPlan) -> tuple[bool, str]:
     hs, hc = plan.tile_head_start, plan.tile_head_count
     if (hs < 0).any() or (hc < 1).any() or (hs + hc > space).any():
         return False, "tile heads outside the head slice"
-    if ((plan.tile_cp >= plan.cp)).any():
+    if (plan.tile_cp >= plan.cp).any():
         return False, "tile cp rank out of range"
     # Expand tiles to rows (doc, head segment, a, b) over the head boundaries used by any tile.
     bounds = np.unique(np.concatenate([[0, space], hs, hs + hc]))
     seg_lo = np.searchsorted(bounds, hs)
     seg_hi = np.searchsorted(bounds, hs + hc)
     n_seg = len(bounds) - 1
-    rows_doc, rows_seg, rows_a, rows_b, rows_tile = [], [], [], [], []
+    rows_doc, rows_a, rows_b, rows_tile = [], [], [], []
     single = t_cnt == 1
     # Single-document tiles.
     idx = np.flatnonzero(single)
@@ -68,7 +70,10 @@ def pairs_exact(plan: StepPlan) -> tuple[bool, str]:
         return False, "a tile's KV range is not the causal prefix of its last query row"
     if (plan.tile_pairs[idx] != (b * (b + 1) - a * (a + 1)) // 2).any():
         return False, "a tile's pair count does not match its rows"
-    rows_doc.append(t_doc[idx]); rows_a.append(a); rows_b.append(b); rows_tile.append(idx)
+    rows_doc.append(t_doc[idx])
+    rows_a.append(a)
+    rows_b.append(b)
+    rows_tile.append(idx)
     # Multi-document tiles: expand to their whole documents.
     idx = np.flatnonzero(~single)
     for t in idx:
@@ -81,7 +86,9 @@ def pairs_exact(plan: StepPlan) -> tuple[bool, str]:
             return False, f"tile {t}: KV range of a multi-document tile must equal its query range"
         if int(plan.tile_pairs[t]) != int((L[docs] * (L[docs] + 1) // 2).sum()):
             return False, f"tile {t}: pair count does not match its documents"
-        rows_doc.append(docs); rows_a.append(np.zeros(k, dtype=np.int64)); rows_b.append(L[docs])
+        rows_doc.append(docs)
+        rows_a.append(np.zeros(k, dtype=np.int64))
+        rows_b.append(L[docs])
         rows_tile.append(np.full(k, t))
     tile_of_row = np.concatenate(rows_tile)
     doc = np.concatenate(rows_doc)
@@ -125,7 +132,9 @@ def samples_preserved(inputs: Sequence[Sequence[int]], plan: StepPlan) -> tuple[
     return True, "ok"
 
 
-def documents_preserved(input_lengths: Sequence[int], plans: Sequence[StepPlan]) -> tuple[bool, str]:
+def documents_preserved(
+    input_lengths: Sequence[int], plans: Sequence[StepPlan]
+) -> tuple[bool, str]:
     """For a run of wlb plans (flushed at the end): every input document (ids in input order) is
     executed exactly once with its length."""
     ids = np.concatenate([p.doc_ids for p in plans]) if plans else np.zeros(0, dtype=np.int64)

@@ -7,7 +7,7 @@ from a background thread while the current one trains.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import numpy as np
@@ -44,7 +44,12 @@ class LayoutConfig:
     def to_core(self) -> "_core.Layout":
         out = _core.Layout()
         out.dp, out.cp, out.tp, out.pool, out.context = (
-            self.dp, self.cp, self.tp, self.pool_size, self.context)
+            self.dp,
+            self.cp,
+            self.tp,
+            self.pool_size,
+            self.context,
+        )
         return out
 
 
@@ -54,13 +59,13 @@ class PlannerOptions:
 
     system: str = "libra"
     """One of libra, ulysses, wlb, distca."""
-    block: int = 0
-    """Query tokens per SH-tile; 0 = context / 16 (at least 1024)."""
+    block: int | None = None
+    """Query tokens per SH-tile; None = context / 16 (at least 1024)."""
     head_group: int = 0
     """Heads per SH-tile; 0 = all heads of a rank's slice."""
     epsilon: float = 0.02
     """TAP soft cap: a member takes tiles up to (1 + epsilon) x the group mean."""
-    max_tile_share: float = 0.05
+    max_tile_share: float = 0.1
     """TAP: tiles heavier than this share of a member's mean load are split (heads, then rows);
     0 never splits."""
     vrsp: bool = True
@@ -83,12 +88,21 @@ class PlannerOptions:
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ValueError(f"system must be one of {', '.join(SYSTEMS)}; got {self.system!r}")
-        self.to_core()
+        bad_block = (
+            isinstance(self.block, bool) or not isinstance(self.block, int) or self.block <= 0
+        )
+        if self.block is not None and bad_block:
+            raise ValueError(
+                f"block must be a positive integer, got {self.block!r} (unset: context / 16)"
+            )
+        self.to_core().validate()
 
     def to_core(self) -> "_core.PlanOptions":
         out = _core.PlanOptions()
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "block" and v is None:
+                v = 0  # the core's "context / 16"
             expected = type(getattr(out, f.name))
             if expected is int and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"{f.name} must be an integer, got {v!r}")
@@ -98,11 +112,32 @@ class PlannerOptions:
         return out
 
 
-_SCALARS = ("dp", "cp", "tp", "pool", "context", "slots", "exchange_pool", "heads_local",
-            "kv_heads_local", "head_dim", "dtype_bytes")
-_METRICS = ("max_over_mean", "max_over_mean_before", "inter_pool_imbalance",
-            "inter_pool_imbalance_before", "pool_total_imbalance", "pool_total_imbalance_before",
-            "vrsp_max_group", "vrsp_lower_bound", "moved_token_fraction", "total_bytes", "plan_ms")
+_SCALARS = (
+    "dp",
+    "cp",
+    "tp",
+    "pool",
+    "context",
+    "slots",
+    "exchange_pool",
+    "heads_local",
+    "kv_heads_local",
+    "head_dim",
+    "dtype_bytes",
+)
+_METRICS = (
+    "max_over_mean",
+    "max_over_mean_before",
+    "inter_pool_imbalance",
+    "inter_pool_imbalance_before",
+    "pool_total_imbalance",
+    "pool_total_imbalance_before",
+    "vrsp_max_group",
+    "vrsp_lower_bound",
+    "moved_token_fraction",
+    "total_bytes",
+    "plan_ms",
+)
 
 
 class StepPlan:
@@ -146,7 +181,7 @@ class StepPlan:
     def sequences(self) -> list[list[int]]:
         """Document lengths of every executed packed sequence."""
         off = self.seq_doc_offsets
-        return [self.doc_lengths[off[s]:off[s + 1]].tolist() for s in range(self.n_seq)]
+        return [self.doc_lengths[off[s] : off[s + 1]].tolist() for s in range(self.n_seq)]
 
     def group_of(self, replica: int, slot: int) -> int:
         """Exchange group of a (replica, slot)."""
@@ -207,7 +242,11 @@ class Planner:
 
     def __init__(self, layout: LayoutConfig, model: ModelConfig, options: PlannerOptions):
         self.layout, self.model, self.options = layout, model, options
-        self._layout, self._model, self._options = layout.to_core(), model.to_core(), options.to_core()
+        self._layout, self._model, self._options = (
+            layout.to_core(),
+            model.to_core(),
+            options.to_core(),
+        )
         self.state = _core.PlannerState()
 
     def plan(self, sequences: Sequence[Sequence[int]], flush: bool = False) -> StepPlan:

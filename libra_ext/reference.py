@@ -17,7 +17,9 @@ from libra_ext.workload import ATTN_BWD_FACTOR, block_pairs, causal_pairs
 class ReferencePlan:
     seq_replica: list[int]
     seq_slot: list[int]
-    tiles: list[tuple]  # (seq, doc, doc_count, q_start, q_len, head_start, head_count, kv_start, kv_len, owner, executor)
+    # (seq, doc, doc_count, q_start, q_len, head_start, head_count, kv_start, kv_len, owner,
+    #  executor)
+    tiles: list[tuple]
     max_group: float
     lower_bound: float
 
@@ -75,14 +77,66 @@ def lower_bound(loads: list[float], n_groups: int, card: int) -> float:
         top = (j - 1) * n_groups + 1
         bound = max(bound, prefix[top] - prefix[top - j] + prefix[n] - prefix[n - (card - j)])
     for k in range(2, min(n_groups, n) + 1):
-        least = min((prefix[k] + prefix[n] - prefix[n - (q * card - k)]) / q
-                    for q in range((k + card - 1) // card, k + 1))
+        least = min(
+            (prefix[k] + prefix[n] - prefix[n - (q * card - k)]) / q
+            for q in range((k + card - 1) // card, k + 1)
+        )
         bound = max(bound, least)
     return bound
 
 
-def plan_libra(sequences, dp, cp, tp, pool, context, heads, kv_heads, head_dim, block=0,
-               head_group=0, epsilon=0.02, dtype_bytes=2, refine=True) -> ReferencePlan:
+MIN_SPLIT_ROWS = 128
+REFINE_MIN_GAIN = 1e-4
+
+
+def split_tile(t: list, doc_off: int, max_load: float, out: list) -> None:
+    """Split a single-document tile heavier than max_load: heads in halves, then rows at the
+    midpoint of work (not below MIN_SPLIT_ROWS rows)."""
+    s, doc, cnt, q0, ql, h0, hc, kv0, kvl, pairs = t
+    if (
+        max_load <= 0
+        or float(pairs) * float(hc) <= max_load
+        or (hc == 1 and ql < 2 * MIN_SPLIT_ROWS)
+    ):
+        out.append(t)
+        return
+    if hc > 1:
+        half = hc // 2
+        split_tile([s, doc, cnt, q0, ql, h0, half, kv0, kvl, pairs], doc_off, max_load, out)
+        split_tile(
+            [s, doc, cnt, q0, ql, h0 + half, hc - half, kv0, kvl, pairs], doc_off, max_load, out
+        )
+        return
+    a = q0 - doc_off
+    b = a + ql
+    mid = ((float(a) * (a + 1) + float(b) * (b + 1)) / 2.0) ** 0.5
+    c = min(b - MIN_SPLIT_ROWS, max(a + MIN_SPLIT_ROWS, int(mid)))
+    split_tile([s, doc, cnt, q0, c - a, h0, hc, kv0, c, block_pairs(a, c)], doc_off, max_load, out)
+    split_tile(
+        [s, doc, cnt, doc_off + c, b - c, h0, hc, kv0, kvl, block_pairs(c, b)],
+        doc_off,
+        max_load,
+        out,
+    )
+
+
+def plan_libra(
+    sequences,
+    dp,
+    cp,
+    tp,
+    pool,
+    context,
+    heads,
+    kv_heads,
+    head_dim,
+    block=0,
+    head_group=0,
+    epsilon=0.02,
+    dtype_bytes=2,
+    refine=True,
+    max_tile_share=0.1,
+) -> ReferencePlan:
     B = len(sequences)
     m = B // dp
     hl = heads // (cp * tp)
@@ -154,15 +208,26 @@ def plan_libra(sequences, dp, cp, tp, pool, context, heads, kv_heads, head_dim, 
         ms = group_seqs[g]
         gt = []  # (tile index, owner member, local doc, load)
         n_docs = 0
+        group_total = 0.0
+        for s in ms:
+            for l in sequences[s]:
+                group_total += float(causal_pairs(l)) * float(hl)
+        max_load = max_tile_share * group_total / len(ms)
         for i, s in enumerate(ms):
             owner = replica[s]
             doc0 = sum(len(x) for x in sequences[:s])
 
-            def emit(doc, cnt, q0, ql, kv0, kvl, pairs):
+            def emit(doc, cnt, q0, ql, kv0, kvl, pairs, doc_off):
                 for h0 in range(0, hl, hg):
-                    hc = min(hg, hl - h0)
-                    gt.append((len(tiles), i, n_docs + doc - doc0, float(pairs) * float(hc)))
-                    tiles.append([s, doc, cnt, q0, ql, h0, hc, kv0, kvl, owner, owner])
+                    pieces = []
+                    t = [s, doc, cnt, q0, ql, h0, min(hg, hl - h0), kv0, kvl, pairs]
+                    if cnt == 1:
+                        split_tile(t, doc_off, max_load, pieces)
+                    else:
+                        pieces.append(t)
+                    for p in pieces:
+                        gt.append((len(tiles), i, n_docs + doc - doc0, float(p[9]) * float(p[6])))
+                        tiles.append(p[:9] + [owner, owner])
 
             run = None  # [first doc, count, start, length, pairs]
             off = 0
@@ -170,14 +235,14 @@ def plan_libra(sequences, dp, cp, tp, pool, context, heads, kv_heads, head_dim, 
                 doc = doc0 + j
                 if l >= block:
                     if run:
-                        emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4])
+                        emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4], run[2])
                         run = None
                     for a in range(0, l, block):
                         b = min(l, a + block)
-                        emit(doc, 1, off + a, b - a, off, b, block_pairs(a, b))
+                        emit(doc, 1, off + a, b - a, off, b, block_pairs(a, b), off)
                 else:
                     if run and run[3] + l > block:
-                        emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4])
+                        emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4], run[2])
                         run = None
                     if run is None:
                         run = [doc, 0, off, 0, 0]
@@ -186,7 +251,7 @@ def plan_libra(sequences, dp, cp, tp, pool, context, heads, kv_heads, head_dim, 
                     run[4] += causal_pairs(l)
                 off += l
             if run:
-                emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4])
+                emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4], run[2])
             n_docs += len(sequences[s])
         if not gt:
             continue
@@ -261,6 +326,7 @@ def plan_libra(sequences, dp, cp, tp, pool, context, heads, kv_heads, head_dim, 
                             best, best_inc = j, inc
             assign(k, best)
         if refine and P > 1:
+            min_gain = REFINE_MIN_GAIN * total / P
             on = [[k for k in range(len(gt)) if exe[k] == j] for j in range(P)]
             for _ in range(64 * P):
                 hi = load.index(max(load))
@@ -271,10 +337,14 @@ def plan_libra(sequences, dp, cp, tp, pool, context, heads, kv_heads, head_dim, 
                 for pos, k in enumerate(on[hi]):
                     w = gt[k][3]
                     new_max = max(load[hi] - w, load[lo] + w)
-                    if not new_max < load[hi]:
+                    if not new_max < load[hi] - min_gain:
                         continue
                     inc = increment(k, lo)
-                    if pick is None or new_max < pick_max or (new_max == pick_max and inc < pick_inc):
+                    if (
+                        pick is None
+                        or new_max < pick_max
+                        or (new_max == pick_max and inc < pick_inc)
+                    ):
                         pick, pick_pos, pick_max, pick_inc = k, pos, new_max, inc
                 if pick is None:
                     break
@@ -284,5 +354,6 @@ def plan_libra(sequences, dp, cp, tp, pool, context, heads, kv_heads, head_dim, 
                 on[lo].sort()
         for k, (ti, _, _, _) in enumerate(gt):
             tiles[ti][10] = replica[ms[exe[k]]]
-    return ReferencePlan(replica, slot, [tuple(t) for t in tiles], max(gload),
-                         lower_bound(loads, n_groups, pool))
+    return ReferencePlan(
+        replica, slot, [tuple(t) for t in tiles], max(gload), lower_bound(loads, n_groups, pool)
+    )

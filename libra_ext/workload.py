@@ -48,8 +48,17 @@ class ModelConfig:
     """Shared-expert intermediate size (0 = none)."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "layers", "moe_topk",
-                     "moe_ffn", "shared_ffn"):
+        for name in (
+            "hidden",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "ffn",
+            "layers",
+            "moe_topk",
+            "moe_ffn",
+            "shared_ffn",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"model.{name} must be an integer, got {value!r}")
@@ -57,8 +66,17 @@ class ModelConfig:
 
     def to_core(self) -> "_core.ModelDims":
         dims = _core.ModelDims()
-        for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "layers", "moe_topk",
-                     "moe_ffn", "shared_ffn"):
+        for name in (
+            "hidden",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "ffn",
+            "layers",
+            "moe_topk",
+            "moe_ffn",
+            "shared_ffn",
+        ):
             setattr(dims, name, getattr(self, name))
         return dims
 
@@ -110,7 +128,9 @@ def _int_list(values: Iterable, field_name: str) -> list[int]:
     return out
 
 
-def pack_production(lengths: Sequence[int], context: int, max_sequences: int = 0) -> list[PackedSequence]:
+def pack_production(
+    lengths: Sequence[int], context: int, max_sequences: int = 0
+) -> list[PackedSequence]:
     """Sequential fill of `context`-token sequences, splitting documents at the boundary."""
     seqs = _core.pack_production(_int_list(lengths, "lengths"), int(context), int(max_sequences))
     return [PackedSequence(s) for s in seqs]
@@ -118,7 +138,9 @@ def pack_production(lengths: Sequence[int], context: int, max_sequences: int = 0
 
 def pack_best_fit(lengths: Sequence[int], context: int) -> list[PackedSequence]:
     """Best-fit greedy knapsack packing; a document longer than `context` is an error."""
-    return [PackedSequence(s) for s in _core.pack_best_fit(_int_list(lengths, "lengths"), int(context))]
+    return [
+        PackedSequence(s) for s in _core.pack_best_fit(_int_list(lengths, "lengths"), int(context))
+    ]
 
 
 def read_lengths_file(path: str | os.PathLike) -> list[int]:
@@ -192,4 +214,3 @@ def preset_names() -> list[str]:
 def sequence_pairs(doc_lengths: Iterable[int]) -> int:
     """Causal pairs of one packed sequence: the sum over its documents."""
     return sum(causal_pairs(int(l)) for l in doc_lengths)
-

@@ -28,7 +28,10 @@ from libra_ext import _planner as core
 
 MEDIAN, P99, CAP, SIGMA = 644.0, 71_000.0, 1 << 20, 1.3
 # preset: (context, gbs, cp, imbalance before, imbalance after VRSP)
-SCENARIOS = {"libra-256k": (262_144, 128, 8, 1.08, 0.005), "libra-1m": (1 << 20, 32, 16, 0.52, 0.007)}
+SCENARIOS = {
+    "libra-256k": (262_144, 128, 8, 1.08, 0.005),
+    "libra-1m": (1 << 20, 32, 16, 0.52, 0.007),
+}
 
 
 def dist(m0: float, w: float, xm: float, alpha: float) -> core.LengthDist:
@@ -50,7 +53,9 @@ def bisect(f, lo: float, hi: float, target: float, iters: int = 18) -> float:
     return (lo * hi) ** 0.5
 
 
-def imbalance(d: core.LengthDist, context: int, gbs: int, cp: int, steps: int) -> tuple[float, float]:
+def imbalance(
+    d: core.LengthDist, context: int, gbs: int, cp: int, steps: int
+) -> tuple[float, float]:
     """Mean over steps of the (pool, slot) imbalance in production order and after VRSP."""
     layout = core.Layout()
     layout.dp, layout.cp, layout.pool, layout.context = 16, cp, 8, context
@@ -58,7 +63,9 @@ def imbalance(d: core.LengthDist, context: int, gbs: int, cp: int, steps: int) -
     opt.system, opt.tap = "libra", False
     before, after = [], []
     for s in range(steps):
-        r = core.plan_step(core.step_sequences(d, gbs, context, 1234, s), layout, core.ModelDims(), opt)
+        r = core.plan_step(
+            core.step_sequences(d, gbs, context, 1234, s), layout, core.ModelDims(), opt
+        )
         before.append(r["inter_pool_imbalance_before"])
         after.append(r["inter_pool_imbalance"])
     return float(np.mean(before)), float(np.mean(after))
@@ -75,17 +82,30 @@ def main() -> None:
             m0 = bisect(lambda v: quantile(dist(v, w, xm, alpha), 50), 50, 5000, MEDIAN)
             xm = bisect(lambda v: quantile(dist(m0, w, v, alpha), 99), 100, 1e6, P99)
         d = dist(m0, w, xm, alpha)
-        row = dict(median_body=m0, tail_weight=w, tail_xm=xm, tail_alpha=alpha,
-                   median=quantile(d, 50), p99=quantile(d, 99))
+        row = dict(
+            median_body=m0,
+            tail_weight=w,
+            tail_xm=xm,
+            tail_alpha=alpha,
+            median=quantile(d, 50),
+            p99=quantile(d, 99),
+        )
         for name, (context, gbs, cp, _, _) in SCENARIOS.items():
             row[name] = imbalance(d, context, gbs, cp, args.steps)
         rows.append(row)
-        print({k: (round(v, 3) if isinstance(v, float) else tuple(round(x, 3) for x in v))
-               for k, v in row.items()}, flush=True)
+        print(
+            {
+                k: (round(v, 3) if isinstance(v, float) else tuple(round(x, 3) for x in v))
+                for k, v in row.items()
+            },
+            flush=True,
+        )
     for name, (_, _, _, before, after) in SCENARIOS.items():
+
         def score(r):
             b, a = r[name]
             return abs(b - before) / before + 10 * max(0.0, a - 2 * after)
+
         print("BEST", name, min(rows, key=score), flush=True)
 
 

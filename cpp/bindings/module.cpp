@@ -107,7 +107,8 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("dtype_bytes", &PlanOptions::dtype_bytes)
       .def_readwrite("wlb_outlier_len", &PlanOptions::wlb_outlier_len)
       .def_readwrite("wlb_max_delay", &PlanOptions::wlb_max_delay)
-      .def_readwrite("wlb_release_count", &PlanOptions::wlb_release_count);
+      .def_readwrite("wlb_release_count", &PlanOptions::wlb_release_count)
+      .def("validate", &PlanOptions::validate);
 
   py::class_<PlannerState>(m, "PlannerState")
       .def(py::init<>())

@@ -42,7 +42,7 @@ void Layout::validate() const {
     fail("pool_size (P=" + std::to_string(pool) + ") must divide dp (D=" + std::to_string(dp) + ")");
 }
 
-void PlanOptions::validate(const Layout&) const {
+void PlanOptions::validate() const {
   if (block < 0) fail("block must be positive (or 0 for context / 16), got " + std::to_string(block));
   if (head_group < 0) fail("head_group must be >= 0 (0 = all heads of the slice)");
   if (!(epsilon >= 0)) fail("epsilon must be >= 0");
@@ -110,6 +110,13 @@ void StepPlan::add_tile(const Tile& t) {
   tile_executor.push_back(t.executor);
   tile_cp.push_back(t.cp);
   tile_pairs.push_back(t.pairs);
+}
+
+void StepPlan::reserve_tiles(std::size_t n) {
+  for (auto* v : {&tile_seq, &tile_doc, &tile_doc_count, &tile_q_start, &tile_q_len,
+                  &tile_head_start, &tile_head_count, &tile_kv_start, &tile_kv_len, &tile_owner,
+                  &tile_executor, &tile_cp, &tile_pairs})
+    v->reserve(n);
 }
 
 namespace {
@@ -309,7 +316,7 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   const auto t0 = std::chrono::steady_clock::now();
   layout.validate();
   model.validate();
-  options.validate(layout);
+  options.validate();
   check_heads(model, layout, options.system);
   const i64 B = static_cast<i64>(sequences.size());
   if (B == 0) fail("sequences is empty: a step needs at least dp packed sequences");
@@ -332,11 +339,11 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
 
   PlanOptions opt = options;
   if (opt.block == 0) opt.block = std::max<i64>(1024, layout.context / 16);
+  double est = 0;  // tiles before TAP's splits of heavy tiles
   {
     // Refuse plans whose tile count would exhaust memory rather than failing mid-way.
     const i64 hl = model.heads / (layout.cp * layout.tp);
     const i64 hg = opt.head_group > 0 ? std::min(opt.head_group, hl) : hl;
-    double est = 0;
     for (const auto& seq : sequences) {
       i64 tokens = 0;
       for (i64 l : seq) tokens += l;
@@ -348,6 +355,7 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
            ") would cut this step into about " + std::to_string(static_cast<i64>(est)) +
            " tiles; raise block or head_group");
   }
+  if (options.system != System::Wlb) p.reserve_tiles(static_cast<std::size_t>(est * 1.5));
   VrspPlacement placement;
   if (options.system == System::Wlb) {
     wlb_pack(p, sequences, opt, *state, flush);

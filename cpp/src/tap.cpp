@@ -27,6 +27,7 @@ void push_tile(StepPlan& p, i64 seq, i64 doc, i64 doc_off, i64 a, i64 b, i64 h0,
 // halves first, then rows at the midpoint of work, down to kMinSplitRows rows. Calls emit(tile)
 // for each, executor = owner.
 constexpr i64 kMinSplitRows = 128;
+constexpr double kRefineMinGain = 1e-4;
 
 template <typename Emit>
 void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, Emit& emit) {
@@ -279,9 +280,11 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
       placer.assign(k, best);
     }
     // Refinement: move one tile from the most loaded member to the least loaded one while that
-    // lowers the pair's maximum; among such tiles the lowest new maximum, then fewest bytes.
+    // lowers the pair's maximum by more than kRefineMinGain of the mean (a move that gains less
+    // is not worth its bytes); among such tiles the lowest new maximum, then fewest bytes.
     if (opt.refine && P > 1) {
       const i64 limit = opt.max_refine_moves > 0 ? opt.max_refine_moves : 64 * P;
+      const double min_gain = kRefineMinGain * total / static_cast<double>(P);
       auto& exec = placer.exec();
       std::vector<std::vector<std::size_t>> on(static_cast<std::size_t>(P));
       for (std::size_t k = 0; k < n; ++k) on[exec[k]].push_back(k);  // ascending tile order
@@ -296,9 +299,9 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
           const std::size_t k = on[hi][pos];
           const double w = gt.load[k];
           const double new_max = std::max(load[hi] - w, load[lo] + w);
-          if (!(new_max < load[hi])) continue;
-          const i64 inc = placer.increment(k, lo);
-          if (pick == n || new_max < pick_max || (new_max == pick_max && inc < pick_inc)) {
+          if (!(new_max < load[hi] - min_gain) || (pick != n && new_max > pick_max)) continue;
+          const i64 inc = placer.increment(k, lo);  // only for a new best or a tie
+          if (pick == n || new_max < pick_max || inc < pick_inc) {
             pick = k;
             pick_pos = pos;
             pick_max = new_max;

@@ -15,15 +15,20 @@ from libra_ext.workload import LengthSource, ModelConfig, preset_names
 
 MODEL_PRESETS = {
     "qwen3-30b-a3b": ModelConfig(),
-    "llama3-8b": ModelConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, layers=32,
-                             moe_topk=0, moe_ffn=0),
+    "llama3-8b": ModelConfig(
+        hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, layers=32, moe_topk=0, moe_ffn=0
+    ),
 }
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", default="libra-256k", choices=preset_names(),
-                     help="document-length preset (default libra-256k)")
+    src.add_argument(
+        "--workload",
+        default="libra-256k",
+        choices=preset_names(),
+        help="document-length preset (default libra-256k)",
+    )
     src.add_argument("--lengths-file", help="file of document lengths, one positive integer a line")
     p.add_argument("--context", type=int, help="tokens per packed sequence (default: the preset's)")
 
@@ -36,8 +41,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="plan steps and report balance, traffic and exactness",
-                       description="Plan N steps of a workload and report the plan's metrics.")
+    p = sub.add_parser(
+        "plan",
+        help="plan steps and report balance, traffic and exactness",
+        description="Plan N steps of a workload and report the plan's metrics.",
+    )
     p.add_argument("--system", default="libra", choices=SYSTEMS)
     _add_workload_args(p)
     p.add_argument("--gbs", type=int, default=128, help="packed sequences per step (B)")
@@ -46,7 +54,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (T)")
     p.add_argument("--pool-size", type=int, default=8, help="replicas per pool (P)")
     _add_model_args(p)
-    p.add_argument("--block", type=int, default=0, help="query tokens per tile (0: context/16)")
+    p.add_argument("--block", type=int, help="query tokens per tile (default: context/16)")
     p.add_argument("--head-group", type=int, default=0, help="heads per tile (0: whole slice)")
     p.add_argument("--epsilon", type=float, default=0.02, help="TAP soft-cap slack")
     p.add_argument("--no-vrsp", action="store_true", help="libra: keep production placement")
@@ -60,9 +68,12 @@ def add_plan_parser(sub) -> None:
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
-    b = bsub.add_parser("planner", help="C++ planner against the pure-Python reference",
-                        description="Planning time per step, C++ core against the Python "
-                                    "reference implementation, measured side by side.")
+    b = bsub.add_parser(
+        "planner",
+        help="C++ planner against the pure-Python reference",
+        description="Planning time per step, C++ core against the Python "
+        "reference implementation, measured side by side.",
+    )
     b.add_argument("--steps", type=int, default=10, help="C++ steps timed per case")
     b.add_argument("--python-steps", type=int, default=3, help="Python steps timed per case")
     b.add_argument("--seed", type=int, default=0)
@@ -96,11 +107,18 @@ def _source(args) -> tuple[LengthSource, int]:
 def run_plan(args) -> dict | None:
     _positive(args.steps, "steps")
     source, context = _source(args)
-    layout = LayoutConfig(dp=args.dp, cp=args.cp, tp=args.tp, pool_size=args.pool_size,
-                          context=context)
+    layout = LayoutConfig(
+        dp=args.dp, cp=args.cp, tp=args.tp, pool_size=args.pool_size, context=context
+    )
     model = _model(args)
-    options = PlannerOptions(system=args.system, block=args.block, head_group=args.head_group,
-                             epsilon=args.epsilon, vrsp=not args.no_vrsp, tap=not args.no_tap)
+    options = PlannerOptions(
+        system=args.system,
+        block=args.block,
+        head_group=args.head_group,
+        epsilon=args.epsilon,
+        vrsp=not args.no_vrsp,
+        tap=not args.no_tap,
+    )
     if args.gbs <= 0 or args.gbs % args.dp:
         raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
     planner = Planner(layout, model, options)
@@ -133,8 +151,14 @@ def run_plan(args) -> dict | None:
         "system": args.system,
         "workload": source.name,
         "steps": args.steps,
-        "layout": {"gbs": args.gbs, "dp": args.dp, "cp": args.cp, "tp": args.tp,
-                   "pool_size": args.pool_size, "context": context},
+        "layout": {
+            "gbs": args.gbs,
+            "dp": args.dp,
+            "cp": args.cp,
+            "tp": args.tp,
+            "pool_size": args.pool_size,
+            "context": context,
+        },
         "inter_pool_imbalance": mean("inter_pool_imbalance"),
         "inter_pool_imbalance_before": mean("inter_pool_imbalance_before"),
         "pool_total_imbalance": mean("pool_total_imbalance"),
@@ -163,14 +187,22 @@ def run_plan(args) -> dict | None:
 
 def _print_plan_table(r: dict) -> None:
     lay = r["layout"]
-    print(f"libra plan: system={r['system']} workload={r['workload']} steps={r['steps']} "
-          f"S={lay['context']} B={lay['gbs']} D={lay['dp']} C={lay['cp']} T={lay['tp']} "
-          f"P={lay['pool_size']}")
+    print(
+        f"libra plan: system={r['system']} workload={r['workload']} steps={r['steps']} "
+        f"S={lay['context']} B={lay['gbs']} D={lay['dp']} C={lay['cp']} T={lay['tp']} "
+        f"P={lay['pool_size']}"
+    )
     rows = [
-        ("inter-pool imbalance (max/mean-1, (pool,slot) groups)", r["inter_pool_imbalance_before"],
-         r["inter_pool_imbalance"]),
-        ("pool-total imbalance (max/mean-1)", r["pool_total_imbalance_before"],
-         r["pool_total_imbalance"]),
+        (
+            "inter-pool imbalance (max/mean-1, (pool,slot) groups)",
+            r["inter_pool_imbalance_before"],
+            r["inter_pool_imbalance"],
+        ),
+        (
+            "pool-total imbalance (max/mean-1)",
+            r["pool_total_imbalance_before"],
+            r["pool_total_imbalance"],
+        ),
         ("per-rank attention max/mean", r["max_over_mean_before"], r["max_over_mean"]),
     ]
     print(f"  {'metric':58s} {'production':>11s} {'planned':>9s}")
@@ -211,26 +243,40 @@ def run_bench_planner(args) -> dict | None:
         py_ms, identical = [], True
         for seqs, plan in list(zip(steps, plans))[: args.python_steps]:
             t0 = time.perf_counter()
-            ref = plan_libra(seqs, dp, cp, 1, pool, context, model.heads, model.kv_heads,
-                             model.head_dim)
+            ref = plan_libra(
+                seqs, dp, cp, 1, pool, context, model.heads, model.kv_heads, model.head_dim
+            )
             py_ms.append((time.perf_counter() - t0) * 1e3)
             identical &= ref.seq_replica == plan.seq_replica.tolist()
             identical &= ref.seq_slot == plan.seq_slot.tolist()
             identical &= [t[10] for t in ref.tiles] == plan.tile_executor.tolist()
         cpp, py = statistics.median(cpp_ms), statistics.median(py_ms)
         out["cases"][name] = {
-            "workload": preset, "context": context, "gbs": gbs, "dp": dp, "cp": cp, "pool": pool,
+            "workload": preset,
+            "context": context,
+            "gbs": gbs,
+            "dp": dp,
+            "cp": cp,
+            "pool": pool,
             "tiles_per_step": float(np.mean([p.n_tiles for p in plans])),
-            "cpp_ms": cpp, "cpp_call_ms": statistics.median(wall_ms), "python_ms": py,
-            "speedup": py / cpp if cpp > 0 else float("inf"), "identical": bool(identical),
-            "cpp_steps": args.steps, "python_steps": len(py_ms),
+            "cpp_ms": cpp,
+            "cpp_call_ms": statistics.median(wall_ms),
+            "python_ms": py,
+            "speedup": py / cpp if cpp > 0 else float("inf"),
+            "identical": bool(identical),
+            "cpp_steps": args.steps,
+            "python_steps": len(py_ms),
         }
     if args.json:
         return out
     print("libra bench planner: planning time per step (median), C++ core vs Python reference")
-    print(f"  {'case':6s} {'tiles':>7s} {'C++ ms':>8s} {'call ms':>8s} {'Python ms':>10s} "
-          f"{'ratio':>7s} identical")
+    print(
+        f"  {'case':6s} {'tiles':>7s} {'C++ ms':>8s} {'call ms':>8s} {'Python ms':>10s} "
+        f"{'ratio':>7s} identical"
+    )
     for name, c in out["cases"].items():
-        print(f"  {name:6s} {c['tiles_per_step']:7.0f} {c['cpp_ms']:8.3f} {c['cpp_call_ms']:8.3f} "
-              f"{c['python_ms']:10.1f} {c['speedup']:6.0f}x {c['identical']}")
+        print(
+            f"  {name:6s} {c['tiles_per_step']:7.0f} {c['cpp_ms']:8.3f} {c['cpp_call_ms']:8.3f} "
+            f"{c['python_ms']:10.1f} {c['speedup']:6.0f}x {c['identical']}"
+        )
     return None

@@ -30,7 +30,7 @@ struct PlanOptions {
   i64 block = 0;             // query tokens per SH-tile; 0 = context / 16 (at least 1024)
   i64 head_group = 0;        // heads per SH-tile; 0 = all heads of the rank's slice
   double epsilon = 0.02;     // TAP soft cap: (1 + epsilon) * mean
-  double max_tile_share = 0.05;  // TAP: split tiles heavier than this share of the member mean
+  double max_tile_share = 0.1;   // TAP: split tiles heavier than this share of the member mean
   bool vrsp = true;          // libra: VRSP placement (false: production order)
   bool tap = true;           // libra: tile moves inside the pool (false: owners execute all)
   bool refine = true;        // libra: refinement pass after the greedy
@@ -41,7 +41,7 @@ struct PlanOptions {
   i64 wlb_max_delay = 4;     // wlb: steps an outlier may wait at most
   i64 wlb_release_count = 0; // wlb: release an outlier level when it holds this many; 0 = dp
 
-  void validate(const Layout& layout) const;
+  void validate() const;
 };
 
 // Carried planner state across steps (WLB-LLM's delay queue and overflow). Plain data, so it can
@@ -117,6 +117,7 @@ struct StepPlan {
         executor, cp, pairs;
   };
   void add_tile(const Tile& t);
+  void reserve_tiles(std::size_t n);
   i64 n_seq() const { return static_cast<i64>(seq_doc_offsets.size()) - 1; }
   i64 n_tiles() const { return static_cast<i64>(tile_seq.size()); }
   u64 compute_hash() const;

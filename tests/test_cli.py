@@ -1,0 +1,134 @@
+"""The `libra` command line: JSON output, tables, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron.libra.cli import main
+
+SMALL = [
+    "--gbs",
+    "16",
+    "--dp",
+    "4",
+    "--cp",
+    "2",
+    "--pool-size",
+    "2",
+    "--context",
+    "32768",
+    "--steps",
+    "2",
+]
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("system", ["libra", "ulysses", "wlb", "distca"])
+def test_plan_json_has_the_contract_keys(capsys, system):
+    r = _json(capsys, ["plan", "--system", system, *SMALL, "--json"])
+    for key in (
+        "system",
+        "steps",
+        "inter_pool_imbalance",
+        "inter_pool_imbalance_before",
+        "vrsp_lower_bound_ratio",
+        "max_over_mean",
+        "max_over_mean_before",
+        "moved_token_fraction",
+        "bytes_moved_per_rank",
+        "plan_ms",
+        "pairs_exact",
+        "samples_preserved",
+    ):
+        assert key in r, key
+    assert r["system"] == system and r["steps"] == 2
+    assert r["pairs_exact"] is True and r["samples_preserved"] is True
+
+
+def test_plan_libra_beats_ulysses_on_the_same_steps(capsys):
+    lib = _json(capsys, ["plan", "--system", "libra", *SMALL, "--json"])
+    uly = _json(capsys, ["plan", "--system", "ulysses", *SMALL, "--json"])
+    assert lib["max_over_mean_before"] == uly["max_over_mean"]
+    assert lib["max_over_mean"] < uly["max_over_mean"]
+
+
+def test_plan_table_and_lengths_file(capsys, tmp_path):
+    f = tmp_path / "lengths.txt"
+    f.write_text("\n".join(str(x) for x in [100, 5000, 20000, 300, 64]) + "\n")
+    assert main(["plan", "--lengths-file", str(f), *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert f"workload=file:{f}" in out and "per-rank attention max/mean" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--pool-size", "3"], "pool_size (P=3) must divide dp (D=16)"),
+        (["plan", "--gbs", "100"], "gbs (B=100) must be a positive multiple of dp (D=16)"),
+        (["plan", "--heads", "12"], "model.heads (h=12) must be divisible by cp*tp (8)"),
+        (["plan", "--block", "0"], "block must be a positive integer, got 0"),
+        (["plan", "--steps", "0"], "steps must be positive"),
+        (["plan", "--workload", "nope"], "invalid choice: 'nope'"),
+        (["plan", "--dp", "x"], "invalid int value: 'x'"),
+    ],
+)
+def test_plan_errors_exit_2_with_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) if "invalid" in message else _no_exit():
+        code = main(argv)
+        assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "is empty"),
+        ("10\nabc\n", "line 2: 'abc' is not a positive integer"),
+    ],
+)
+def test_lengths_file_errors(capsys, tmp_path, text, message):
+    f = tmp_path / "l.txt"
+    f.write_text(text)
+    assert main(["plan", "--lengths-file", str(f), "--context", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_lengths_file_needs_a_context(capsys, tmp_path):
+    f = tmp_path / "l.txt"
+    f.write_text("10\n")
+    assert main(["plan", "--lengths-file", str(f)]) == 2
+    assert "context: --context is required" in capsys.readouterr().err
+
+
+def test_console_script_runs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron.libra.cli", "plan", *SMALL, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout)["pairs_exact"] is True
+
+
+def test_bench_planner_json(capsys):
+    r = _json(capsys, ["bench", "planner", "--steps", "2", "--python-steps", "1", "--json"])
+    for case in ("256k", "1m"):
+        c = r["cases"][case]
+        assert c["identical"] is True
+        assert c["cpp_ms"] > 0 and c["python_ms"] > 0 and c["speedup"] > 1
+
+
+class _no_exit:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

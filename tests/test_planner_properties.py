@@ -1,0 +1,167 @@
+"""Property tests of the planner over random workloads and layouts, for every system."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libra_ext import checks
+from libra_ext.planner import Planner, PlannerOptions
+from libra_ext.workload import block_pairs
+
+from .strategies import layouts, step_inputs
+
+SYSTEMS = ["libra", "ulysses", "wlb", "distca"]
+
+
+def _options(data, system):
+    return PlannerOptions(
+        system=system,
+        block=data.draw(st.sampled_from([None, 1, 7, 64, 512])),
+        head_group=data.draw(st.sampled_from([0, 1, 3])),
+        epsilon=data.draw(st.sampled_from([0.0, 0.02, 0.2])),
+        max_tile_share=data.draw(st.sampled_from([0.0, 0.1, 0.01])),
+    )
+
+
+def _expected_exchange(plan):
+    """Q/O/LSE element counts recomputed from the tiles alone."""
+    px = plan.exchange_pool
+    q = np.zeros_like(plan.xchg_q)
+    lse = np.zeros_like(plan.xchg_lse)
+    for t in range(plan.n_tiles):
+        o, e = plan.tile_owner[t], plan.tile_executor[t]
+        if o == e:
+            continue
+        assert o // px == e // px, "a tile left its exchange pool"
+        g = plan.group_of(o, plan.seq_slot[plan.tile_seq[t]])
+        n = plan.tile_q_len[t] * plan.tile_head_count[t]
+        q[g, o % px, e % px] += n * plan.head_dim
+        lse[g, e % px, o % px] += n
+    return q, lse
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+@given(data=st.data())
+def test_plan_is_exact_preserving_and_deterministic(system, data):
+    layout, model = data.draw(layouts())
+    seqs = data.draw(step_inputs(layout))
+    options = _options(data, system)
+    plan = Planner(layout, model, options).plan(seqs, flush=True)
+    ok, why = checks.pairs_exact(plan)
+    assert ok, why
+    if system == "wlb":
+        ok, why = checks.documents_preserved([l for s in seqs for l in s], [plan])
+    else:
+        ok, why = checks.samples_preserved(seqs, plan)
+    assert ok, why
+    # exact cardinality: every (replica, slot) holds exactly one sequence
+    assert sorted(zip(plan.seq_replica.tolist(), plan.seq_slot.tolist())) == [
+        (r, s) for r in range(layout.dp) for s in range(plan.slots)
+    ]
+    # determinism: a fresh planner gives the same plan, byte for byte
+    again = Planner(layout, model, options).plan(seqs, flush=True)
+    assert again.hash == plan.hash
+    for name in ("tile_executor", "tile_q_start", "seq_replica", "xchg_kv", "send_order"):
+        assert np.array_equal(getattr(again, name), getattr(plan, name))
+    # exchange counts agree with the tiles; bytes only where tiles move
+    q, lse = _expected_exchange(plan)
+    assert np.array_equal(q, plan.xchg_q)
+    assert np.array_equal(lse, plan.xchg_lse)
+    assert np.array_equal(plan.xchg_o, np.swapaxes(plan.xchg_q, 1, 2))
+    moved = plan.tile_owner != plan.tile_executor
+    assert (plan.xchg_kv.sum() > 0) == bool(moved.any())
+    if system in ("ulysses", "wlb") or (system == "libra" and layout.pool_size == 1):
+        assert not moved.any() and plan.total_bytes == 0
+    # loads: every rank's modeled load sums to the tiles' FLOPs
+    flops = 4.0 * model.head_dim * (plan.tile_pairs * plan.tile_head_count) * 3.5
+    per_rank_total = np.where(plan.tile_cp < 0, flops * plan.cp, flops).sum()
+    assert np.isclose(plan.rank_load.sum(), per_rank_total)
+    assert plan.max_over_mean >= 1.0 - 1e-12 or plan.rank_load.sum() == 0
+    assert plan.vrsp_lower_bound_ratio >= 1.0 - 1e-9
+
+
+@given(data=st.data())
+def test_rank_slices_are_consistent_with_the_whole(data):
+    layout, model = data.draw(layouts())
+    seqs = data.draw(step_inputs(layout))
+    system = data.draw(st.sampled_from(SYSTEMS))
+    plan = Planner(layout, model, _options(data, system)).plan(seqs, flush=True)
+    px = plan.exchange_pool
+    seen_seq, executed = [], np.zeros(plan.n_tiles, dtype=int)
+    for r in range(layout.dp):
+        for c in range(layout.cp):
+            sl = plan.rank_slice(r, c)
+            if c == 0:
+                seen_seq.extend(sl["sequences"].tolist())
+            executed[sl["tiles_executed"]] += 1
+            assert (plan.tile_owner[sl["tiles_owned"]] == r).all()
+            # what r sends to j is what j receives from r, slot by slot
+            for slot in range(plan.slots):
+                g = plan.group_of(r, slot)
+                for j in range(px):
+                    peer = (r // px) * px + j
+                    peer_sl = plan.rank_slice(peer, c)
+                    assert peer_sl["groups"][slot] == g
+                    assert sl["xchg_q_send"][slot, j] == peer_sl["xchg_q_recv"][slot, r % px]
+                    assert sl["xchg_kv_send"][slot, j] == peer_sl["xchg_kv_recv"][slot, r % px]
+    assert sorted(seen_seq) == list(range(plan.n_seq))
+    # Ulysses-style tiles run on every cp rank of their executor; per-cp tiles on one
+    expected = np.where(plan.tile_cp < 0, layout.cp, 1)
+    assert np.array_equal(executed, expected)
+    with pytest.raises(ValueError, match="replica"):
+        plan.rank_slice(layout.dp, 0)
+    with pytest.raises(ValueError, match="cp_rank"):
+        plan.rank_slice(0, layout.cp)
+
+
+def test_kv_prefix_is_shipped_once_per_destination():
+    # one 4096-token document split into 8 query blocks, P = 2: whatever moves needs one prefix
+    from libra_ext.planner import LayoutConfig
+    from libra_ext.workload import ModelConfig
+
+    layout = LayoutConfig(dp=2, cp=1, pool_size=2, context=4096)
+    model = ModelConfig(
+        hidden=64, heads=2, kv_heads=1, head_dim=8, ffn=64, layers=1, moe_topk=0, moe_ffn=0
+    )
+    plan = Planner(layout, model, PlannerOptions(block=512, max_tile_share=0.0)).plan(
+        [[4096], [16]]
+    )
+    moved = np.flatnonzero(plan.tile_owner != plan.tile_executor)
+    assert len(moved) > 1
+    assert len(plan.kv_len) == 1  # one (document, kv head, destination) entry
+    assert plan.kv_len[0] == plan.tile_kv_len[moved].max()
+    assert plan.xchg_kv.sum() == 2 * plan.kv_len[0] * model.head_dim
+    # both members end up with the same attention work (up to one block's granularity)
+    work = [plan.tile_pairs[plan.tile_executor == r].sum() for r in range(2)]
+    assert abs(work[0] - work[1]) <= block_pairs(4096 - 512, 4096)
+
+
+def test_libra_balances_a_skewed_step_and_ulysses_does_not():
+    from libra_ext.planner import LayoutConfig
+    from libra_ext.workload import LengthSource, ModelConfig
+
+    src = LengthSource(preset="libra-256k")
+    layout = LayoutConfig(dp=16, cp=8, pool_size=8, context=262144)
+    seqs = src.step(128, 262144, seed=0, step=1)
+    libra = Planner(layout, ModelConfig(), PlannerOptions(system="libra")).plan(seqs)
+    uly = Planner(layout, ModelConfig(), PlannerOptions(system="ulysses")).plan(seqs)
+    assert uly.max_over_mean > 1.5
+    assert libra.max_over_mean < 1.02
+    assert libra.vrsp_lower_bound_ratio < 1.005
+    assert libra.inter_pool_imbalance < uly.inter_pool_imbalance
+    assert libra.max_over_mean_before == uly.max_over_mean
+
+
+@settings(max_examples=15)
+@given(data=st.data())
+def test_vrsp_never_raises_inter_pool_imbalance(data):
+    layout, model = data.draw(layouts())
+    seqs = data.draw(step_inputs(layout))
+    no_vrsp = Planner(layout, model, PlannerOptions(vrsp=False, tap=False)).plan(seqs)
+    vrsp = Planner(layout, model, PlannerOptions(vrsp=True, tap=False)).plan(seqs)
+    assert (
+        vrsp.pool_total_imbalance <= no_vrsp.pool_total_imbalance + 1e-9
+        or vrsp.vrsp_max_group <= no_vrsp.vrsp_max_group + 1e-6
+    )
+    assert vrsp.vrsp_max_group <= no_vrsp.vrsp_max_group * (1 + 1e-12)

@@ -1,0 +1,139 @@
+"""Cost model, packing, generators and lengths files (libra_ext.workload vs the C++ core)."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from libra_ext import _planner as core
+from libra_ext import workload as wl
+
+
+@given(st.integers(0, 2**30))
+def test_causal_pairs_matches_core(l):
+    assert core.causal_pairs(l) == wl.causal_pairs(l) == l * (l + 1) // 2
+
+
+@given(st.integers(0, 2**20), st.integers(0, 2**20))
+def test_block_pairs_matches_core_and_sums(a, b):
+    a, b = min(a, b), max(a, b)
+    assert core.block_pairs(a, b) == wl.block_pairs(a, b)
+    # rows [0, a) and [a, b) together are the causal pairs of the first b rows
+    assert wl.block_pairs(0, a) + wl.block_pairs(a, b) == wl.causal_pairs(b)
+
+
+def test_block_pairs_counts_rows_against_prefix():
+    # rows 2, 3, 4 of a document see 3, 4 and 5 keys
+    assert wl.block_pairs(2, 5) == 3 + 4 + 5
+
+
+def test_linear_and_attention_flops():
+    m = wl.ModelConfig(
+        hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, layers=2, moe_topk=0, moe_ffn=0
+    )
+    qkv_o = 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64
+    expected = 2 * qkv_o + 6 * 64 * 128
+    assert wl.linear_fwd_flops_per_token(m) == expected
+    assert core.linear_fwd_flops_per_token(m.to_core()) == expected
+    moe = wl.ModelConfig(
+        hidden=64, heads=4, kv_heads=2, head_dim=16, moe_topk=2, moe_ffn=32, shared_ffn=16
+    )
+    assert wl.linear_fwd_flops_per_token(moe) == 2 * qkv_o + 6 * 64 * (2 * 32 + 16)
+    assert core.linear_fwd_flops_per_token(moe.to_core()) == wl.linear_fwd_flops_per_token(moe)
+    assert wl.attn_fwd_flops(10, 4, 16) == core.attn_fwd_flops(10, 4, 16) == 4 * 16 * 4 * 10
+    assert wl.ATTN_BWD_FACTOR == core.ATTN_BWD_FACTOR == 2.5
+
+
+def test_model_config_rejects_bad_fields():
+    with pytest.raises(ValueError, match="model.kv_heads"):
+        wl.ModelConfig(heads=32, kv_heads=5)
+    with pytest.raises(ValueError, match="model.heads"):
+        wl.ModelConfig(heads=0)
+    with pytest.raises(ValueError, match="model.hidden"):
+        wl.ModelConfig(hidden=2.5)
+
+
+def test_production_packing_splits_at_boundary():
+    seqs = wl.pack_production([5, 7, 3, 9], 8)
+    assert [s.doc_lengths for s in seqs] == [[5, 3], [4, 3, 1], [8]]
+    assert [s.cu_seqlens for s in seqs] == [[0, 5, 8], [0, 4, 7, 8], [0, 8]]
+    assert [s.doc_lengths for s in wl.pack_production([5, 7, 3, 9], 8, max_sequences=2)] == [
+        [5, 3],
+        [4, 3, 1],
+    ]
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=60), st.integers(1, 64))
+def test_production_packing_keeps_every_token(lengths, S):
+    seqs = wl.pack_production(lengths, S)
+    assert sum(s.tokens for s in seqs) == sum(lengths)
+    assert all(s.tokens == S for s in seqs[:-1]) and 0 < seqs[-1].tokens <= S
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=60), st.integers(64, 200))
+def test_best_fit_packing(lengths, S):
+    seqs = wl.pack_best_fit(lengths, S)
+    assert sorted(l for s in seqs for l in s.doc_lengths) == sorted(lengths)
+    assert all(s.tokens <= S for s in seqs)
+    # best fit never leaves two sequences that could have been merged
+    tokens = sorted(s.tokens for s in seqs)
+    assert len(tokens) < 2 or tokens[0] + tokens[1] > S or len(seqs) == 1
+
+
+def test_best_fit_rejects_document_longer_than_context():
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 20 is longer than context 10"):
+        wl.pack_best_fit([3, 20], 10)
+
+
+@pytest.mark.parametrize("bad, field", [([3, 0], r"lengths\[1\]"), ([-4], r"lengths\[0\]")])
+def test_packing_rejects_non_positive_lengths(bad, field):
+    with pytest.raises(ValueError, match=field):
+        wl.pack_production(bad, 10)
+    with pytest.raises(ValueError, match=field):
+        wl.pack_best_fit(bad, 10)
+
+
+def test_generators_are_deterministic_and_presets_match_published_median():
+    for name in wl.preset_names():
+        src = wl.LengthSource(preset=name)
+        a, b = src.sample(200_000, 3), src.sample(200_000, 3)
+        assert a == b and a != src.sample(200_000, 4)
+        assert abs(np.median(a) - 644) <= 20  # published median 644 tokens
+        assert max(a) <= 2**20 and min(a) >= 16
+    p99 = np.percentile(wl.LengthSource(preset="libra-1m").sample(400_000, 5), 99)
+    assert 60_000 <= p99 <= 85_000  # published p99 about 71K for the 1M set
+
+
+def test_step_sequences_fill_the_context():
+    src = wl.LengthSource(preset="libra-256k")
+    seqs = src.step(gbs=16, context=65536, seed=1, step=2)
+    assert len(seqs) == 16 and all(sum(s) == 65536 for s in seqs)
+    assert seqs == src.step(gbs=16, context=65536, seed=1, step=2)
+    assert seqs != src.step(gbs=16, context=65536, seed=1, step=3)
+
+
+def test_lengths_file(tmp_path):
+    f = tmp_path / "lengths.txt"
+    f.write_text("# lengths\n100\n\n200  # two hundred\n300\n")
+    assert wl.read_lengths_file(f) == [100, 200, 300]
+    src = wl.LengthSource(lengths_file=str(f))
+    assert set(src.sample(1000, 0)) == {100, 200, 300}
+    assert src.default_context() is None and src.name == f"file:{f}"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "is empty"),
+        ("# only a comment\n", "is empty"),
+        ("10\n2.5\n", "line 2: '2.5' is not a positive integer"),
+        ("10\nabc\n", "line 2: 'abc' is not a positive integer"),
+        ("0\n", "line 1: 0 is not in"),
+        ("-3\n", "line 1: -3 is not in"),
+    ],
+)
+def test_lengths_file_errors_name_the_line(tmp_path, text, message):
+    f = tmp_path / "bad.txt"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        wl.read_lengths_file(f)
