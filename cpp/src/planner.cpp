@@ -81,7 +81,7 @@ PlannerState PlannerState::deserialize(const std::vector<i64>& flat) {
 }
 
 u64 StepPlan::compute_hash() const {
-  Fnv1a h;
+  PlanHasher h;
   for (i64 v : {static_cast<i64>(system), dp, cp, tp, pool, context, slots, exchange_pool,
                 heads_local, kv_heads_local, head_dim, dtype_bytes})
     h.value(v);

@@ -223,22 +223,19 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
     // Pass 1: owners keep their own tiles while under the soft cap, least work per byte first
     // (early query blocks and short documents stay; late blocks of long documents, the cheapest
     // work to ship, are the ones left over).
-    std::vector<double> per_byte(n);
+    std::vector<std::pair<double, std::size_t>> order(n);  // (work per byte, tile)
     for (std::size_t k = 0; k < n; ++k) {
       const i64 t = gt.index[k];
       const i64 kvh = kv_head_of(plan, plan.tile_head_start[t] + plan.tile_head_count[t] - 1) -
                       kv_head_of(plan, plan.tile_head_start[t]) + 1;
-      per_byte[k] = gt.load[k] / static_cast<double>(
-                                     bytes.qo_bytes(plan.tile_q_len[t], plan.tile_head_count[t]) +
-                                     kvh * bytes.kv_bytes(plan.tile_kv_len[t]));
+      order[k] = {gt.load[k] / static_cast<double>(
+                                   bytes.qo_bytes(plan.tile_q_len[t], plan.tile_head_count[t]) +
+                                   kvh * bytes.kv_bytes(plan.tile_kv_len[t])),
+                  k};
     }
-    std::vector<std::size_t> order(n);
-    std::iota(order.begin(), order.end(), std::size_t{0});
-    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-      return per_byte[a] != per_byte[b] ? per_byte[a] < per_byte[b] : a < b;
-    });
+    std::sort(order.begin(), order.end());
     std::vector<std::size_t> rest;
-    for (std::size_t k : order) {
+    for (const auto& [per_byte, k] : order) {
       if (load[gt.owner[k]] + gt.load[k] <= cap) {
         placer.assign(k, gt.owner[k]);
       } else {
