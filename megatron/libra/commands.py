@@ -13,6 +13,14 @@ from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
 from libra_ext.reference import plan_libra
 from libra_ext.workload import LengthSource, ModelConfig, preset_names
 
+
+class _DocView:
+    """The two arrays of a plan that `checks.documents_preserved` reads."""
+
+    def __init__(self, doc_ids, doc_lengths):
+        self.doc_ids, self.doc_lengths = doc_ids, doc_lengths
+
+
 MODEL_PRESETS = {
     "qwen3-30b-a3b": ModelConfig(),
     "llama3-8b": ModelConfig(
@@ -122,24 +130,41 @@ def run_plan(args) -> dict | None:
     if args.gbs <= 0 or args.gbs % args.dp:
         raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
     planner = Planner(layout, model, options)
-    plans, inputs = [], []
+    # Check every plan as it comes and keep only its metrics, so memory stays flat over steps.
+    metrics, hashes, tiles = [], [], []
+    inexact, unpreserved = [], []  # why pairs_exact / samples_preserved failed, if they did
+    inputs_docs, executed = [], []  # wlb: documents over the whole run
+
+    def check(plan, seqs=None):
+        ok, why = checks.pairs_exact(plan)
+        if not ok:
+            inexact.append(why)
+        if seqs is not None and args.system != "wlb":
+            ok, why = checks.samples_preserved(seqs, plan)
+            if not ok:
+                unpreserved.append(why)
+        if args.system == "wlb":
+            executed.append(_DocView(plan.doc_ids.copy(), plan.doc_lengths.copy()))
+
     for step in range(args.steps):
         seqs = source.step(args.gbs, context, args.seed, step)
-        inputs.append(seqs)
-        plans.append(planner.plan(seqs))
+        plan = planner.plan(seqs)
+        metrics.append(plan.metrics())
+        hashes.append(f"{plan.hash:016x}")
+        tiles.append(plan.n_tiles)
+        check(plan, seqs)
+        if args.system == "wlb":
+            inputs_docs.extend(l for q in seqs for l in q)
+        del plan
     if args.system == "wlb":  # release what the delay queue still holds
         empty = [[] for _ in range(args.gbs)]
         for _ in range(10_000):
             if planner.pending_documents == 0:
                 break
-            plans.append(planner.plan(empty, flush=True))
-    exact = [checks.pairs_exact(p) for p in plans]
-    if args.system == "wlb":
-        preserved = [checks.documents_preserved([l for s in inputs for q in s for l in q], plans)]
-    else:
-        preserved = [checks.samples_preserved(i, p) for i, p in zip(inputs, plans)]
-    measured = plans[: args.steps]
-    metrics = [p.metrics() for p in measured]
+            check(planner.plan(empty, flush=True))
+        ok, why = checks.documents_preserved(inputs_docs, executed)
+        if not ok:
+            unpreserved.append(why)
 
     def mean(key):
         return float(np.mean([m[key] for m in metrics]))
@@ -171,14 +196,13 @@ def run_plan(args) -> dict | None:
         "bytes_moved_per_rank": mean("bytes_moved_per_rank"),
         "bytes_moved_max_rank": worst("bytes_moved_max_rank"),
         "plan_ms": float(statistics.median(m["plan_ms"] for m in metrics)),
-        "tiles_per_step": float(np.mean([p.n_tiles for p in measured])),
-        "pairs_exact": all(ok for ok, _ in exact),
-        "samples_preserved": all(ok for ok, _ in preserved),
-        "hashes": [f"{p.hash:016x}" for p in measured],
+        "tiles_per_step": float(np.mean(tiles)),
+        "pairs_exact": not inexact,
+        "samples_preserved": not unpreserved,
+        "hashes": hashes,
     }
-    problems = [why for ok, why in exact + preserved if not ok]
-    if problems:
-        result["problems"] = sorted(set(problems))
+    if inexact or unpreserved:
+        result["problems"] = sorted(set(inexact + unpreserved))
     if args.json:
         return result
     _print_plan_table(result)
@@ -233,15 +257,18 @@ def run_bench_planner(args) -> dict | None:
         layout = LayoutConfig(dp=dp, cp=cp, pool_size=pool, context=context)
         planner = Planner(layout, model, PlannerOptions(system="libra"))
         steps = [source.step(gbs, context, args.seed, s) for s in range(args.steps)]
-        cpp_ms, wall_ms, plans = [], [], []
-        for seqs in steps:
+        cpp_ms, wall_ms, kept, tiles = [], [], [], []
+        for i, seqs in enumerate(steps):
             t0 = time.perf_counter()
             plan = planner.plan(seqs)
             wall_ms.append((time.perf_counter() - t0) * 1e3)
             cpp_ms.append(plan.plan_ms)
-            plans.append(plan)
+            tiles.append(plan.n_tiles)
+            if i < args.python_steps:  # keep only what the reference is compared with
+                kept.append(plan)
+            del plan
         py_ms, identical = [], True
-        for seqs, plan in list(zip(steps, plans))[: args.python_steps]:
+        for seqs, plan in zip(steps, kept):
             t0 = time.perf_counter()
             ref = plan_libra(
                 seqs, dp, cp, 1, pool, context, model.heads, model.kv_heads, model.head_dim
@@ -258,7 +285,7 @@ def run_bench_planner(args) -> dict | None:
             "dp": dp,
             "cp": cp,
             "pool": pool,
-            "tiles_per_step": float(np.mean([p.n_tiles for p in plans])),
+            "tiles_per_step": float(np.mean(tiles)),
             "cpp_ms": cpp,
             "cpp_call_ms": statistics.median(wall_ms),
             "python_ms": py,
