@@ -36,6 +36,13 @@ def lpt(loads: list[float], n_groups: int, card: int) -> list[int]:
         count[g] += 1
         if count[g] < card:
             heapq.heappush(heap, (load + loads[i], g))
+    return refine_by_swaps(loads, group, n_groups)
+
+
+def refine_by_swaps(loads: list[float], group: list[int], n_groups: int) -> list[int]:
+    """Swap an item of the heaviest group with a lighter one of another group while that lowers
+    the heavier of the two below the current maximum."""
+    group = list(group)
     gl = [0.0] * n_groups
     members: list[list[int]] = [[] for _ in range(n_groups)]
     for i, g in enumerate(group):
@@ -156,6 +163,18 @@ def plan_libra(
     n_groups = B // pool
     n_pools = dp // pool
     seq_group = lpt(loads, n_groups, pool)
+    from_production = refine_by_swaps(
+        loads, [((s // m) // pool) * m + s % m for s in range(B)], n_groups
+    )
+
+    def max_group_of(grouping):
+        gl = [0.0] * n_groups
+        for s, g in enumerate(grouping):
+            gl[g] += loads[s]
+        return max(gl)
+
+    if max_group_of(from_production) < max_group_of(seq_group):
+        seq_group = from_production
     gload = [0.0] * n_groups
     for s, g in enumerate(seq_group):
         gload[g] += loads[s]

@@ -46,6 +46,10 @@ class ModelConfig:
     """Per-expert intermediate size."""
     shared_ffn: int = 0
     """Shared-expert intermediate size (0 = none)."""
+    experts: int = 128
+    """Routed experts per MoE layer (parameter count only)."""
+    vocab: int = 151_936
+    """Vocabulary size (parameter count only)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -63,6 +67,21 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"model.{name} must be an integer, got {value!r}")
         self.to_core().validate()
+        if self.moe_topk > self.experts:
+            raise ValueError(
+                f"model.moe_topk ({self.moe_topk}) exceeds model.experts ({self.experts})"
+            )
+
+    def param_count(self) -> float:
+        """Parameters: attention projections, MLP or experts (+ shared expert and router), and
+        input and output embeddings."""
+        H = self.hidden
+        attn = H * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * H
+        if self.moe_topk > 0:
+            mlp = self.experts * 3 * H * self.moe_ffn + 3 * H * self.shared_ffn + H * self.experts
+        else:
+            mlp = 3 * H * self.ffn
+        return float(self.layers * (attn + mlp) + 2 * self.vocab * H)
 
     def to_core(self) -> "_core.ModelDims":
         dims = _core.ModelDims()

@@ -1,4 +1,4 @@
-"""`libra` command line: planner, benchmarks (later: simulate, train, ab, verify).
+"""`libra` command line: planner, simulator, benchmarks.
 
 Every bad input ends with exit code 2 and a one-line message naming the field or line.
 """
@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
-from megatron.libra import commands
+from megatron.libra import commands, sim_commands
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     commands.add_plan_parser(sub)
     commands.add_bench_parser(sub)
+    sim_commands.add_simulate_parser(sub)
+    sim_commands.add_recommend_parser(sub)
     return parser
 
 

@@ -1,0 +1,201 @@
+"""Step-time model per rank (DESIGN.md section 4): linear layers, attention tiles, Ulysses
+all-to-all, the pool exchange and how much of it the TAP pipeline hides, WLB-LLM's KV all-gather,
+and the data-parallel gradient reduction. Step time = max over ranks + the exposed reduction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from libra_ext.planner import StepPlan
+from libra_ext.simulator.hardware import HardwareProfile
+from libra_ext.workload import (
+    ATTN_BWD_FACTOR,
+    LINEAR_BWD_FACTOR,
+    ModelConfig,
+    linear_fwd_flops_per_token,
+)
+
+
+@dataclass
+class StepTimes:
+    """Seconds for one optimizer step. Per-rank arrays are [D, C] (every tp rank of a (replica,
+    cp) pair is identical); `slot` is [D, m], the time of each micro-batch slot of a replica."""
+
+    linear: np.ndarray
+    attention: np.ndarray
+    cp_comm: np.ndarray
+    """Ulysses all-to-all (or WLB-LLM's KV all-gather and dK/dV reduce-scatter)."""
+    pool_comm: np.ndarray
+    """Pool-exchange transfer time."""
+    pool_exposed: np.ndarray
+    """The part of pool_comm the TAP pipeline does not hide."""
+    dp_exposed: float
+    slot: np.ndarray
+
+    @property
+    def rank_total(self) -> np.ndarray:
+        return self.linear + self.attention + self.cp_comm + self.pool_exposed
+
+    @property
+    def step(self) -> float:
+        return float(self.rank_total.max()) + self.dp_exposed
+
+    @property
+    def attention_latency(self) -> np.ndarray:
+        """Per-rank time of core attention including its communication."""
+        return self.attention + self.cp_comm + self.pool_exposed
+
+
+def exposed_pool_comm(
+    comm: np.ndarray, attn: np.ndarray, chunks: int, pipelined: bool
+) -> np.ndarray:
+    """Pool exchange time left on the critical path. With the TAP pipeline over `chunks` head
+    chunks, chunk i+1's transfer overlaps chunk i's attention: the first chunk's send and the last
+    chunk's return stay exposed, the middle transfers only where they outlast the compute."""
+    if not pipelined or chunks <= 1:
+        return comm
+    n = float(chunks)
+    return comm * 2.0 / n + np.maximum(0.0, comm * (n - 2.0) / n - attn * (n - 1.0) / n)
+
+
+def pool_collective_time(plan: StepPlan, hw: HardwareProfile, chunks: int) -> np.ndarray:
+    """[D, m] seconds per layer of each replica's pool exchange in each slot."""
+    px, m, D = plan.exchange_pool, plan.slots, plan.dp
+    out = np.zeros((D, m))
+    if px == 1 or not plan.xchg_q.any():
+        return out
+    dt = float(plan.dtype_bytes)
+    q, kv, o, lse = (
+        x.astype(np.float64) for x in (plan.xchg_q, plan.xchg_kv, plan.xchg_o, plan.xchg_lse)
+    )
+    # [G, a, b]: bytes a sends b over forward (Q, KV as owner; O, LSE as executor) and backward
+    # (dO as owner; dQ, dKV as executor).
+    send = dt * (q + kv + o + np.swapaxes(o, 1, 2) + np.swapaxes(q, 1, 2) + np.swapaxes(kv, 1, 2))
+    send += 4.0 * lse
+    busiest = np.maximum(send.sum(axis=2), send.sum(axis=1)).max(axis=1)  # [G]
+    peers = ((send > 0).sum(axis=2) + (send > 0).sum(axis=1)).max(axis=1)  # [G]
+    link = hw.link(plan.cp * plan.tp * px <= hw.gpus_per_node)
+    # Messages: Q, KV, O out and back per peer and head chunk, forward and backward.
+    t = busiest / link.bandwidth + peers * 3 * chunks * link.latency  # [G]
+    for g in range(len(t)):
+        pool_idx, slot = divmod(g, m)
+        out[pool_idx * px : (pool_idx + 1) * px, slot] = t[g]
+    return out
+
+
+def dp_reduction(model: ModelConfig, hw: HardwareProfile, dp: int, cp: int, tp: int) -> float:
+    """Exposed gradient reduction over the data x context-parallel group (ring)."""
+    n = dp * cp
+    nbytes = model.param_count() / tp * hw.grad_bytes_per_param
+    same_node = n * tp <= hw.gpus_per_node
+    return hw.allreduce_exposed * hw.ring_allreduce(nbytes, n, same_node)
+
+
+def simulate_plan(
+    plan: StepPlan,
+    model: ModelConfig,
+    hw: HardwareProfile,
+    *,
+    pipelined: bool = True,
+    chunks: int = 4,
+) -> StepTimes:
+    """Model one step of `plan` (any system) on `hw`."""
+    D, C, m, T = plan.dp, plan.cp, plan.slots, plan.tp
+    L = model.layers
+    d = model.head_dim
+    dtype = plan.dtype_bytes
+    # Tokens of every executed sequence, and the (replica, slot) it runs in.
+    seq_tokens = (
+        np.add.reduceat(plan.doc_lengths, plan.seq_doc_offsets[:-1])
+        if len(plan.doc_lengths)
+        else np.zeros(plan.n_seq, dtype=np.int64)
+    )
+    seq_tokens = np.where(np.diff(plan.seq_doc_offsets) > 0, seq_tokens, 0).astype(np.float64)
+    rs = plan.seq_replica * m + plan.seq_slot
+    slot_tokens = np.bincount(rs, weights=seq_tokens, minlength=D * m).reshape(D, m)
+    tokens_rank_slot = slot_tokens / C  # every cp rank holds 1/C of each sequence's tokens
+
+    # Linear layers: forward + backward, sharded over tp.
+    lin_flops = linear_fwd_flops_per_token(model) * (1.0 + LINEAR_BWD_FACTOR) * L / T
+    linear_slot = tokens_rank_slot * lin_flops / (hw.bf16_peak * hw.linear_efficiency)
+
+    # Attention tiles: forward at the curve's speed, backward at backward_speed_ratio of it.
+    single = plan.tile_doc_count == 1
+    length = np.where(
+        single, plan.tile_kv_len, plan.tile_q_len / np.maximum(plan.tile_doc_count, 1)
+    )
+    eff = hw.attn_efficiency(length)
+    fwd = 4.0 * d * plan.tile_head_count * plan.tile_pairs.astype(np.float64) * L
+    t_tile = fwd / (hw.attn_peak * eff) * (1.0 + ATTN_BWD_FACTOR / hw.attn_bwd_speed)
+    exec_slot = plan.tile_executor * m + plan.seq_slot[plan.tile_seq]
+    attn_slot = np.zeros((D, C, m))
+    all_cp = plan.tile_cp < 0
+    per_rs = np.bincount(exec_slot[all_cp], weights=t_tile[all_cp], minlength=D * m).reshape(D, m)
+    attn_slot += per_rs[:, None, :]
+    if (~all_cp).any():
+        idx = (plan.tile_executor[~all_cp] * C + plan.tile_cp[~all_cp]) * m + exec_slot[~all_cp] % m
+        attn_slot += np.bincount(idx, weights=t_tile[~all_cp], minlength=D * C * m).reshape(D, C, m)
+    # Kernel-call floor: one batched varlen call per head chunk, forward and backward, per layer.
+    calls = (chunks if plan.exchange_pool > 1 and pipelined else 1) * 2 * L
+    busy = np.zeros((D, C, m), dtype=bool)
+    busy[:, :, :] = attn_slot > 0
+    attn_slot += busy * calls * hw.call_floor
+
+    # Context-parallel communication inside the replica.
+    h, hkv = model.heads, model.kv_heads
+    cp_link = hw.link(C * T <= hw.gpus_per_node)
+    if plan.system == "wlb":
+        # Per-document CP: all-gather K, V (fwd) and reduce-scatter dK, dV (bwd) over C ranks.
+        per_token = 2 * hkv / T * d * dtype * 2 * (C - 1)
+        msgs = 2 * 2 * (C - 1)
+    else:
+        # Ulysses: all-to-all Q, K, V in and O out (fwd), dO in and dQ, dK, dV out (bwd).
+        per_token = ((h + 2 * hkv) + h) / T * d * dtype * 2 * (C - 1) / C
+        msgs = 4 * (C - 1)
+    cp_slot = (
+        np.where(
+            tokens_rank_slot > 0,
+            (tokens_rank_slot * per_token / cp_link.bandwidth + msgs * cp_link.latency) * L,
+            0.0,
+        )
+        if C > 1
+        else np.zeros((D, m))
+    )
+
+    # Pool exchange (libra, distca): one all-to-all-v per group and layer, forward and backward.
+    # A collective ends when its busiest member has sent and received everything, so every member
+    # of the group waits for max over members of max(bytes sent, bytes received).
+    pool_comm = (
+        np.repeat(
+            pool_collective_time(plan, hw, chunks if pipelined else 1).sum(axis=1)[:, None],
+            C,
+            axis=1,
+        )
+        * L
+    )
+    attention = attn_slot.sum(axis=2)
+    pool_exposed = exposed_pool_comm(pool_comm, attention, chunks, pipelined)
+    linear = np.repeat(linear_slot.sum(axis=1)[:, None], C, axis=1)
+    cp_comm = np.repeat(cp_slot.sum(axis=1)[:, None], C, axis=1)
+    # Per-slot time of each replica (the slowest cp rank), with the pool exposure spread over
+    # slots in proportion to their attention time.
+    share = np.divide(
+        attn_slot,
+        attention[:, :, None],
+        out=np.zeros_like(attn_slot),
+        where=attention[:, :, None] > 0,
+    )
+    slot = (
+        linear_slot[:, None, :] + attn_slot + cp_slot[:, None, :] + pool_exposed[:, :, None] * share
+    ).max(axis=1)
+    return StepTimes(
+        linear=linear,
+        attention=attention,
+        cp_comm=cp_comm,
+        pool_comm=pool_comm,
+        pool_exposed=pool_exposed,
+        dp_exposed=dp_reduction(model, hw, D, C, T),
+        slot=slot,
+    )

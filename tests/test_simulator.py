@@ -1,0 +1,255 @@
+"""Offline simulator: the step-time formula on a hand-computed example, ablation monotonicity,
+config validation and the `libra simulate` / `libra recommend-pool` commands."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+from libra_ext.simulator.config import SimConfig
+from libra_ext.simulator.cost import exposed_pool_comm, simulate_plan
+from libra_ext.simulator.hardware import HardwareProfile
+from libra_ext.simulator.run import run_point
+from libra_ext.workload import LengthSource, ModelConfig
+from megatron.libra.cli import main
+
+FLAT_HW = {
+    "name": "flat",
+    "bf16_peak_tflops": 100.0,
+    "attention": {
+        "peak_tflops": 50.0,
+        "curve": [[1, 1.0], [1000000, 1.0]],
+        "backward_speed_ratio": 0.5,
+        "call_floor_us": 10.0,
+    },
+    "linear_efficiency": 0.5,
+    "gpus_per_node": 8,
+    "nvlink": {"bandwidth_gbps": 100.0, "latency_us": 1.0},
+    "internode": {"bandwidth_gbps": 10.0, "latency_us": 5.0},
+    "allreduce": {"grad_bytes_per_param": 4, "exposed_fraction": 0.5},
+}
+TINY = ModelConfig(
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    ffn=128,
+    layers=2,
+    moe_topk=0,
+    moe_ffn=0,
+    experts=1,
+    vocab=100,
+)
+
+
+def test_two_rank_step_time_equals_the_formula():
+    hw = HardwareProfile.from_dict(FLAT_HW)
+    layout = LayoutConfig(dp=2, cp=1, pool_size=1, context=1000)
+    plan = Planner(layout, TINY, PlannerOptions(system="ulysses")).plan([[1000], [300, 200]])
+    t = simulate_plan(plan, TINY, hw)
+    L, d, h = 2, 16, 4
+    lin_per_token = (2 * (64 * (4 + 4) * 16 + 4 * 16 * 64) + 6 * 64 * 128) * 3 * L / (100e12 * 0.5)
+
+    def attn(pairs_per_tile):
+        fwd = sum(4 * d * h * p * L for p in pairs_per_tile) / 50e12
+        return fwd * (1 + 2.5 / 0.5) + 2 * L * 10e-6  # one varlen call fwd + bwd per layer
+
+    r0 = 1000 * lin_per_token + attn([1000 * 1001 // 2])
+    r1 = 500 * lin_per_token + attn([300 * 301 // 2 + 200 * 201 // 2])  # one coalesced tile
+    params = TINY.param_count()
+    dp = 0.5 * (2 * 1 / 2 * params * 4 / 100e9 + 2 * 1 * 1e-6)  # ring over 2 GPUs in one node
+    assert math.isclose(t.rank_total[0, 0], r0, rel_tol=1e-12)
+    assert math.isclose(t.rank_total[1, 0], r1, rel_tol=1e-12)
+    assert math.isclose(t.dp_exposed, dp, rel_tol=1e-12)
+    assert math.isclose(t.step, max(r0, r1) + dp, rel_tol=1e-12)
+    assert np.allclose(t.slot[:, 0], [r0, r1])
+
+
+def test_pipeline_exposure_formula():
+    comm, attn = np.array([8.0, 8.0, 0.0]), np.array([100.0, 1.0, 5.0])
+    # 4 chunks: first and last chunk exposed (2/4 of comm), middle hidden behind 3/4 of attention
+    assert np.allclose(exposed_pool_comm(comm, attn, 4, True), [4.0, 4.0 + 4.0 - 0.75, 0.0])
+    assert np.allclose(exposed_pool_comm(comm, attn, 4, False), comm)
+    assert (exposed_pool_comm(comm, attn, 4, True) <= comm).all()
+
+
+def _cfg(tmp_path, **over):
+    d = {
+        "hardware": "h100-sxm",
+        "model": {
+            "hidden": 256,
+            "heads": 8,
+            "kv_heads": 2,
+            "head_dim": 32,
+            "ffn": 512,
+            "layers": 2,
+            "moe_topk": 0,
+            "moe_ffn": 0,
+            "experts": 1,
+            "vocab": 1000,
+        },
+        "steps": 2,
+        "dcp_steps": 1,
+        "seed": 0,
+        "pipeline_chunks": 4,
+        "systems": [
+            "ulysses",
+            "wlb",
+            "distca",
+            "libra-tap",
+            "libra-tap-vrsp",
+            "libra",
+            "megatron-dcp",
+        ],
+        "reference": "ref.yaml",
+        "scenarios": {
+            "small": {
+                "workload": "libra-256k",
+                "context": 16384,
+                "gbs": 16,
+                "cp": 2,
+                "tp": 1,
+                "pool_size": 4,
+                "dp": [1, 2, 4, 8],
+                "pool_sweep": {"dp": 8, "pool_sizes": [2, 4, 8]},
+            }
+        },
+    }
+    d.update(over)
+    (tmp_path / "ref.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "scenarios": {
+                    "small": {
+                        "dp_scaling_dp16": {"cite": "test", "libra": 7.0},
+                        "exchange_cost": {"cite": "test", 4: 0.1},
+                    }
+                }
+            }
+        )
+    )
+    p = tmp_path / "sim.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def test_ablations_are_monotone(tmp_path):
+    cfg = SimConfig.load(_cfg(tmp_path))
+    hw = HardwareProfile.load("h100-sxm")
+    sc = cfg.scenarios[0]
+    src = LengthSource(preset="libra-256k")
+    for seed in range(4):
+        steps = [src.step(sc.gbs, sc.context, seed, s) for s in range(2)]
+        tap = run_point("libra-tap", sc, 8, 4, steps, cfg, hw)
+        tap_vrsp = run_point("libra-tap-vrsp", sc, 8, 4, steps, cfg, hw)
+        # adding VRSP never raises the inter-pool imbalance on the same input
+        assert tap_vrsp.imbalance_after <= tap.imbalance_after + 1e-12
+        assert tap.imbalance_before == tap_vrsp.imbalance_before
+    # the pipeline only hides exchange: exposed <= transferred, on every rank
+    plan = Planner(
+        LayoutConfig(dp=8, cp=2, pool_size=4, context=16384), cfg.model, PlannerOptions()
+    ).plan(steps[0])
+    t = simulate_plan(plan, cfg.model, hw, pipelined=True, chunks=4)
+    assert (t.pool_exposed <= t.pool_comm + 1e-15).all() and t.pool_comm.max() > 0
+
+
+def test_simulate_writes_report_results_and_figures(tmp_path, capsys):
+    cfg = _cfg(tmp_path)
+    out = tmp_path / "out"
+    assert main(["simulate", str(cfg), "--out", str(out), "--json", "--no-progress"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    s = r["scenarios"]["small"]
+    assert r["workload"]["small"] == "libra-256k" and s["workload"] == "libra-256k"
+    for system in ("ulysses", "libra", "wlb", "distca", "libra-tap", "libra-tap-vrsp"):
+        assert set(s["dp_scaling"][system]) == {"1", "2", "4", "8"}
+        assert s["dp_scaling"][system]["1"] == pytest.approx(1.0)
+        assert 0 < s["scaling_efficiency_dp16"][system] <= 1.0 + 1e-9
+        assert s["attention_latency"][system]["max"] >= s["attention_latency"][system]["mean"]
+    assert "megatron-dcp" in s["dp_scaling"] or "megatron-dcp" in s["errors"]
+    assert set(s["pool_sweep"]) == {"2", "4", "8"}
+    for v in s["pool_sweep"].values():
+        assert {"imbalance_before", "imbalance_after", "exchange_cost"} <= set(v)
+    assert s["recommended_pool_size"] in (2, 4, 8)
+    report = (out / "report.md").read_text()
+    assert "| libra |" in report and "paper DP8" in report and "Recommended pool size" in report
+    for f in (
+        "dp_scaling_small.png",
+        "pool_sweep_small.png",
+        "rank_attention_small.png",
+        "results.json",
+    ):
+        assert (out / f).stat().st_size > 0
+
+
+def test_simulate_with_a_lengths_file_names_it(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in [50, 400, 3000, 9000, 120, 16000]) + "\n")
+    cfg = _cfg(tmp_path, systems=["ulysses", "libra"])
+    out = tmp_path / "o"
+    assert (
+        main(
+            [
+                "simulate",
+                str(cfg),
+                "--out",
+                str(out),
+                "--lengths-file",
+                str(lengths),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert f"file:{lengths}" in (out / "report.md").read_text()
+    assert json.loads((out / "results.json").read_text())["workload"]["small"] == f"file:{lengths}"
+
+
+def test_recommend_pool(tmp_path, capsys):
+    assert main(["recommend-pool", str(_cfg(tmp_path, systems=["libra"])), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["scenarios"]["small"]
+    assert r["recommended_pool_size"] in (2, 4, 8)
+    best = min(r["pool_sweep"], key=lambda p: r["pool_sweep"][p]["step_time"])
+    assert int(best) == r["recommended_pool_size"] and "lowest modeled step time" in r["reason"]
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (dict(systems=["ulysses", "nope"]), r"systems\[1\] = 'nope'"),
+        (dict(steps=0), r"config.steps must be an integer >= 1"),
+        (dict(bogus=1), r"unknown key 'bogus'"),
+        (dict(model={"heads": 8, "kv_heads": 3}), r"model.kv_heads"),
+        (dict(model={"layer": 2}), r"model.layer is not a model field"),
+    ],
+)
+def test_bad_config_fields_are_named(tmp_path, over, message):
+    with pytest.raises(ValueError, match=message):
+        SimConfig.load(_cfg(tmp_path, **over))
+
+
+def test_bad_scenario_fields_are_named(tmp_path, capsys):
+    p = _cfg(tmp_path)
+    d = yaml.safe_load(p.read_text())
+    d["scenarios"]["small"]["pool_sweep"]["pool_sizes"] = [3]
+    p.write_text(yaml.safe_dump(d))
+    assert main(["simulate", str(p), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "scenarios.small.pool_sweep.pool_sizes[0] = 3 does not divide" in err
+    assert err.count("\n") == 1
+
+
+def test_hardware_profile_errors():
+    bad = dict(FLAT_HW, attention=dict(FLAT_HW["attention"], curve=[[10, 1.0], [5, 0.5]]))
+    with pytest.raises(ValueError, match="curve tokens must be positive and increasing"):
+        HardwareProfile.from_dict(bad)
+    with pytest.raises(ValueError, match="hardware.linear_efficiency is missing"):
+        HardwareProfile.from_dict({k: v for k, v in FLAT_HW.items() if k != "linear_efficiency"})
+    with pytest.raises(ValueError, match="no profile 'tpu'"):
+        HardwareProfile.load("tpu")
+    for name in ("h100-sxm", "h200-sxm"):
+        hw = HardwareProfile.load(name)
+        assert hw.attn_efficiency(np.array([512]))[0] == pytest.approx(0.47, abs=0.05)
+        assert hw.attn_efficiency(np.array([65536]))[0] == 1.0
