@@ -1,0 +1,139 @@
+"""Counted collectives with explicit backward passes, and cached process groups.
+
+Every collective of the runtime lives inside an autograd Function whose backward issues the
+mirrored collective itself, so each pass issues its collectives in one fixed order on every rank
+(autograd never interleaves two independent collectives differently on different ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ByteCounter:
+    """Bytes this rank sent, by kind (forward and backward counted separately)."""
+
+    sent: dict = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.sent[kind] = self.sent.get(kind, 0) + int(nbytes)
+
+    def total(self, prefix: str = "") -> int:
+        return sum(v for k, v in self.sent.items() if k.startswith(prefix))
+
+    def reset(self) -> None:
+        self.sent.clear()
+
+
+def all_to_all(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group,
+    counter: ByteCounter | None,
+    kind: str,
+    async_op: bool = False,
+):
+    """all_to_all_single over flat buffers, counting the bytes this rank sends to others."""
+    if counter is not None:
+        me = dist.get_rank(group)
+        sent = sum(n for i, n in enumerate(in_splits) if i != me)
+        counter.add(kind, sent * inp.element_size())
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+
+
+class EqualAllToAll(torch.autograd.Function):
+    """[n, W, f] -> [W * n, f]: slice w of every rank's input goes to rank w (Ulysses)."""
+
+    @staticmethod
+    def forward(ctx, x, group, counter, kind):
+        n, world, f = x.shape
+        inp = x.transpose(0, 1).contiguous().reshape(-1)
+        out = torch.empty_like(inp)
+        all_to_all(out, inp, [n * f] * world, [n * f] * world, group, counter, kind)
+        ctx.group, ctx.counter, ctx.kind, ctx.shape = group, counter, kind, (n, world, f)
+        return out.reshape(world * n, f)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, world, f = ctx.shape
+        inp = grad.contiguous().reshape(-1)
+        out = torch.empty_like(inp)
+        all_to_all(
+            out, inp, [n * f] * world, [n * f] * world, ctx.group, ctx.counter, ctx.kind + ".bwd"
+        )
+        return out.reshape(world, n, f).transpose(0, 1), None, None, None
+
+
+class AllGatherRS(torch.autograd.Function):
+    """All-gather along dim 0 (equal sizes); backward is a reduce-scatter (all-to-all + sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group, counter, kind):
+        world = dist.get_world_size(group)
+        flat = x.contiguous().reshape(-1)
+        inp = flat.repeat(world)
+        out = torch.empty_like(inp)
+        n = flat.numel()
+        all_to_all(out, inp, [n] * world, [n] * world, group, counter, kind)
+        ctx.group, ctx.counter, ctx.kind, ctx.shape = group, counter, kind, x.shape
+        return out.reshape(world * x.shape[0], *x.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = dist.get_world_size(ctx.group)
+        inp = grad.contiguous().reshape(-1)
+        out = torch.empty_like(inp)
+        n = inp.numel() // world
+        all_to_all(out, inp, [n] * world, [n] * world, ctx.group, ctx.counter, ctx.kind + ".bwd")
+        return out.reshape(world, *ctx.shape).sum(0), None, None, None
+
+
+class GroupCache:
+    """Process groups of the runtime, created once, in the same order on every rank.
+
+    Rank order is Megatron's tp-cp-dp: global rank = t + T * (c + C * r). The CP group of
+    (t, r) holds its C cp ranks; the pool group of (t, c, pool k of size P) holds the P ranks of
+    that tp rank and cp index in the pool's replicas.
+    """
+
+    def __init__(self, tp: int, cp: int, dp: int):
+        if dist.get_world_size() != tp * cp * dp:
+            raise ValueError(f"world size {dist.get_world_size()} != tp*cp*dp = {tp * cp * dp}")
+        self.tp, self.cp, self.dp = tp, cp, dp
+        self._cp: dict = {}
+        self._pool: dict = {}
+        me = dist.get_rank()
+        self.t, rest = me % tp, me // tp
+        self.c, self.r = rest % cp, rest // cp
+        for r in range(dp):
+            for t in range(tp):
+                ranks = [t + tp * (c + cp * r) for c in range(cp)]
+                g = dist.new_group(ranks)
+                if t == self.t and r == self.r:
+                    self._cp_group = g
+
+    def cp_group(self):
+        return self._cp_group
+
+    def pool_group(self, pool: int):
+        """This rank's pool communicator for pools of `pool` replicas (created on first use,
+        collectively: every rank must ask for the same pool sizes in the same order)."""
+        if pool not in self._pool:
+            mine = None
+            for k in range(self.dp // pool):
+                for c in range(self.cp):
+                    for t in range(self.tp):
+                        ranks = [
+                            t + self.tp * (c + self.cp * r) for r in range(k * pool, (k + 1) * pool)
+                        ]
+                        g = dist.new_group(ranks) if pool > 1 else None
+                        if t == self.t and c == self.c and k == self.r // pool:
+                            mine = g
+            self._pool[pool] = mine
+        return self._pool[pool]
