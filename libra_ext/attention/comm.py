@@ -7,6 +7,7 @@ mirrored collective itself, so each pass issues its collectives in one fixed ord
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -102,11 +103,13 @@ class GroupCache:
     that tp rank and cp index in the pool's replicas.
     """
 
-    def __init__(self, tp: int, cp: int, dp: int):
+    def __init__(self, tp: int, cp: int, dp: int, timeout_s: float = 600.0):
         if dist.get_world_size() != tp * cp * dp:
             raise ValueError(f"world size {dist.get_world_size()} != tp*cp*dp = {tp * cp * dp}")
         self.tp, self.cp, self.dp = tp, cp, dp
-        self._cp: dict = {}
+        # A rank that stops early (bad input on that rank only) turns into a timeout error on the
+        # others instead of a hang.
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pool: dict = {}
         me = dist.get_rank()
         self.t, rest = me % tp, me // tp
@@ -114,7 +117,7 @@ class GroupCache:
         for r in range(dp):
             for t in range(tp):
                 ranks = [t + tp * (c + cp * r) for c in range(cp)]
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=self.timeout)
                 if t == self.t and r == self.r:
                     self._cp_group = g
 
@@ -132,7 +135,7 @@ class GroupCache:
                         ranks = [
                             t + self.tp * (c + self.cp * r) for r in range(k * pool, (k + 1) * pool)
                         ]
-                        g = dist.new_group(ranks) if pool > 1 else None
+                        g = dist.new_group(ranks, timeout=self.timeout) if pool > 1 else None
                         if t == self.t and c == self.c and k == self.r // pool:
                             mine = g
             self._pool[pool] = mine

@@ -1,4 +1,4 @@
-"""`libra` command line: planner, simulator, benchmarks.
+"""`libra` command line: planner, simulator, runtime verification, benchmarks.
 
 Every bad input ends with exit code 2 and a one-line message naming the field or line.
 """
@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
-from megatron.libra import commands, sim_commands
+from megatron.libra import commands, sim_commands, verify_commands
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_bench_parser(sub)
     sim_commands.add_simulate_parser(sub)
     sim_commands.add_recommend_parser(sub)
+    verify_commands.add_verify_parser(sub)
     return parser
 
 
@@ -40,9 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"libra {args.command}: error: {msg}", file=sys.stderr)
         return 2
-    if result is not None:
-        if getattr(args, "json", False):
-            print(json.dumps(result, sort_keys=False))
+    if result is not None and getattr(args, "json", False):
+        print(json.dumps(result, sort_keys=False))
+    if isinstance(result, dict) and result.get("ok") is False:
+        return 1
     return 0
 
 

@@ -1,0 +1,162 @@
+"""Single-process parts of the attention runtime: the reference kernel, the THD zigzag layout,
+input validation, and the plan-hash check (two gloo ranks)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from libra_ext.attention import thd
+from libra_ext.attention.kernels import reference_attention, select_backend
+from libra_ext.attention.verify import free_port
+
+
+def _naive(q, k, v, scale):
+    """Row by row softmax attention, bottom-right causal, GQA by head // group."""
+    n_q, hq, d = q.shape
+    n_k, hk = k.shape[0], k.shape[1]
+    out = torch.zeros_like(q)
+    for h in range(hq):
+        kh = h // (hq // hk)
+        for i in range(n_q):
+            keys = i + (n_k - n_q) + 1
+            s = (k[:keys, kh] @ q[i, h]) * scale
+            out[i, h] = torch.softmax(s, 0) @ v[:keys, kh]
+    return out
+
+
+@pytest.mark.parametrize(
+    "n_q, n_k, hq, hk", [(5, 5, 2, 2), (3, 9, 4, 2), (1, 7, 4, 1), (6, 6, 3, 1)]
+)
+def test_reference_kernel_matches_naive(n_q, n_k, hq, hk):
+    g = torch.Generator().manual_seed(n_q * 10 + n_k)
+    q, k, v = (
+        torch.randn(n, h, 8, generator=g, dtype=torch.float64)
+        for n, h in ((n_q, hq), (n_k, hk), (n_k, hk))
+    )
+    out, lse = reference_attention(q, k, v, 0.3)
+    assert torch.allclose(out, _naive(q, k, v, 0.3), atol=1e-12)
+    assert lse.shape == (hq, n_q)
+
+
+def test_reference_kernel_block_diagonal_documents():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(7, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    out, _ = reference_attention(q, k, v, 0.5, doc_lengths=[3, 4])
+    a, _ = reference_attention(q[:3], k[:3], v[:3], 0.5)
+    b, _ = reference_attention(q[3:], k[3:], v[3:], 0.5)
+    assert torch.allclose(out, torch.cat([a, b]), atol=1e-12)
+
+
+def test_zigzag_split_layout():
+    # 10 tokens, C = 2: padded to 12, chunks of 3: rank 0 holds chunks 0 and 3, rank 1 chunks 1, 2
+    r0, r1 = thd.zigzag_split([10], 2, 0), thd.zigzag_split([10], 2, 1)
+    assert r0.token_index.tolist() == [0, 1, 2, 9, -1, -1]
+    assert r1.token_index.tolist() == [3, 4, 5, 6, 7, 8]
+    assert r0.position_ids.tolist() == [0, 1, 2, 9, 10, 11]
+    assert r0.cu_seqlens.tolist() == [0, 4] and r0.cu_seqlens_padded.tolist() == [0, 6]
+    # every real token lands on exactly one rank; gather_order inverts the rank-major layout
+    for docs, cp in (([1, 7, 3], 2), ([5], 4), ([16, 1], 4)):
+        parts = [thd.zigzag_split(docs, cp, r).token_index for r in range(cp)]
+        allidx = np.concatenate(parts)
+        assert sorted(allidx[allidx >= 0].tolist()) == list(range(sum(docs)))
+        order = thd.gather_order(docs, cp)
+        assert (allidx[order] == np.arange(sum(docs))).all()
+    with pytest.raises(ValueError, match="rank must be in"):
+        thd.zigzag_split([4], 2, 2)
+    with pytest.raises(ValueError, match=r"doc_lengths\[1\] must be positive"):
+        thd.zigzag_split([4, 0], 2, 0)
+
+
+def test_backend_ladder_says_why(caplog):
+    with caplog.at_level("INFO", logger="libra_ext.attention.kernels"):
+        b = select_backend(torch.device("cpu"))
+    assert b.name == "reference"
+    assert "PyTorch reference on CPU" in caplog.text and "no GPU" in caplog.text
+
+
+def _bad_input_worker(rank, world, port, out_dir):
+    from libra_ext.attention.comm import GroupCache
+    from libra_ext.attention.core import AttentionStep, LibraCoreAttention, Runtime, check_plan_hash
+    from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+    from libra_ext.workload import ModelConfig
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    groups = GroupCache(tp=1, cp=1, dp=2)
+    model = ModelConfig(
+        hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64, layers=1, moe_topk=0, moe_ffn=0
+    )
+    layout = LayoutConfig(dp=2, cp=1, pool_size=2, context=64)
+    seqs = [[40, 8], [16]] if rank == 0 else [[40, 8], [17]]  # rank 1 plans different data
+    plan = Planner(layout, model, PlannerOptions()).plan(seqs)
+    errors = []
+    try:
+        check_plan_hash(plan, timeout_s=30)
+    except ValueError as e:
+        errors.append(str(e))
+    op = LibraCoreAttention(system="libra", runtime=Runtime(groups=groups))
+
+    class Params:
+        libra = AttentionStep(plan, 0)
+        libra_doc_lengths = seqs[rank]
+
+    n = len(thd.zigzag_split(seqs[rank], 1, 0).token_index)  # local slots
+    try:
+        op(
+            torch.randn(n, 3, 8),
+            torch.randn(n, 1, 8),
+            torch.randn(n, 1, 8),
+            packed_seq_params=Params(),
+        )
+    except ValueError as e:
+        errors.append(str(e))
+    q = torch.randn(n + 1, 4, 8)
+    try:
+        op(q, q[:, :2], q[:, :2], packed_seq_params=Params())
+    except ValueError as e:
+        errors.append(str(e))
+    with open(os.path.join(out_dir, f"{rank}.txt"), "w") as fh:
+        fh.write("\n".join(errors))
+    dist.destroy_process_group()
+
+
+def test_bad_inputs_fail_clearly_on_every_rank(tmp_path):
+    mp.spawn(_bad_input_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        lines = (tmp_path / f"{rank}.txt").read_text().splitlines()
+        assert lines[0].startswith("plan hash differs across ranks: rank 0 has")
+        assert "ranks [1]" in lines[0]
+        assert "mismatched head counts" in lines[1] or "multiple of key/value heads" in lines[1]
+        assert lines[2].startswith("cu_seqlens do not match the tokens")
+
+
+def test_verify_cli_json(capsys):
+    import json
+
+    from megatron.libra.cli import main
+
+    assert main(["verify", "attention", "--nproc", "2", "--system", "libra", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["ok"] is True and r["bytes_sent"] == r["bytes_planned"] > 0
+    assert r["max_abs_err_out"] <= 1e-5 and r["max_abs_err_grad"] <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc", "4", "--cp", "3"], "cp (3) must divide nproc (4)"),
+        (["--nproc", "4", "--cp", "1", "--pool-size", "3"], "pool_size (P=3) must divide dp (D=4)"),
+        (["--nproc", "0"], "nproc must be positive"),
+    ],
+)
+def test_verify_cli_errors(capsys, argv, message):
+    from megatron.libra.cli import main
+
+    assert main(["verify", "attention", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
