@@ -160,3 +160,32 @@ def test_verify_cli_errors(capsys, argv, message):
     assert main(["verify", "attention", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_builds_from_a_megatron_module_spec():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from libra_ext.attention.core import LibraCoreAttention
+
+    spec = ModuleSpec(module=LibraCoreAttention, params={"system": "ulysses", "runtime": None})
+    op = build_module(
+        spec,
+        config=None,
+        layer_number=3,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        cp_comm_type=None,
+        softmax_scale=0.1,
+        pg_collection=None,
+    )
+    assert isinstance(op, LibraCoreAttention)
+    assert (op.layer_number, op.system, op.softmax_scale) == (3, "ulysses", 0.1)
+    with pytest.raises(ValueError, match="needs THD inputs"):
+        op(torch.zeros(2, 4, 8), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), None)
+    with pytest.raises(ValueError, match="system must be one of"):
+        LibraCoreAttention(system="ring")
