@@ -28,3 +28,22 @@ def test_systems_match_the_reference(nproc, cp, pool, extra):
     moved = [c for c in result["cases"] if c["system"] in ("libra", "distca")]
     assert any(sum(c["bytes_sent"]) > 0 for c in moved)  # tiles really moved
     assert result["ok"]
+
+
+def test_bf16_matches_the_reference_to_bf16_precision():
+    result = run(
+        VerifyConfig(
+            nproc=2,
+            cp=1,
+            pool_size=2,
+            systems=("libra", "distca"),
+            pipelined=(True,),
+            batches=1,
+            dtype="bfloat16",
+        ),
+        tol=2e-2,
+    )
+    for case in result["cases"]:
+        assert case["max_abs_err_out"] <= 2e-2 and case["max_abs_err_grad"] <= 2e-2, case
+        assert case["bytes_sent"] == case["bytes_planned"], case  # 2-byte elements counted
+    assert result["ok"]
