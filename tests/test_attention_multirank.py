@@ -31,19 +31,21 @@ def test_systems_match_the_reference(nproc, cp, pool, extra):
 
 
 def test_bf16_matches_the_reference_to_bf16_precision():
-    result = run(
-        VerifyConfig(
-            nproc=2,
-            cp=1,
-            pool_size=2,
-            systems=("libra", "distca"),
-            pipelined=(True,),
-            batches=1,
-            dtype="bfloat16",
-        ),
-        tol=2e-2,
+    # bf16 keeps 8 mantissa bits: gradients of magnitude 4-8 (these inputs) round in steps of
+    # 1/32, and dK/dV summed over tiles may round differently from the reference, so allow two
+    # such steps; outputs (magnitude < 2) must agree within 2e-2.
+    cfg = VerifyConfig(
+        nproc=2,
+        cp=1,
+        pool_size=2,
+        systems=("libra", "distca"),
+        pipelined=(True,),
+        batches=1,
+        dtype="bfloat16",
     )
+    result = run(cfg, tol=6.25e-2)
     for case in result["cases"]:
-        assert case["max_abs_err_out"] <= 2e-2 and case["max_abs_err_grad"] <= 2e-2, case
+        assert case["max_abs_err_out"] <= 2e-2, case
+        assert case["max_abs_err_grad"] <= 6.25e-2, case
         assert case["bytes_sent"] == case["bytes_planned"], case  # 2-byte elements counted
     assert result["ok"]
