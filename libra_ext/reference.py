@@ -163,9 +163,7 @@ def plan_libra(
     n_groups = B // pool
     n_pools = dp // pool
     seq_group = lpt(loads, n_groups, pool)
-    from_production = refine_by_swaps(
-        loads, [((s // m) // pool) * m + s % m for s in range(B)], n_groups
-    )
+    from_production = [((s // m) // pool) * m + s % m for s in range(B)]
 
     def max_group_of(grouping):
         gl = [0.0] * n_groups

@@ -156,14 +156,13 @@ VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool,
   const i64 n_groups = static_cast<i64>(seq_loads.size()) / pool;
   const i64 n_pools = dp / pool;
   std::vector<i64> seq_group = exact_cardinality_lpt(seq_loads, n_groups, pool);
-  // LPT is a heuristic: start the same swaps from Megatron's production grouping too and keep
-  // whichever has the lighter heaviest group, so VRSP never does worse than production order.
+  // LPT is a heuristic: if Megatron's production grouping happens to have a lighter heaviest
+  // group, keep it, so VRSP never does worse than production order.
   std::vector<i64> from_production(seq_loads.size());
   for (std::size_t s = 0; s < seq_loads.size(); ++s) {
     const i64 r = static_cast<i64>(s) / slots;
     from_production[s] = (r / pool) * slots + static_cast<i64>(s) % slots;
   }
-  refine_by_swaps(seq_loads, from_production, n_groups);
   auto max_group_of = [&](const std::vector<i64>& grouping) {
     std::vector<double> gl(static_cast<std::size_t>(n_groups), 0.0);
     for (std::size_t s = 0; s < seq_loads.size(); ++s) gl[grouping[s]] += seq_loads[s];
