@@ -24,6 +24,20 @@ PRESET_CONTEXT = {"libra-256k": 262_144, "libra-1m": 1_048_576}
 """Default packed-sequence length of each workload preset."""
 
 
+_CORE_FIELDS = (
+    "hidden",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "ffn",
+    "layers",
+    "moe_topk",
+    "moe_ffn",
+    "shared_ffn",
+)
+"""ModelConfig fields the C++ core's ModelDims carries."""
+
+
 @dataclass
 class ModelConfig:
     """Transformer dimensions the cost model needs (defaults: Qwen3-30B-A3B-like)."""
@@ -52,17 +66,7 @@ class ModelConfig:
     """Vocabulary size (parameter count only)."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "hidden",
-            "heads",
-            "kv_heads",
-            "head_dim",
-            "ffn",
-            "layers",
-            "moe_topk",
-            "moe_ffn",
-            "shared_ffn",
-        ):
+        for name in _CORE_FIELDS + ("experts", "vocab"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"model.{name} must be an integer, got {value!r}")
@@ -85,17 +89,7 @@ class ModelConfig:
 
     def to_core(self) -> "_core.ModelDims":
         dims = _core.ModelDims()
-        for name in (
-            "hidden",
-            "heads",
-            "kv_heads",
-            "head_dim",
-            "ffn",
-            "layers",
-            "moe_topk",
-            "moe_ffn",
-            "shared_ffn",
-        ):
+        for name in _CORE_FIELDS:
             setattr(dims, name, getattr(self, name))
         return dims
 

@@ -270,19 +270,7 @@ class TileExchange(torch.autograd.Function):
             return recv, work, recv_splits
 
         def views(ch):
-            """Per source: Q block, K block, V block of chunk ch's receive buffer."""
-            recv, _, recv_splits = recv_bufs[ch]
-            c = spec.chunks[ch]
-            out_v, pos = {}, 0
-            for j in range(px):
-                nq, nk = c.recv_q_elems[j] * d, c.recv_kv_elems[j] * d
-                out_v[j] = (
-                    recv[pos : pos + nq],
-                    recv[pos + nq : pos + nq + nk],
-                    recv[pos + nq + nk : pos + nq + 2 * nk],
-                )
-                pos += nq + 2 * nk
-            return out_v
+            return _recv_views(recv_bufs[ch][0], spec.chunks[ch], px, d)
 
         recv_bufs[0] = post(0)
         for ch in range(len(spec.chunks)):
@@ -362,18 +350,7 @@ class TileExchange(torch.autograd.Function):
         recv_bufs = ctx.recv_bufs
 
         def views(ch):
-            recv, _, _ = recv_bufs[ch]
-            c = spec.chunks[ch]
-            out_v, pos = {}, 0
-            for j in range(px):
-                nq, nk = c.recv_q_elems[j] * d, c.recv_kv_elems[j] * d
-                out_v[j] = (
-                    recv[pos : pos + nq],
-                    recv[pos + nq : pos + nq + nk],
-                    recv[pos + nq + nk : pos + nq + 2 * nk],
-                )
-                pos += nq + 2 * nk
-            return out_v
+            return _recv_views(recv_bufs[ch][0], spec.chunks[ch], px, d)
 
         def post_do(ch):
             c = spec.chunks[ch]
@@ -504,6 +481,20 @@ class TileExchange(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _recv_views(recv: torch.Tensor, c: ChunkSpec, px: int, d: int) -> dict:
+    """Per source member: its Q block, K block and V block in a chunk's receive buffer."""
+    out, pos = {}, 0
+    for j in range(px):
+        nq, nk = c.recv_q_elems[j] * d, c.recv_kv_elems[j] * d
+        out[j] = (
+            recv[pos : pos + nq],
+            recv[pos + nq : pos + nq + nk],
+            recv[pos + nq + nk : pos + nq + 2 * nk],
+        )
+        pos += nq + 2 * nk
+    return out
 
 
 def _tile_inputs(p: _Piece, spec, ql, hc, kvlen, qf, kf, vf, views, d):

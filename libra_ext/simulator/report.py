@@ -250,6 +250,12 @@ def write_figures(results: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def save(fig, path: Path) -> Path:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     paths = []
     for name, s in results["scenarios"].items():
         dps = s["dp_values"]
@@ -261,10 +267,7 @@ def write_figures(results: dict, out: Path) -> list[Path]:
         ax.set_ylabel("throughput relative to DP1")
         ax.set_title(f"DP scaling, {name} ({s['workload']})")
         ax.legend(fontsize=7)
-        paths.append(out / f"dp_scaling_{name}.png")
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save(fig, out / f"dp_scaling_{name}.png"))
 
         sweep = sorted(s["pool_sweep"].items(), key=lambda kv: int(kv[0]))
         ps = [int(p) for p, _ in sweep]
@@ -278,10 +281,7 @@ def write_figures(results: dict, out: Path) -> list[Path]:
         ax.set_xlabel("pool size P")
         ax.set_title(f"Pool-size sweep, {name}")
         ax.legend(fontsize=8)
-        paths.append(out / f"pool_sweep_{name}.png")
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save(fig, out / f"pool_sweep_{name}.png"))
 
         systems = list(s["rank_attention"])
         fig, axes = plt.subplots(len(systems), 1, figsize=(7, 1.3 * len(systems) + 1))
@@ -292,10 +292,7 @@ def write_figures(results: dict, out: Path) -> list[Path]:
             ax.set_ylabel(system, fontsize=7, rotation=0, ha="right")
         axes[-1].set_xlabel("replica (cp rank 0); megatron-dcp: GPU")
         fig.suptitle(f"Per-rank attention seconds, one step at DP{s['scaling_dp']}, {name}")
-        paths.append(out / f"rank_attention_{name}.png")
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save(fig, out / f"rank_attention_{name}.png"))
     return paths
 
 
