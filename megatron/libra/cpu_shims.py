@@ -1,0 +1,185 @@
+"""CPU shims for megatron-core: what it takes to run megatron-core on CPU with gloo.
+
+Applied only when no GPU is present (`apply()` is a no-op otherwise), each shim is small and
+named, and tests/test_cpu_shims.py shows for each one that megatron-core fails on CPU without it:
+
+- `rng_tracker`: megatron-core's model-parallel RNG tracker stores and swaps CUDA generator
+  states; on CPU it tracks the CPU generator state instead.
+- `current_device`: `torch.cuda.current_device()` (rotary embeddings, buffers) answers "cpu".
+- `cuda_literals`: literal `device="cuda"` tensors in the schedules, the optimizer and the
+  gradient clipping are made on the CPU (those modules see a `torch` whose tensor factories map
+  the device "cuda" to "cpu").
+- `grad_clip_fp32`: gradient clipping asserts fp32 grads are `torch.cuda.FloatTensor`; on CPU it
+  checks for float32 and scales the grads in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+
+import torch
+
+_APPLIED: set[str] = set()
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+# --- rng_tracker ----------------------------------------------------------------------------
+
+
+def _cpu_tracker_class(random_mod):
+    base = random_mod.CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(base):
+        """The model-parallel RNG tracker over the CPU generator."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=random_mod._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def _shim_rng_tracker() -> None:
+    random_mod = importlib.import_module("megatron.core.tensor_parallel.random")
+    tracker_cls = _cpu_tracker_class(random_mod)
+    random_mod.CudaRNGStatesTracker = tracker_cls
+
+    def manual_seed(seed: int, *args, **kwargs) -> None:
+        """CPU stand-in for model_parallel_cuda_manual_seed: same offsets, CPU generator."""
+        from megatron.core import parallel_state as ps
+
+        offset = seed + 2718
+        tp_seed = offset + ps.get_tensor_model_parallel_rank()
+        random_mod._CUDA_RNG_STATE_TRACKER = tracker_cls()
+        random_mod._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        tracker = random_mod._CUDA_RNG_STATE_TRACKER
+        torch.manual_seed(seed)
+        tracker.add(random_mod._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+        tracker.add(random_mod._MODEL_PARALLEL_RNG_TRACKER_NAME, tp_seed)
+        expert_seed = (
+            seed
+            + 1024
+            + 100 * ps.get_expert_model_parallel_rank()
+            + ps.get_expert_tensor_parallel_rank()
+        )
+        tracker.add(random_mod._EXPERT_PARALLEL_RNG_TRACKER_NAME, expert_seed)
+
+    random_mod.model_parallel_cuda_manual_seed = manual_seed
+    tp = importlib.import_module("megatron.core.tensor_parallel")
+    tp.model_parallel_cuda_manual_seed = manual_seed
+
+
+# --- current_device -------------------------------------------------------------------------
+
+
+def _shim_current_device() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+
+
+# --- cuda_literals --------------------------------------------------------------------------
+
+
+def _cpu_device(kwargs: dict) -> dict:
+    dev = kwargs.get("device")
+    if dev is not None and str(dev).startswith("cuda"):
+        kwargs = dict(kwargs, device="cpu")
+    return kwargs
+
+
+def _torch_on_cpu() -> types.ModuleType:
+    """A view of `torch` whose tensor factories put device="cuda" tensors on the CPU."""
+    proxy = types.ModuleType("torch_on_cpu")
+    proxy.__dict__.update(torch.__dict__)
+    for name in ("zeros", "ones", "empty", "tensor", "full", "arange"):
+        fn = getattr(torch, name)
+        setattr(proxy, name, (lambda f: lambda *a, **k: f(*a, **_cpu_device(k)))(fn))
+    return proxy
+
+
+CUDA_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",  # the local (non-apex) multi-tensor l2 norm
+)
+
+
+def _shim_cuda_literals() -> None:
+    proxy = _torch_on_cpu()
+    for name in CUDA_LITERAL_MODULES:
+        importlib.import_module(name).torch = proxy
+
+
+# --- grad_clip_fp32 -------------------------------------------------------------------------
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron-core's clip_grad_by_total_norm_fp32 with a device-neutral fp32 check."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for p in parameters:
+        g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+        if g is None:
+            continue
+        if not use_decoupled_grad and g.dtype != torch.float32:
+            raise TypeError(f"gradient clipping expects fp32 grads, got {g.dtype}")
+        grads.append(g.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.mul_(clip_coeff)
+
+
+def _shim_grad_clip_fp32() -> None:
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+
+SHIMS = {
+    "rng_tracker": _shim_rng_tracker,
+    "current_device": _shim_current_device,
+    "cuda_literals": _shim_cuda_literals,
+    "grad_clip_fp32": _shim_grad_clip_fp32,
+}
+
+
+def apply(only: tuple[str, ...] | None = None, force: bool = False) -> list[str]:
+    """Apply the shims (all, or `only` these) when no GPU is present; returns those applied now.
+    `force` applies them even with a GPU (tests only)."""
+    if not (needed() or force):
+        return []
+    done = []
+    for name in only or tuple(SHIMS):
+        if name not in SHIMS:
+            raise ValueError(f"unknown shim {name!r} (known: {', '.join(SHIMS)})")
+        if name not in _APPLIED:
+            SHIMS[name]()
+            _APPLIED.add(name)
+            done.append(name)
+    return done

@@ -1,0 +1,62 @@
+"""A megatron-core GPTModel whose core attention is Libra's operator (local layer spec)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from libra_ext.attention.core import LibraCoreAttention, Runtime
+from libra_ext.workload import ModelConfig
+
+with warnings.catch_warnings():  # megatron-core's notices about optional TE / apex
+    warnings.simplefilter("ignore")
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def transformer_config(
+    model: ModelConfig, dtype: torch.dtype = torch.float32, **overrides
+) -> TransformerConfig:
+    """megatron-core TransformerConfig of a dense GQA / RoPE / SwiGLU model."""
+    kw = dict(
+        num_layers=model.layers,
+        hidden_size=model.hidden,
+        num_attention_heads=model.heads,
+        num_query_groups=model.kv_heads,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build_gpt(
+    model: ModelConfig,
+    system: str,
+    runtime: Runtime,
+    max_seq: int,
+    dtype: torch.dtype = torch.float32,
+) -> GPTModel:
+    """GPTModel with `core_attention` replaced by LibraCoreAttention for `system`."""
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=LibraCoreAttention, params={"system": system, "runtime": runtime}
+    )
+    return GPTModel(
+        config=transformer_config(model, dtype),
+        transformer_layer_spec=spec,
+        vocab_size=model.vocab,
+        max_sequence_length=max_seq,
+        position_embedding_type="rope",
+    )
