@@ -28,45 +28,36 @@ class MicroBatch:
     num_tokens: int  # tokens that count in the loss on this rank
 
 
-def document_tokens(doc_ids, doc_lengths, vocab: int, seed: int) -> np.ndarray:
-    """Synthetic token ids of whole documents, a function of (seed, document id) only, so the
-    same document has the same tokens wherever and whenever it is placed."""
-    out = []
-    for doc, length in zip(doc_ids, doc_lengths):
-        rng = np.random.default_rng([seed, int(doc)])
-        out.append(rng.integers(0, vocab, size=int(length) + 1))  # +1: the label of the last
-    return out
-
-
-def make_micro_batch(
-    doc_tokens: list[np.ndarray], cp: int, cp_rank: int, step: AttentionStep | None
-) -> MicroBatch:
-    """One cp rank's share of a packed sequence whose documents carry `doc_tokens` (each one
-    token longer than the document: labels are the next tokens inside a document)."""
-    lengths = [len(t) - 1 for t in doc_tokens]
+def make_micro_batch(pieces: list, cp: int, cp_rank: int, step: AttentionStep | None) -> MicroBatch:
+    """One cp rank's share of a packed sequence made of `pieces` (data.Piece: tokens, labels and
+    loss mask of each document, in order)."""
+    lengths = [len(p.tokens) for p in pieces]
     z = thd.zigzag_split(lengths, cp, cp_rank)
-    inputs = np.concatenate([t[:-1] for t in doc_tokens])
-    targets = np.concatenate([t[1:] for t in doc_tokens])
+    inputs = np.concatenate([p.tokens for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
+    targets = np.concatenate([p.labels for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
+    weights = np.concatenate([p.mask for p in pieces]) if pieces else np.zeros(0, dtype=np.float32)
     real = z.token_index >= 0
     idx = np.where(real, z.token_index, 0)
     cu_padded_global = np.concatenate([[0], np.cumsum(thd.padded_lengths(lengths, cp))])
     cu = torch.tensor(cu_padded_global, dtype=torch.int32)
+    longest = int(max(np.diff(cu_padded_global), default=1))
     psp = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
         cu_seqlens_q_padded=cu,
         cu_seqlens_kv_padded=cu,
-        max_seqlen_q=int(max(np.diff(cu_padded_global), default=1)),
-        max_seqlen_kv=int(max(np.diff(cu_padded_global), default=1)),
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
     )
     psp.libra = step
     psp.libra_doc_lengths = lengths
+    mask = np.where(real, weights[idx], 0.0).astype(np.float32)
     return MicroBatch(
-        tokens=torch.as_tensor(np.where(real, inputs[idx], 0))[None],
-        labels=torch.as_tensor(np.where(real, targets[idx], 0))[None],
-        loss_mask=torch.as_tensor(real, dtype=torch.float32)[None],
+        tokens=torch.as_tensor(np.where(real, inputs[idx], 0).astype(np.int64))[None],
+        labels=torch.as_tensor(np.where(real, targets[idx], 0).astype(np.int64))[None],
+        loss_mask=torch.as_tensor(mask)[None],
         position_ids=torch.as_tensor(z.position_ids)[None],
         packed_seq_params=psp,
-        num_tokens=int(real.sum()),
+        num_tokens=int(mask.sum()),
     )

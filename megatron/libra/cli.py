@@ -1,4 +1,4 @@
-"""`libra` command line: planner, simulator, runtime verification, benchmarks.
+"""`libra` command line: training, A/B runs, planner, simulator, verification, benchmarks.
 
 Every bad input ends with exit code 2 and a one-line message naming the field or line.
 """
@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
-from megatron.libra import commands, sim_commands, verify_commands
+from megatron.libra import commands, sim_commands, train_commands, verify_commands
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_commands.add_simulate_parser(sub)
     sim_commands.add_recommend_parser(sub)
     verify_commands.add_verify_parser(sub)
+    train_commands.add_train_parser(sub)
     return parser
 
 

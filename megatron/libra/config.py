@@ -1,0 +1,268 @@
+"""Training configuration: typed sections loaded from YAML, overridable as `key.sub=value`.
+
+Unknown keys and bad values are rejected with the field path; everything that can be checked
+before any process group exists (pool size vs DP, heads vs CP*TP, system, data path) is checked
+by `TrainConfig.validate(world_size)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from libra_ext.planner import SYSTEMS
+from libra_ext.workload import ModelConfig, preset_names
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size."""
+    cp: int = 1
+    """Context-parallel size (Ulysses / per-document CP inside a replica)."""
+    pool_size: int = 1
+    """Replicas per Libra pool; must divide the data-parallel size."""
+
+
+@dataclass
+class SystemConfig:
+    name: str = "libra"
+    """libra | ulysses | wlb | distca."""
+    block: int | None = None
+    """Query tokens per SH-tile (None: context / 16)."""
+    head_group: int = 0
+    """Heads per SH-tile (0: the whole slice)."""
+    epsilon: float = 0.02
+    """TAP soft-cap slack."""
+    pipeline: bool = True
+    """Overlap the pool exchange with attention in head chunks."""
+    chunks: int = 2
+    """Head chunks of the pipeline."""
+    wlb_outlier_len: int = 0
+    """wlb: documents at least this long wait in the delay queue (0: context / 4)."""
+    wlb_max_delay: int = 4
+    """wlb: most steps an outlier may wait."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """synthetic (long-tail document lengths, random token ids) or indexed (Megatron .bin/.idx)."""
+    workload: str = "libra-256k"
+    """synthetic: length preset."""
+    lengths_file: str | None = None
+    """synthetic: draw document lengths from this file instead of a preset."""
+    path: str | None = None
+    """indexed: dataset prefix (PATH.bin / PATH.idx)."""
+    context: int = 256
+    """Tokens per packed sequence (S)."""
+    gbs: int = 8
+    """Packed sequences per optimizer step (B); a multiple of the data-parallel size."""
+    seed: int = 1234
+    """Seed of the document stream and of synthetic token ids."""
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+
+
+@dataclass
+class ScheduleConfig:
+    train_steps: int = 50
+    warmup_steps: int = 5
+    decay_style: str = "cosine"
+    """constant | linear | cosine."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go (None: no checkpoints)."""
+    save_interval: int = 0
+    """Save every N steps (0: only at the end)."""
+    resume: bool = True
+    """Continue from the latest checkpoint in `dir` if there is one."""
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    tensorboard_dir: str | None = None
+    metrics_file: str | None = None
+    """Write one JSON line per step here (used by `libra ab`)."""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(
+            hidden=64,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            ffn=128,
+            layers=2,
+            moe_topk=0,
+            moe_ffn=0,
+            experts=1,
+            vocab=256,
+        )
+    )
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: str | os.PathLike | None, overrides: list[str] = ()) -> "TrainConfig":
+        raw = {}
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    raw = yaml.safe_load(fh) or {}
+            except OSError as e:
+                raise ValueError(f"config {path}: cannot open ({e.strerror})") from None
+            except yaml.YAMLError as e:
+                raise ValueError(f"config {path}: not valid YAML ({e})") from None
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} must look like key.sub=value")
+            key, value = item.split("=", 1)
+            node = raw
+            parts = key.split(".")
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"override {key}: {p} is not a section")
+            node[parts[-1]] = yaml.safe_load(value)
+        return _build(cls, raw, "")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, world_size: int) -> int:
+        """Check everything knowable before process groups exist; returns the DP size."""
+        p, m, d, s = self.parallel, self.model, self.data, self.system
+        for name in ("tp", "cp", "pool_size"):
+            if getattr(p, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+        if world_size % (p.tp * p.cp):
+            raise ValueError(
+                f"world size {world_size} must be a multiple of parallel.tp * "
+                f"parallel.cp = {p.tp * p.cp}"
+            )
+        dp = world_size // (p.tp * p.cp)
+        if dp % p.pool_size:
+            raise ValueError(
+                f"parallel.pool_size (P={p.pool_size}) must divide the data-parallel size (D={dp})"
+            )
+        if m.heads % (p.cp * p.tp):
+            raise ValueError(
+                f"model.heads ({m.heads}) must be divisible by parallel.cp * "
+                f"parallel.tp ({p.cp * p.tp})"
+            )
+        if s.name not in SYSTEMS:
+            raise ValueError(f"system.name must be one of {', '.join(SYSTEMS)}, got {s.name!r}")
+        if s.chunks < 1:
+            raise ValueError(f"system.chunks must be >= 1, got {s.chunks}")
+        if d.gbs % dp or d.gbs <= 0:
+            raise ValueError(
+                f"data.gbs ({d.gbs}) must be a positive multiple of the data-parallel size ({dp})"
+            )
+        if d.context <= 0:
+            raise ValueError(f"data.context must be positive, got {d.context}")
+        if d.source == "synthetic":
+            if d.lengths_file is None and d.workload not in preset_names():
+                raise ValueError(
+                    f"data.workload must be one of {', '.join(preset_names())}, got {d.workload!r}"
+                )
+            if d.lengths_file is not None and not Path(d.lengths_file).is_file():
+                raise ValueError(f"data.lengths_file {d.lengths_file} does not exist")
+        elif d.source == "indexed":
+            if not d.path:
+                raise ValueError("data.path is required for data.source = indexed")
+            for ext in (".bin", ".idx"):
+                if not Path(d.path + ext).is_file():
+                    raise ValueError(f"data.path: {d.path}{ext} does not exist")
+        else:
+            raise ValueError(f"data.source must be synthetic or indexed, got {d.source!r}")
+        if self.schedule.train_steps <= 0:
+            raise ValueError(
+                f"schedule.train_steps must be positive, got {self.schedule.train_steps}"
+            )
+        if not 0 <= self.schedule.warmup_steps < self.schedule.train_steps:
+            raise ValueError(
+                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be in "
+                f"[0, schedule.train_steps = {self.schedule.train_steps})"
+            )
+        if self.schedule.decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(
+                f"schedule.decay_style must be constant, linear or cosine, got "
+                f"{self.schedule.decay_style!r}"
+            )
+        if self.optimizer.lr <= 0:
+            raise ValueError(f"optimizer.lr must be positive, got {self.optimizer.lr}")
+        return dp
+
+
+def _build(cls, raw, path: str):
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}" if path else key
+        if key not in fields:
+            raise ValueError(f"{where} is not a config field (known: {', '.join(fields)})")
+        kwargs[key] = _coerce(hints[key], value, where)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own validation (e.g. ModelConfig)
+        raise ValueError(f"{path + ': ' if path else ''}{e}") from None
+
+
+def _coerce(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where} must be a string, got {value!r}")
+        return value
+    return value

@@ -1,0 +1,299 @@
+"""The training loop: megatron-core GPTModel with Libra's core attention, DDP, the megatron
+optimizer and LR schedule, `get_forward_backward_func`, a per-token loss over packed THD
+batches, the planner one step ahead, Megatron-style logs, and checkpoints that also hold the data
+position and the planner's carried state."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.libra.config import TrainConfig
+
+logger = logging.getLogger("libra.train")
+
+
+def _init_distributed(rank: int | None, world: int | None, init_method: str | None) -> tuple:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        if rank is None:  # torchrun / Slurm environment, or a single process
+            rank = int(os.environ.get("RANK", 0))
+            world = int(os.environ.get("WORLD_SIZE", 1))
+            if world == 1 and "MASTER_ADDR" not in os.environ:
+                from libra_ext.attention.verify import free_port
+
+                init_method = f"tcp://127.0.0.1:{free_port()}"
+            else:
+                init_method = "env://"
+        if backend == "nccl":
+            torch.cuda.set_device(
+                int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+            )
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _checkpoint_path(cfg: TrainConfig, step: int, rank: int) -> Path:
+    return Path(cfg.checkpoint.dir) / f"iter_{step:07d}" / f"rank{rank:05d}.pt"
+
+
+def _latest(cfg: TrainConfig) -> int | None:
+    if not cfg.checkpoint.dir:
+        return None
+    f = Path(cfg.checkpoint.dir) / "latest"
+    return int(f.read_text().strip()) if f.is_file() else None
+
+
+def run(
+    cfg: TrainConfig,
+    rank: int | None = None,
+    world: int | None = None,
+    init_method: str | None = None,
+) -> list[dict]:
+    """Train; returns the per-step metrics (on every rank)."""
+    rank, world = _init_distributed(rank, world, init_method)
+    dp = cfg.validate(world)
+    if not torch.cuda.is_available():
+        from megatron.libra import cpu_shims
+
+        cpu_shims.apply()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from libra_ext.attention.comm import GroupCache
+    from libra_ext.attention.core import AttentionStep, Runtime, check_plan_hash
+    from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+    from megatron.libra.batch import make_micro_batch
+    from megatron.libra.data import StepSampler
+    from megatron.libra.model import build_gpt
+
+    P, C, T = cfg.parallel.pool_size, cfg.parallel.cp, cfg.parallel.tp
+    ps.initialize_model_parallel(tensor_model_parallel_size=T, context_parallel_size=C)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.data.seed)
+    runtime = Runtime(
+        groups=GroupCache(tp=T, cp=C, dp=dp),
+        chunks=cfg.system.chunks,
+        pipelined=cfg.system.pipeline,
+    )
+    r, c = runtime.groups.r, runtime.groups.c
+    timing = {"attention": 0.0}
+    model = build_gpt(cfg.model, cfg.system.name, runtime, max_seq=cfg.data.context)
+    if torch.cuda.is_available():
+        model.cuda()
+    _time_attention(model, timing)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    o = cfg.optimizer
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            clip_grad=o.clip_grad,
+            params_dtype=torch.float32,
+        ),
+        [ddp],
+    )
+    s = cfg.schedule
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=s.warmup_steps,
+        lr_decay_steps=s.train_steps,
+        lr_decay_style=s.decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=s.train_steps,
+        wd_incr_style="constant",
+    )
+    planner = Planner(
+        LayoutConfig(dp=dp, cp=C, tp=T, pool_size=P, context=cfg.data.context),
+        cfg.model,
+        PlannerOptions(
+            system=cfg.system.name,
+            block=cfg.system.block,
+            head_group=cfg.system.head_group,
+            epsilon=cfg.system.epsilon,
+            wlb_outlier_len=cfg.system.wlb_outlier_len,
+            wlb_max_delay=cfg.system.wlb_max_delay,
+            dtype_bytes=4,
+        ),
+    )
+    start, doc_base = 0, 0
+    latest = _latest(cfg) if cfg.checkpoint.resume else None
+    if latest is not None:
+        state = torch.load(_checkpoint_path(cfg, latest, rank), weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        planner.load_state_dict(state["planner"])
+        start, doc_base = state["next_step"], state["doc_base"]
+        if rank == 0:
+            logger.warning("resumed from %s at step %d", cfg.checkpoint.dir, start)
+    sampler = StepSampler(cfg, planner, start_step=start, doc_base=doc_base)
+    fb = get_forward_backward_func()
+    history, log_file = [], None
+    if rank == 0 and cfg.logging.metrics_file:
+        Path(cfg.logging.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(cfg.logging.metrics_file, "a" if latest is not None else "w")
+    try:
+        for step in range(start, s.train_steps):
+            t0 = time.perf_counter()
+            batch = sampler.next()
+            plan = batch.plan
+            check_plan_hash(plan)
+            m = plan.slots
+            micro = []
+            for slot in range(m):
+                seq = int(((plan.seq_replica == r) & (plan.seq_slot == slot)).nonzero()[0][0])
+                docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
+                micro.append(
+                    make_micro_batch(
+                        [batch.pieces[i] for i in docs], C, c, AttentionStep(plan, slot)
+                    )
+                )
+            global_tokens = sum(float(p.mask.sum()) for p in batch.pieces.values())
+            scale = dp * C * m / max(global_tokens, 1.0)
+            it = iter(micro)
+
+            def forward_step(_data, model_chunk):
+                mb = next(it)
+                dev = next(model_chunk.parameters()).device
+                out = model_chunk(
+                    mb.tokens.to(dev),
+                    mb.position_ids.to(dev),
+                    None,
+                    labels=mb.labels.to(dev),
+                    packed_seq_params=mb.packed_seq_params,
+                )
+
+                def loss_fn(per_token):
+                    local = (per_token.float() * mb.loss_mask.to(dev)).sum()
+                    return local * scale, {"local_sum": local.detach()}
+
+                return out, loss_fn
+
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            runtime.counter.reset()
+            timing["attention"] = 0.0
+            outs = fb(
+                forward_step_func=forward_step,
+                data_iterator=iter([None] * m),
+                model=[ddp],
+                num_microbatches=m,
+                seq_length=micro[0].tokens.shape[1],
+                micro_batch_size=1,
+                forward_only=False,
+            )
+            _, grad_norm, _ = opt.step()
+            sched.step(1)
+            local = sum(float(x["local_sum"]) for x in outs) if outs else 0.0
+            stats = torch.tensor([local, float(runtime.counter.total())], dtype=torch.float64)
+            dist.all_reduce(stats)
+            attn = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(attn, torch.tensor([timing["attention"]], dtype=torch.float64))
+            attn_t = torch.cat(attn)
+            dt = time.perf_counter() - t0
+            rec = {
+                "step": step + 1,
+                "loss": float(stats[0]) / max(global_tokens, 1.0),
+                "lr": opt.param_groups[0]["lr"],
+                "grad_norm": float(grad_norm or 0.0),
+                "tokens": global_tokens,
+                "step_time": dt,
+                "tokens_per_s": global_tokens / dt,
+                "attn_work_max_over_mean": plan.max_over_mean,
+                "inter_pool_imbalance": plan.inter_pool_imbalance,
+                "attn_time_max_over_mean": float(attn_t.max() / max(attn_t.mean(), 1e-12)),
+                "attn_time_per_rank": attn_t.tolist(),
+                "bytes_exchanged": float(stats[1]),
+            }
+            history.append(rec)
+            if rank == 0:
+                if (step + 1) % cfg.logging.log_interval == 0:
+                    logger.warning(_log_line(rec, s.train_steps))
+                if log_file:
+                    log_file.write(json.dumps(rec) + "\n")
+                    log_file.flush()
+            last = step + 1 == s.train_steps
+            if cfg.checkpoint.dir and (
+                last
+                or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
+            ):
+                _save(cfg, step + 1, rank, model, opt, sched, batch)
+    finally:
+        sampler.close()
+        if log_file:
+            log_file.close()
+    return history
+
+
+def _log_line(rec: dict, total: int) -> str:
+    return (
+        f" [libra] iteration {rec['step']:8d}/{total:8d} | lm loss: {rec['loss']:.6E} | "
+        f"learning rate: {rec['lr']:.3E} | grad norm: {rec['grad_norm']:.3f} | "
+        f"tokens/s: {rec['tokens_per_s']:.1f} | step time (s): {rec['step_time']:.3f} | "
+        f"attn work max/mean: {rec['attn_work_max_over_mean']:.3f} | attn time max/mean: "
+        f"{rec['attn_time_max_over_mean']:.3f} | inter-pool imbalance: "
+        f"{rec['inter_pool_imbalance']:.3f} | bytes exchanged: {rec['bytes_exchanged']:.0f}"
+    )
+
+
+def _save(cfg, step, rank, model, opt, sched, batch) -> None:
+    path = _checkpoint_path(cfg, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The data position: the next step, the global id of its first document, and the planner's
+    # carried state (WLB-LLM's queue) as it was right after planning this step.
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "planner": batch.planner_state,
+            "next_step": step,
+            "doc_base": batch.doc_base + batch.n_inputs,
+        },
+        path,
+    )
+    dist.barrier()
+    if rank == 0:
+        (Path(cfg.checkpoint.dir) / "latest").write_text(str(step))
+
+
+def _time_attention(model: torch.nn.Module, timing: dict) -> None:
+    """Accumulate forward wall time of every core-attention call into timing['attention']."""
+    from libra_ext.attention.core import LibraCoreAttention
+
+    def pre(_m, _a, _k=None):
+        timing["_t"] = time.perf_counter()
+
+    def post(_m, _a, _o, _k=None):
+        timing["attention"] += time.perf_counter() - timing.pop("_t", time.perf_counter())
+
+    for mod in model.modules():
+        if isinstance(mod, LibraCoreAttention):
+            mod.register_forward_pre_hook(pre)
+            mod.register_forward_hook(post)
