@@ -92,38 +92,51 @@ def lower_bound(loads: list[float], n_groups: int, card: int) -> float:
     return bound
 
 
-MIN_SPLIT_ROWS = 128
 REFINE_MIN_GAIN = 1e-4
 
 
-def split_tile(t: list, doc_off: int, max_load: float, out: list) -> None:
+def min_split_rows(context: int) -> int:
+    """Rows below which a tile is not split further: 128, or context / 32 for short contexts."""
+    return max(1, min(128, context // 32))
+
+
+def split_tile(t: list, doc_off: int, max_load: float, out: list, min_rows: int) -> None:
     """Split a single-document tile heavier than max_load: heads in halves, then rows at the
-    midpoint of work (not below MIN_SPLIT_ROWS rows)."""
+    midpoint of work (not below min_rows rows)."""
     s, doc, cnt, q0, ql, h0, hc, kv0, kvl, pairs = t
-    if (
-        max_load <= 0
-        or float(pairs) * float(hc) <= max_load
-        or (hc == 1 and ql < 2 * MIN_SPLIT_ROWS)
-    ):
+    if max_load <= 0 or float(pairs) * float(hc) <= max_load or (hc == 1 and ql < 2 * min_rows):
         out.append(t)
         return
     if hc > 1:
         half = hc // 2
-        split_tile([s, doc, cnt, q0, ql, h0, half, kv0, kvl, pairs], doc_off, max_load, out)
         split_tile(
-            [s, doc, cnt, q0, ql, h0 + half, hc - half, kv0, kvl, pairs], doc_off, max_load, out
+            [s, doc, cnt, q0, ql, h0, half, kv0, kvl, pairs], doc_off, max_load, out, min_rows
+        )
+        split_tile(
+            [s, doc, cnt, q0, ql, h0 + half, hc - half, kv0, kvl, pairs],
+            doc_off,
+            max_load,
+            out,
+            min_rows,
         )
         return
     a = q0 - doc_off
     b = a + ql
     mid = ((float(a) * (a + 1) + float(b) * (b + 1)) / 2.0) ** 0.5
-    c = min(b - MIN_SPLIT_ROWS, max(a + MIN_SPLIT_ROWS, int(mid)))
-    split_tile([s, doc, cnt, q0, c - a, h0, hc, kv0, c, block_pairs(a, c)], doc_off, max_load, out)
+    c = min(b - min_rows, max(a + min_rows, int(mid)))
+    split_tile(
+        [s, doc, cnt, q0, c - a, h0, hc, kv0, c, block_pairs(a, c)],
+        doc_off,
+        max_load,
+        out,
+        min_rows,
+    )
     split_tile(
         [s, doc, cnt, doc_off + c, b - c, h0, hc, kv0, kvl, block_pairs(c, b)],
         doc_off,
         max_load,
         out,
+        min_rows,
     )
 
 
@@ -239,7 +252,7 @@ def plan_libra(
                     pieces = []
                     t = [s, doc, cnt, q0, ql, h0, min(hg, hl - h0), kv0, kvl, pairs]
                     if cnt == 1:
-                        split_tile(t, doc_off, max_load, pieces)
+                        split_tile(t, doc_off, max_load, pieces, min_split_rows(context))
                     else:
                         pieces.append(t)
                     for p in pieces:
@@ -369,8 +382,12 @@ def plan_libra(
                 del on[hi][pick_pos]
                 on[lo].append(pick)
                 on[lo].sort()
-        for k, (ti, _, _, _) in enumerate(gt):
-            tiles[ti][10] = replica[ms[exe[k]]]
+        own = [0.0] * P  # never worse than no moves
+        for _, owner, _, w in gt:
+            own[owner] += w
+        keep_owners = max(own) < max(load)
+        for k, (ti, owner, _, _) in enumerate(gt):
+            tiles[ti][10] = replica[ms[owner if keep_owners else exe[k]]]
     return ReferencePlan(
         replica, slot, [tuple(t) for t in tiles], max(gload), lower_bound(loads, n_groups, pool)
     )

@@ -5,6 +5,7 @@ sequences with Libra (VRSP + moved tiles) gives the same losses as Ulysses' prod
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -40,7 +41,8 @@ def _train(rank, world, port, system, out_dir):
     from libra_ext.attention.core import AttentionStep, Runtime, check_plan_hash
     from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
     from libra_ext.workload import LengthSource, ModelConfig
-    from megatron.libra.batch import document_tokens, make_micro_batch
+    from megatron.libra.batch import make_micro_batch
+    from megatron.libra.data import Piece
     from megatron.libra.model import build_gpt
 
     ps.initialize_model_parallel()
@@ -79,13 +81,12 @@ def _train(rank, world, port, system, out_dir):
         check_plan_hash(plan)
         s = [i for i in range(plan.n_seq) if plan.seq_replica[i] == rank][0]
         off = plan.seq_doc_offsets
-        toks = document_tokens(
-            plan.doc_ids[off[s] : off[s + 1]],
-            plan.doc_lengths[off[s] : off[s + 1]],
-            model_cfg.vocab,
-            seed=step,
-        )
-        mb = make_micro_batch(toks, 1, 0, AttentionStep(plan, 0))
+        pieces = []
+        for doc in range(off[s], off[s + 1]):
+            g = np.random.default_rng([step, int(plan.doc_ids[doc])])
+            t = g.integers(0, model_cfg.vocab, size=int(plan.doc_lengths[doc]) + 1)
+            pieces.append(Piece(t[:-1], t[1:], np.ones(len(t) - 1, dtype=np.float32)))
+        mb = make_micro_batch(pieces, 1, 0, AttentionStep(plan, 0))
         global_tokens = int(plan.doc_lengths.sum())
 
         def forward_step(_it, m):

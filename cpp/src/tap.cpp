@@ -24,15 +24,16 @@ void push_tile(StepPlan& p, i64 seq, i64 doc, i64 doc_off, i64 a, i64 b, i64 h0,
 // rows against their causal prefix; runs of shorter consecutive documents coalesced into tiles of
 // at most `block` tokens; every tile split into head groups of `head_group` heads. A single-
 // document tile whose load (pairs x heads) exceeds `max_load` (> 0) is split further, heads in
-// halves first, then rows at the midpoint of work, down to kMinSplitRows rows. Calls emit(tile)
+// halves first, then rows at the midpoint of work, down to min_rows rows. Calls emit(tile)
 // for each, executor = owner.
-constexpr i64 kMinSplitRows = 128;
+// Rows below which a tile is not split further: 128, or context / 32 for short contexts.
+inline i64 min_split_rows(i64 context) { return std::max<i64>(1, std::min<i64>(128, context / 32)); }
 constexpr double kRefineMinGain = 1e-4;
 
 template <typename Emit>
-void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, Emit& emit) {
+void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows, Emit& emit) {
   const double load = static_cast<double>(t.pairs) * static_cast<double>(t.head_count);
-  if (max_load <= 0 || load <= max_load || (t.head_count == 1 && t.q_len < 2 * kMinSplitRows)) {
+  if (max_load <= 0 || load <= max_load || (t.head_count == 1 && t.q_len < 2 * min_rows)) {
     emit(t);
     return;
   }
@@ -41,14 +42,14 @@ void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, Emit& emit) {
     lo.head_count = t.head_count / 2;
     hi.head_start = t.head_start + lo.head_count;
     hi.head_count = t.head_count - lo.head_count;
-    split_tile(lo, doc_off, max_load, emit);
-    split_tile(hi, doc_off, max_load, emit);
+    split_tile(lo, doc_off, max_load, min_rows, emit);
+    split_tile(hi, doc_off, max_load, min_rows, emit);
     return;
   }
   const i64 a = t.q_start - doc_off, b = a + t.q_len;
   // c with pairs(a, c) ~ pairs(c, b): c(c+1) ~ (a(a+1) + b(b+1)) / 2.
   const double mid = std::sqrt((static_cast<double>(a) * (a + 1) + static_cast<double>(b) * (b + 1)) / 2.0);
-  const i64 c = std::min(b - kMinSplitRows, std::max(a + kMinSplitRows, static_cast<i64>(mid)));
+  const i64 c = std::min(b - min_rows, std::max(a + min_rows, static_cast<i64>(mid)));
   StepPlan::Tile lo = t, hi = t;
   lo.q_len = c - a;
   lo.kv_len = c;
@@ -56,8 +57,8 @@ void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, Emit& emit) {
   hi.q_start = doc_off + c;
   hi.q_len = b - c;
   hi.pairs = block_pairs(c, b);
-  split_tile(lo, doc_off, max_load, emit);
-  split_tile(hi, doc_off, max_load, emit);
+  split_tile(lo, doc_off, max_load, min_rows, emit);
+  split_tile(hi, doc_off, max_load, min_rows, emit);
 }
 
 template <typename Emit>
@@ -69,7 +70,7 @@ void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double 
       t.head_start = h0;
       t.head_count = std::min(head_group, p.heads_local - h0);
       if (t.doc_count == 1) {
-        split_tile(t, doc_off, max_load, emit);
+        split_tile(t, doc_off, max_load, min_split_rows(p.context), emit);
       } else {
         emit(t);
       }
@@ -311,9 +312,15 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
         on[lo].insert(std::upper_bound(on[lo].begin(), on[lo].end(), pick), pick);
       }
     }
+    // Never worse than no moves: if the owners' own loads have a lighter maximum, keep them.
+    std::vector<double> own(static_cast<std::size_t>(P), 0.0);
+    for (std::size_t k = 0; k < n; ++k) own[gt.owner[k]] += gt.load[k];
+    const bool keep_owners = *std::max_element(own.begin(), own.end()) <
+                             *std::max_element(load.begin(), load.end());
     for (std::size_t k = 0; k < n; ++k) {
       const i64 t = gt.index[k];
-      plan.tile_executor[t] = plan.seq_replica[members[placer.exec()[k]]];
+      const i64 member = keep_owners ? gt.owner[k] : placer.exec()[k];
+      plan.tile_executor[t] = plan.seq_replica[members[member]];
     }
   }
 }

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_commands.add_recommend_parser(sub)
     verify_commands.add_verify_parser(sub)
     train_commands.add_train_parser(sub)
+    train_commands.add_ab_parser(sub)
     return parser
 
 

@@ -39,6 +39,10 @@ class SystemConfig:
     """Heads per SH-tile (0: the whole slice)."""
     epsilon: float = 0.02
     """TAP soft-cap slack."""
+    vrsp: bool = True
+    """libra: VRSP placement (false: Megatron's production order)."""
+    tap: bool = True
+    """libra: move tiles inside the pool (false: owners compute their own attention)."""
     pipeline: bool = True
     """Overlap the pool exchange with attention in head chunks."""
     chunks: int = 2
@@ -76,6 +80,9 @@ class OptimizerSection:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    """Adam's epsilon. Gradients far below it move parameters proportionally less, which keeps
+    float-summation-order noise in near-zero gradients from becoming lr-sized steps."""
 
 
 @dataclass
@@ -127,6 +134,8 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    dtype: str = "fp32"
+    """Parameter and activation dtype: fp32, fp64 (exact comparisons on CPU) or bf16 (GPU)."""
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -150,7 +159,7 @@ class TrainConfig:
                 node = node.setdefault(p, {})
                 if not isinstance(node, dict):
                     raise ValueError(f"override {key}: {p} is not a section")
-            node[parts[-1]] = yaml.safe_load(value)
+            node[parts[-1]] = _scalar(value)
         return _build(cls, raw, "")
 
     def to_dict(self) -> dict:
@@ -217,9 +226,23 @@ class TrainConfig:
                 f"schedule.decay_style must be constant, linear or cosine, got "
                 f"{self.schedule.decay_style!r}"
             )
+        if self.dtype not in ("fp32", "fp64", "bf16"):
+            raise ValueError(f"dtype must be fp32, fp64 or bf16, got {self.dtype!r}")
         if self.optimizer.lr <= 0:
             raise ValueError(f"optimizer.lr must be positive, got {self.optimizer.lr}")
         return dp
+
+
+def _scalar(text: str):
+    """An override's value: YAML scalars, plus numbers YAML 1.1 reads as strings (1e-6)."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        for conv in (int, float):
+            try:
+                return conv(value)
+            except ValueError:
+                pass
+    return value
 
 
 def _build(cls, raw, path: str):

@@ -10,7 +10,7 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
   gradient clipping are made on the CPU (those modules see a `torch` whose tensor factories map
   the device "cuda" to "cpu").
 - `grad_clip_fp32`: gradient clipping asserts fp32 grads are `torch.cuda.FloatTensor`; on CPU it
-  checks for float32 and scales the grads in place.
+  checks for float32 (or float64, for exact comparisons) and scales the grads in place.
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
         g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
         if g is None:
             continue
-        if not use_decoupled_grad and g.dtype != torch.float32:
-            raise TypeError(f"gradient clipping expects fp32 grads, got {g.dtype}")
+        if not use_decoupled_grad and g.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"gradient clipping expects fp32 (or fp64) grads, got {g.dtype}")
         grads.append(g.detach())
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0:

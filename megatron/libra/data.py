@@ -168,9 +168,11 @@ class StepSampler:
         return item
 
     def close(self) -> None:
+        """Stop the planning thread and wait for it (it may be inside a plan or a put)."""
         self._stop.set()
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
+        while self._thread.is_alive():
+            try:
+                self._queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self._thread.join()

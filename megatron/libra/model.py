@@ -36,6 +36,11 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        # No dropout (as in current long-context pretraining recipes): a sample's computation
+        # must not depend on which replica runs it or on the RNG stream, or placement would
+        # change the loss and a resumed run would not repeat an uninterrupted one.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     kw.update(overrides)
     return TransformerConfig(**kw)

@@ -94,7 +94,8 @@ def run(
     )
     r, c = runtime.groups.r, runtime.groups.c
     timing = {"attention": 0.0}
-    model = build_gpt(cfg.model, cfg.system.name, runtime, max_seq=cfg.data.context)
+    dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}[cfg.dtype]
+    model = build_gpt(cfg.model, cfg.system.name, runtime, max_seq=cfg.data.context, dtype=dtype)
     if torch.cuda.is_available():
         model.cuda()
     _time_attention(model, timing)
@@ -110,7 +111,7 @@ def run(
             adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2,
             clip_grad=o.clip_grad,
-            params_dtype=torch.float32,
+            params_dtype=dtype,
         ),
         [ddp],
     )
@@ -136,9 +137,11 @@ def run(
             block=cfg.system.block,
             head_group=cfg.system.head_group,
             epsilon=cfg.system.epsilon,
+            vrsp=cfg.system.vrsp,
+            tap=cfg.system.tap,
             wlb_outlier_len=cfg.system.wlb_outlier_len,
             wlb_max_delay=cfg.system.wlb_max_delay,
-            dtype_bytes=4,
+            dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
         ),
     )
     start, doc_base = 0, 0

@@ -67,3 +67,143 @@ def run_train(args):
     logging.getLogger("libra.train").setLevel(logging.WARNING)
     launch(cfg, world, args.nproc)
     return None
+
+
+def add_ab_parser(sub) -> None:
+    p = sub.add_parser(
+        "ab",
+        help="A/B runs of the same data under several systems",
+        description="Train the same config, data and initialisation under each "
+        "system and report losses, per-rank attention work and time, tokens/s.",
+    )
+    p.add_argument("--config", required=True)
+    p.add_argument("--systems", default="libra,ulysses", help="comma-separated systems")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--nproc", type=int, help="local worker processes (CPU / gloo)")
+    p.add_argument("--out", default="out/ab", help="report directory")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", help="key.sub=value")
+    p.set_defaults(func=run_ab)
+
+
+def run_ab(args):
+    import dataclasses
+
+    systems = [s for s in args.systems.split(",") if s]
+    if not systems:
+        raise ValueError("systems: give at least one system")
+    if args.steps <= 0:
+        raise ValueError(f"steps must be positive, got {args.steps}")
+    base = TrainConfig.load(args.config, args.overrides)
+    world = _world(args)
+    configs = {}
+    for name in systems:
+        cfg = dataclasses.replace(
+            base,
+            system=dataclasses.replace(base.system, name=name),
+            schedule=dataclasses.replace(
+                base.schedule,
+                train_steps=args.steps,
+                warmup_steps=min(base.schedule.warmup_steps, args.steps - 1),
+            ),
+            checkpoint=dataclasses.replace(base.checkpoint, dir=None),
+        )
+        cfg.validate(world)  # every system's config before any process group exists
+        configs[name] = cfg
+    result = {"config": args.config, "steps": args.steps, "world_size": world, "systems": {}}
+    for name, cfg in configs.items():
+        hist = launch(cfg, world, args.nproc)
+        result["systems"][name] = {
+            "loss": [h["loss"] for h in hist],
+            "attn_work_max_over_mean": [h["attn_work_max_over_mean"] for h in hist],
+            "attn_time_max_over_mean": [h["attn_time_max_over_mean"] for h in hist],
+            "attn_time_per_rank": [h["attn_time_per_rank"] for h in hist],
+            "tokens_per_s": sum(h["tokens"] for h in hist) / sum(h["step_time"] for h in hist),
+            "tokens": [h["tokens"] for h in hist],
+            "bytes_exchanged": [h["bytes_exchanged"] for h in hist],
+        }
+    ref = result["systems"].get("ulysses")
+    if ref:
+        for name, r in result["systems"].items():
+            r["max_rel_loss_diff_vs_ulysses"] = max(
+                abs(a - b) / abs(b) for a, b in zip(r["loss"], ref["loss"])
+            )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab.json").write_text(json.dumps(result, indent=1))
+    (out / "report.md").write_text(_ab_markdown(result))
+    _ab_figures(result, out)
+    if args.json:
+        return result
+    print((out / "report.md").read_text())
+    return None
+
+
+def _ab_markdown(r: dict) -> str:
+    lines = [
+        f"# A/B: {', '.join(r['systems'])}",
+        "",
+        f"Config `{r['config']}`, {r['steps']} steps, {r['world_size']} ranks; same data "
+        "and initialisation for every system.",
+        "",
+        "| system | final loss | max rel. loss diff vs ulysses | attn work max/mean (mean) "
+        "| attn time max/mean (mean) | tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in r["systems"].items():
+        n = len(s["loss"])
+        diff = s.get("max_rel_loss_diff_vs_ulysses", float("nan"))
+        lines.append(
+            f"| {name} | {s['loss'][-1]:.5f} | {diff:.2e} "
+            f"| {sum(s['attn_work_max_over_mean']) / n:.3f} "
+            f"| {sum(s['attn_time_max_over_mean']) / n:.3f} | {s['tokens_per_s']:.1f} |"
+        )
+    lines += [
+        "",
+        "Attention work is the plan's modeled per-rank attention FLOPs; attention time is "
+        "the measured forward wall time of core attention per rank. `wlb` changes which "
+        "documents each step trains on (workload-aware packing and its delay queue), so its "
+        "losses differ from the others by design; placement alone (libra, distca) must not "
+        "change them.",
+        "",
+        "![loss](loss.png)",
+        "![attention time](attention_time.png)",
+        "![tokens/s](tokens_per_s.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _ab_figures(r: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, s in r["systems"].items():
+        ax.plot(range(1, len(s["loss"]) + 1), s["loss"], label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("lm loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+    names = list(r["systems"])
+    fig, axes = plt.subplots(len(names), 1, figsize=(6, 1.6 * len(names) + 1))
+    axes = [axes] if len(names) == 1 else axes
+    for ax, name in zip(axes, names):
+        per_rank = r["systems"][name]["attn_time_per_rank"]
+        mean = [sum(x[i] for x in per_rank) / len(per_rank) for i in range(len(per_rank[0]))]
+        ax.bar(range(len(mean)), mean)
+        ax.set_ylabel(name, rotation=0, ha="right", fontsize=8)
+    axes[-1].set_xlabel("rank: mean attention forward seconds per step")
+    fig.tight_layout()
+    fig.savefig(out / "attention_time.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(names, [r["systems"][n]["tokens_per_s"] for n in names])
+    ax.set_ylabel("tokens/s")
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_s.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,67 @@
+"""Training config: YAML + overrides, and bad configs fail before any process group exists,
+naming the field."""
+
+import pytest
+
+from megatron.libra.cli import main
+from megatron.libra.config import TrainConfig
+
+CPU_TINY = "configs/train/cpu_tiny.yaml"
+
+
+def test_cpu_tiny_loads_and_overrides_apply():
+    cfg = TrainConfig.load(CPU_TINY, ["system.name=wlb", "optimizer.lr=1e-4", "model.layers=3"])
+    assert cfg.system.name == "wlb" and cfg.optimizer.lr == 1e-4 and cfg.model.layers == 3
+    assert cfg.validate(4) == 2  # 4 ranks, cp 2 -> dp 2
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (
+            ["parallel.pool_size=3"],
+            4,
+            r"parallel.pool_size \(P=3\) must divide the data-parallel size",
+        ),
+        (
+            ["model.heads=3", "model.kv_heads=1"],
+            4,
+            r"model.heads \(3\) must be divisible by parallel.cp",
+        ),
+        (["system.name=ring"], 4, r"system.name must be one of libra, ulysses, wlb, distca"),
+        (["data.source=indexed"], 4, r"data.path is required for data.source = indexed"),
+        (
+            ["data.source=indexed", "data.path=/nonexistent/ds"],
+            4,
+            r"data.path: /nonexistent/ds.bin",
+        ),
+        (["data.gbs=3"], 4, r"data.gbs \(3\) must be a positive multiple"),
+        (["schedule.warmup_steps=60"], 4, r"schedule.warmup_steps \(60\)"),
+        ([], 3, r"world size 3 must be a multiple of parallel.tp \* parallel.cp"),
+    ],
+)
+def test_bad_configs_name_the_field(overrides, world, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.load(CPU_TINY, overrides).validate(world)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.layer=2"], r"model.layer is not a config field"),
+        (["optimizer.lr=fast"], r"optimizer.lr must be a number, got 'fast'"),
+        (["system.pipeline=3"], r"system.pipeline must be true or false"),
+        (["parallel"], r"override 'parallel' must look like key.sub=value"),
+    ],
+)
+def test_bad_fields_and_overrides(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.load(CPU_TINY, overrides)
+
+
+def test_train_cli_fails_before_starting_workers(capsys):
+    assert main(["train", "--config", CPU_TINY, "--nproc", "4", "parallel.pool_size=3"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pool_size (P=3) must divide" in err and err.count("\n") == 1
+    assert main(["train", "--config", "/nonexistent.yaml", "--nproc", "1"]) == 2
+    assert "cannot open" in capsys.readouterr().err
