@@ -11,6 +11,9 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
   the device "cuda" to "cpu").
 - `grad_clip_fp32`: gradient clipping asserts fp32 grads are `torch.cuda.FloatTensor`; on CPU it
   checks for float32 (or float64, for exact comparisons) and scales the grads in place.
+- `moe_without_te`: megatron-core 0.16's MoE router reads a Transformer Engine GEMM name that is
+  only defined when TE imports; without TE (always the case on CPU) it is defined as absent, so
+  the router takes its PyTorch path.
 """
 
 from __future__ import annotations
@@ -161,11 +164,18 @@ def _shim_grad_clip_fp32() -> None:
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
 
 
+def _shim_moe_without_te() -> None:
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 SHIMS = {
     "rng_tracker": _shim_rng_tracker,
     "current_device": _shim_current_device,
     "cuda_literals": _shim_cuda_literals,
     "grad_clip_fp32": _shim_grad_clip_fp32,
+    "moe_without_te": _shim_moe_without_te,
 }
 
 

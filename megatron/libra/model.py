@@ -1,4 +1,5 @@
-"""A megatron-core GPTModel whose core attention is Libra's operator (local layer spec)."""
+"""A megatron-core GPTModel whose core attention is Libra's operator (local layer spec): dense
+SwiGLU, or Qwen3-style MoE when the model config has experts (moe_topk > 0)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    if model.moe_topk > 0:  # Qwen3-style MoE: routed experts (+ optional shared expert)
+        kw.update(
+            num_moe_experts=model.experts,
+            moe_router_topk=model.moe_topk,
+            moe_ffn_hidden_size=model.moe_ffn,
+            moe_shared_expert_intermediate_size=model.shared_ffn or None,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=1e-3,
+        )
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -54,7 +64,9 @@ def build_gpt(
     dtype: torch.dtype = torch.float32,
 ) -> GPTModel:
     """GPTModel with `core_attention` replaced by LibraCoreAttention for `system`."""
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(
+        num_experts=model.experts if model.moe_topk > 0 else None, moe_grouped_gemm=False
+    )
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=LibraCoreAttention, params={"system": system, "runtime": runtime}
     )

@@ -157,7 +157,17 @@ def run(
             logger.warning("resumed from %s at step %d", cfg.checkpoint.dir, start)
     sampler = StepSampler(cfg, planner, start_step=start, doc_base=doc_base)
     fb = get_forward_backward_func()
-    history, log_file = [], None
+    history, log_file, tb = [], None, None
+    if rank == 0 and cfg.logging.tensorboard_dir:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb = SummaryWriter(cfg.logging.tensorboard_dir)
+        except ImportError:
+            logger.warning(
+                "logging.tensorboard_dir is set but tensorboard is not installed; "
+                "pip install tensorboard to get the scalars"
+            )
     if rank == 0 and cfg.logging.metrics_file:
         Path(cfg.logging.metrics_file).parent.mkdir(parents=True, exist_ok=True)
         log_file = open(cfg.logging.metrics_file, "a" if latest is not None else "w")
@@ -241,6 +251,19 @@ def run(
                 if log_file:
                     log_file.write(json.dumps(rec) + "\n")
                     log_file.flush()
+                if tb is not None:
+                    for key in (
+                        "loss",
+                        "lr",
+                        "grad_norm",
+                        "tokens_per_s",
+                        "step_time",
+                        "attn_work_max_over_mean",
+                        "attn_time_max_over_mean",
+                        "inter_pool_imbalance",
+                        "bytes_exchanged",
+                    ):
+                        tb.add_scalar(key, rec[key], step + 1)
             last = step + 1 == s.train_steps
             if cfg.checkpoint.dir and (
                 last
@@ -251,6 +274,8 @@ def run(
         sampler.close()
         if log_file:
             log_file.close()
+        if tb is not None:
+            tb.close()
     return history
 
 
