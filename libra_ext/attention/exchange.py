@@ -217,6 +217,19 @@ def build_spec(plan: StepPlan, replica: int, slot: int, chunks: int) -> Exchange
     )
 
 
+def _exchange(
+    send, recv_splits, send_splits, active: bool, group, counter, kind: str, async_op: bool
+):
+    """Receive buffer and work handle of one all-to-all-v of the pool group; no collective when
+    no member of the group moves anything in this chunk (`active` is the same on all members)."""
+    recv = send.new_empty(sum(recv_splits))
+    if group is None or not active:
+        return recv, None
+    return recv, all_to_all(
+        recv, send, recv_splits, send_splits, group, counter, kind, async_op=async_op
+    )
+
+
 def _splits(spec: ChunkSpec, d: int, me: int):
     send = [(len(spec.send_q[j]) + 2 * len(spec.send_kv[j])) * d for j in range(len(spec.send_q))]
     recv = [(spec.recv_q_elems[j] + 2 * spec.recv_kv_elems[j]) * d for j in range(len(spec.send_q))]
@@ -254,19 +267,16 @@ class TileExchange(torch.autograd.Function):
             for j in range(px):
                 parts += [qf[c.send_q[j]], kf[c.send_kv[j]], vf[c.send_kv[j]]]
             send = torch.cat([p.reshape(-1) for p in parts]) if parts else qf.new_zeros(0)
-            recv = qf.new_empty(sum(recv_splits))
-            work = None
-            if group is not None and spec.active[ch]:
-                work = all_to_all(
-                    recv,
-                    send,
-                    recv_splits,
-                    send_splits,
-                    group,
-                    counter,
-                    "pool.qkv",
-                    async_op=pipelined,
-                )
+            recv, work = _exchange(
+                send,
+                recv_splits,
+                send_splits,
+                spec.active[ch],
+                group,
+                counter,
+                "pool.qkv",
+                pipelined,
+            )
             return recv, work, recv_splits
 
         def views(ch):
@@ -296,28 +306,19 @@ class TileExchange(torch.autograd.Function):
             o_recv_splits = [len(c.back_rows[j]) * d for j in range(px)]
             if group is not None and spec.active[ch]:
                 o_send = torch.cat(o_parts) if o_parts else qf.new_zeros(0)
-                o_recv = qf.new_empty(sum(o_recv_splits))
-                w1 = all_to_all(
-                    o_recv,
-                    o_send,
-                    o_recv_splits,
-                    o_send_splits,
-                    group,
-                    counter,
-                    "pool.o",
-                    async_op=pipelined,
+                o_recv, w1 = _exchange(
+                    o_send, o_recv_splits, o_send_splits, True, group, counter, "pool.o", pipelined
                 )
                 l_send = (torch.cat(l_parts) if l_parts else qf.new_zeros(0)).float()
-                l_recv = torch.empty(sum(o_recv_splits) // d, dtype=torch.float32)
-                w2 = all_to_all(
-                    l_recv,
+                _, w2 = _exchange(
                     l_send,
                     [x // d for x in o_recv_splits],
                     [x // d for x in o_send_splits],
+                    True,
                     group,
                     counter,
                     "pool.lse",
-                    async_op=pipelined,
+                    pipelined,
                 )
                 pending.append((o_recv, c, w1, w2))
             if not pipelined and ch + 1 < len(spec.chunks):
@@ -360,19 +361,16 @@ class TileExchange(torch.autograd.Function):
                 for j in range(px)
             ]
             send = torch.cat([gf[torch.as_tensor(c.back_rows[j])].reshape(-1) for j in range(px)])
-            recv = gf.new_empty(sum(recv_splits))
-            work = None
-            if group is not None and spec.active[ch]:
-                work = all_to_all(
-                    recv,
-                    send,
-                    recv_splits,
-                    send_splits,
-                    group,
-                    counter,
-                    "pool.do",
-                    async_op=pipelined,
-                )
+            recv, work = _exchange(
+                send,
+                recv_splits,
+                send_splits,
+                spec.active[ch],
+                group,
+                counter,
+                "pool.do",
+                pipelined,
+            )
             return recv, work
 
         # Gradients of received KV entries accumulate over every chunk that uses them, so they go
@@ -425,16 +423,8 @@ class TileExchange(torch.autograd.Function):
                 recv_splits = [len(c.send_q[j]) * d for j in range(px)]
                 parts = [x for j in range(px) for x in dq_parts[j]]
                 send = torch.cat(parts) if parts else gf.new_zeros(0)
-                recv = gf.new_empty(sum(recv_splits))
-                w = all_to_all(
-                    recv,
-                    send,
-                    recv_splits,
-                    send_splits,
-                    group,
-                    counter,
-                    "pool.dq",
-                    async_op=pipelined,
+                recv, w = _exchange(
+                    send, recv_splits, send_splits, True, group, counter, "pool.dq", pipelined
                 )
                 pending.append((recv, c, w))
         for recv, c, w in pending:
