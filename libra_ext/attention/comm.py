@@ -111,6 +111,8 @@ class GroupCache:
         # others instead of a hang.
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pool: dict = {}
+        # For the per-step plan-hash check: a group of all ranks with a short timeout.
+        self.check_group = dist.new_group(timeout=datetime.timedelta(seconds=60))
         me = dist.get_rank()
         self.t, rest = me % tp, me // tp
         self.c, self.r = rest % cp, rest // cp

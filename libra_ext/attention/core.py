@@ -65,10 +65,12 @@ class Runtime:
         return self._specs[key]
 
 
-def check_plan_hash(plan: StepPlan, timeout_s: float = 60.0) -> None:
+def check_plan_hash(plan: StepPlan, timeout_s: float = 60.0, group=None) -> None:
     """Compare the plan hash across all ranks; on a mismatch every rank raises, naming the ranks
-    that differ; a rank that never arrives turns into an error after `timeout_s`, not a hang."""
-    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    that differ; a rank that never arrives turns into an error after the group's timeout
+    (`timeout_s` for a group made here; pass GroupCache.check_group to reuse one), not a hang."""
+    if group is None:
+        group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
     mine = torch.tensor([plan.hash & ((1 << 63) - 1), plan.hash >> 63], dtype=torch.int64)
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     try:

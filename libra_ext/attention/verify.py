@@ -143,7 +143,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
                 )
                 planner = Planner(layout, model, opts)
                 plan = planner.plan(seqs, flush=True)
-                check_plan_hash(plan, timeout_s=60)
+                check_plan_hash(plan, group=groups.check_group)
                 runtime.counter.reset()
                 for slot in range(plan.slots):
                     s_idx = int(

@@ -176,7 +176,7 @@ def run(
             t0 = time.perf_counter()
             batch = sampler.next()
             plan = batch.plan
-            check_plan_hash(plan)
+            check_plan_hash(plan, group=runtime.groups.check_group)
             m = plan.slots
             micro = []
             for slot in range(m):
