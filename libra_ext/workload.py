@@ -222,8 +222,3 @@ class LengthSource:
 
 def preset_names() -> list[str]:
     return list(_core.preset_names())
-
-
-def sequence_pairs(doc_lengths: Iterable[int]) -> int:
-    """Causal pairs of one packed sequence: the sum over its documents."""
-    return sum(causal_pairs(int(l)) for l in doc_lengths)

@@ -230,9 +230,22 @@ def _exchange(
     )
 
 
-def _splits(spec: ChunkSpec, d: int, me: int):
-    send = [(len(spec.send_q[j]) + 2 * len(spec.send_kv[j])) * d for j in range(len(spec.send_q))]
-    recv = [(spec.recv_q_elems[j] + 2 * spec.recv_kv_elems[j]) * d for j in range(len(spec.send_q))]
+def _output_splits(spec: ExchangeSpec, c: ChunkSpec, d: int) -> tuple[list, list]:
+    """Elements per peer of a chunk's O return: (what I send as executor, what I receive as
+    owner). dO in the backward flows the other way with the same sizes."""
+    px = len(spec.members)
+    executor = [
+        sum(spec.tile_shape[t][0] * spec.tile_shape[t][1] for t in c.return_tiles[j]) * d
+        for j in range(px)
+    ]
+    owner = [len(c.back_rows[j]) * d for j in range(px)]
+    return executor, owner
+
+
+def _input_splits(c: ChunkSpec, d: int) -> tuple[list, list]:
+    """Elements per peer of a chunk's Q + KV transfer: (what I send as owner, what I receive)."""
+    send = [(len(c.send_q[j]) + 2 * len(c.send_kv[j])) * d for j in range(len(c.send_q))]
+    recv = [(c.recv_q_elems[j] + 2 * c.recv_kv_elems[j]) * d for j in range(len(c.send_q))]
     return send, recv
 
 
@@ -262,7 +275,7 @@ class TileExchange(torch.autograd.Function):
 
         def post(ch):
             c = spec.chunks[ch]
-            send_splits, recv_splits = _splits(c, d, me)
+            send_splits, recv_splits = _input_splits(c, d)
             parts = []
             for j in range(px):
                 parts += [qf[c.send_q[j]], kf[c.send_kv[j]], vf[c.send_kv[j]]]
@@ -299,11 +312,7 @@ class TileExchange(torch.autograd.Function):
             for p in c.exec_tiles:
                 if p.owner == me:
                     out[torch.as_tensor(p.q_rows)] = outs[p.tile][0].reshape(-1, d)
-            o_send_splits = [
-                sum(spec.tile_shape[t][0] * spec.tile_shape[t][1] for t in c.return_tiles[j]) * d
-                for j in range(px)
-            ]
-            o_recv_splits = [len(c.back_rows[j]) * d for j in range(px)]
+            o_send_splits, o_recv_splits = _output_splits(spec, c, d)
             if group is not None and spec.active[ch]:
                 o_send = torch.cat(o_parts) if o_parts else qf.new_zeros(0)
                 o_recv, w1 = _exchange(
@@ -355,11 +364,7 @@ class TileExchange(torch.autograd.Function):
 
         def post_do(ch):
             c = spec.chunks[ch]
-            send_splits = [len(c.back_rows[j]) * d for j in range(px)]
-            recv_splits = [
-                sum(spec.tile_shape[t][0] * spec.tile_shape[t][1] for t in c.return_tiles[j]) * d
-                for j in range(px)
-            ]
+            recv_splits, send_splits = _output_splits(spec, c, d)  # dO: O's reverse
             send = torch.cat([gf[torch.as_tensor(c.back_rows[j])].reshape(-1) for j in range(px)])
             recv, work = _exchange(
                 send,

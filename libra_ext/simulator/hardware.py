@@ -27,15 +27,12 @@ def _get(d: dict, key: str, path: str, kind=float):
 
 @dataclass(frozen=True)
 class Link:
-    """One alpha-beta link: time = latency + bytes / bandwidth."""
+    """One alpha-beta link: time = messages * latency + bytes / bandwidth."""
 
     bandwidth: float
     """Bytes per second per GPU per direction."""
     latency: float
     """Seconds per message."""
-
-    def time(self, nbytes: float, messages: int = 1) -> float:
-        return messages * self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ def run(
             weight_decay=o.weight_decay,
             adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
             clip_grad=o.clip_grad,
             params_dtype=dtype,
         ),
