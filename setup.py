@@ -14,7 +14,9 @@ ext = Pybind11Extension(
 )
 
 setup(
-    packages=find_namespace_packages(include=["libra_ext", "libra_ext.*", "megatron.libra", "megatron.libra.*"]),
+    packages=find_namespace_packages(
+        include=["libra_ext", "libra_ext.*", "megatron.libra", "megatron.libra.*"]
+    ),
     ext_modules=[ext],
     cmdclass={"build_ext": build_ext},
 )

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from libra_ext.attention import thd
 from libra_ext.attention.kernels import reference_attention, select_backend
-from libra_ext.attention.verify import free_port
+from libra_ext.attention.verify import free_port, share_cores
 
 
 def _naive(q, k, v, scale):
@@ -79,6 +79,7 @@ def test_backend_ladder_says_why(caplog):
 
 
 def _bad_input_worker(rank, world, port, out_dir):
+    share_cores(world)
     from libra_ext.attention.comm import GroupCache
     from libra_ext.attention.core import AttentionStep, LibraCoreAttention, Runtime, check_plan_hash
     from libra_ext.planner import LayoutConfig, Planner, PlannerOptions

@@ -50,6 +50,17 @@ from megatron.core.transformer.moe.moe_utils import router_gating_linear
 out = router_gating_linear(torch.randn(5, 8), torch.randn(4, 8), None, torch.float32)
 assert out.shape == (5, 4)
 """,
+    "checkpoint_preload": """
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import tempfile
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+d = tempfile.mkdtemp()
+dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, d)
+out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, d)
+assert torch.equal(out["w"], torch.arange(6.0)), out
+""",
     "grad_clip_fp32": """
 from megatron.core.optimizer import clip_grads
 p = torch.nn.Parameter(torch.ones(4))

@@ -18,6 +18,10 @@ STEPS = 3
 def _train(rank, world, port, system, out_dir):
     import warnings
 
+    from libra_ext.attention.verify import share_cores
+
+    share_cores(world)
+
     warnings.simplefilter("ignore")
     import torch.distributed as dist
 

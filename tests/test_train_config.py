@@ -65,3 +65,17 @@ def test_train_cli_fails_before_starting_workers(capsys):
     assert "parallel.pool_size (P=3) must divide" in err and err.count("\n") == 1
     assert main(["train", "--config", "/nonexistent.yaml", "--nproc", "1"]) == 2
     assert "cannot open" in capsys.readouterr().err
+
+
+def test_checkpoint_tracker_errors_name_the_file(tmp_path):
+    from megatron.libra.checkpoint import latest_step
+
+    assert latest_step(None) is None and latest_step(tmp_path) is None
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("abc")
+    with pytest.raises(ValueError, match="checkpoint.dir: .*should hold a step number"):
+        latest_step(tmp_path)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
+    with pytest.raises(ValueError, match="names step 7, but .*iter_0000007 is missing"):
+        latest_step(tmp_path)
+    (tmp_path / "iter_0000007").mkdir()
+    assert latest_step(tmp_path) == 7

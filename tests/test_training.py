@@ -2,11 +2,16 @@
 the loss, the loss falls, and a resumed run repeats an uninterrupted one."""
 
 import json
-import shutil
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
+from megatron.libra.checkpoint import latest_step
 from megatron.libra.cli import main
 from megatron.libra.config import TrainConfig
 from megatron.libra.train_commands import launch
@@ -47,20 +52,35 @@ def test_ab_libra_matches_ulysses_and_learns(tmp_path, capsys):
         assert (out / f).stat().st_size > 0
 
 
-def test_resume_repeats_the_uninterrupted_run(tmp_path):
-    ck = tmp_path / "ck"
+def test_killed_run_resumes_like_the_uninterrupted_run(tmp_path):
+    """SIGKILL a training run once its step-3 checkpoint is complete, resume it from megatron-core's
+    distributed checkpoint: steps 4-6 repeat the uninterrupted run."""
     over = [
         "schedule.train_steps=6",
         "schedule.warmup_steps=1",
-        f"checkpoint.dir={ck}",
         "checkpoint.save_interval=3",
         "parallel.cp=1",
         "parallel.pool_size=2",
     ]
-    full = launch(TrainConfig.load(CPU_TINY, over), 2, 2)
-    shutil.rmtree(ck / "iter_0000006")  # as if killed after the step-3 checkpoint
-    (ck / "latest").write_text("3")
-    resumed = launch(TrainConfig.load(CPU_TINY, over), 2, 2)
+    full = launch(TrainConfig.load(CPU_TINY, over + [f"checkpoint.dir={tmp_path / 'full'}"]), 2, 2)
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-c", "from megatron.libra.cli import main; raise SystemExit(main())"]
+    cmd += ["train", "--config", CPU_TINY, "--nproc", "2", *over, f"checkpoint.dir={ck}"]
+    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
+    tracker = ck / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 300
+    try:
+        while not (tracker.is_file() and tracker.read_text() == "3"):
+            assert proc.poll() is None, "the run ended before its step-3 checkpoint"
+            assert time.monotonic() < deadline, "no step-3 checkpoint after 300 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert tracker.read_text() == "3", "killed too late: the run got to its last checkpoint"
+    assert (ck / "iter_0000003" / "metadata.json").is_file()  # megatron-core dist checkpoint
+    resumed = launch(TrainConfig.load(CPU_TINY, over + [f"checkpoint.dir={ck}"]), 2, 2)
     assert [h["step"] for h in resumed] == [4, 5, 6]
     for a, b in zip(full[3:], resumed):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (full, resumed)
+    assert latest_step(ck) == 6

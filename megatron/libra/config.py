@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from libra_ext.planner import SYSTEMS
@@ -27,6 +28,9 @@ class ParallelConfig:
     """Context-parallel size (Ulysses / per-document CP inside a replica)."""
     pool_size: int = 1
     """Replicas per Libra pool; must divide the data-parallel size."""
+    ep: int = 1
+    """Expert-parallel size of MoE layers (megatron-core's expert_model_parallel_size); must
+    divide the number of experts and the world size. Tokens reach their experts by all-to-all."""
 
 
 @dataclass
@@ -80,6 +84,9 @@ class OptimizerSection:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
+    distributed: bool = False
+    """megatron-core's distributed optimizer (ZeRO-1: fp32 main weights and Adam states
+    sharded over the data-parallel ranks). GPU only: it accepts CUDA tensors only."""
     adam_eps: float = 1e-8
     """Adam's epsilon. Gradients far below it move parameters proportionally less, which keeps
     float-summation-order noise in near-zero gradients from becoming lr-sized steps."""
@@ -169,7 +176,7 @@ class TrainConfig:
     def validate(self, world_size: int) -> int:
         """Check everything knowable before process groups exist; returns the DP size."""
         p, m, d, s = self.parallel, self.model, self.data, self.system
-        for name in ("tp", "cp", "pool_size"):
+        for name in ("tp", "cp", "pool_size", "ep"):
             if getattr(p, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
         if world_size % (p.tp * p.cp):
@@ -186,6 +193,20 @@ class TrainConfig:
             raise ValueError(
                 f"model.heads ({m.heads}) must be divisible by parallel.cp * "
                 f"parallel.tp ({p.cp * p.tp})"
+            )
+        if p.ep > 1:
+            if m.moe_topk <= 0:
+                raise ValueError(
+                    f"parallel.ep ({p.ep}) > 1 needs an MoE model (model.moe_topk > 0)"
+                )
+            if m.experts % p.ep:
+                raise ValueError(f"parallel.ep ({p.ep}) must divide model.experts ({m.experts})")
+            if world_size % p.ep:
+                raise ValueError(f"parallel.ep ({p.ep}) must divide the world size {world_size}")
+        if self.optimizer.distributed and not torch.cuda.is_available():
+            raise ValueError(
+                "optimizer.distributed needs a GPU: megatron-core's distributed optimizer "
+                "accepts CUDA tensors only (set optimizer.distributed=false on CPU)"
             )
         if s.name not in SYSTEMS:
             raise ValueError(f"system.name must be one of {', '.join(SYSTEMS)}, got {s.name!r}")

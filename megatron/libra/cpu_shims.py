@@ -14,6 +14,9 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
 - `moe_without_te`: megatron-core 0.16's MoE router reads a Transformer Engine GEMM name that is
   only defined when TE imports; without TE (always the case on CPU) it is defined as absent, so
   the router takes its PyTorch path.
+- `checkpoint_preload`: the dist-checkpointing writer copies tensors to host memory with
+  `non_blocking=True` and then calls `torch.cuda.synchronize()`; on CPU it copies blocking and
+  synchronizes nothing.
 """
 
 from __future__ import annotations
@@ -170,12 +173,29 @@ def _shim_moe_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+# --- checkpoint_preload ---------------------------------------------------------------------
+
+
+def _shim_checkpoint_preload() -> None:
+    fsa = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    writer = fsa.FileSystemWriterAsync
+    preload = writer.preload_tensors
+
+    def preload_tensors(write_buckets, non_blocking=True):
+        """The checkpoint writer's host copy; on CPU a plain (blocking) copy, so there is no
+        CUDA stream to synchronize."""
+        return preload(write_buckets, non_blocking=False)
+
+    writer.preload_tensors = staticmethod(preload_tensors)
+
+
 SHIMS = {
     "rng_tracker": _shim_rng_tracker,
     "current_device": _shim_current_device,
     "cuda_literals": _shim_cuda_literals,
     "grad_clip_fp32": _shim_grad_clip_fp32,
     "moe_without_te": _shim_moe_without_te,
+    "checkpoint_preload": _shim_checkpoint_preload,
 }
 
 

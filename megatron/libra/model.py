@@ -19,9 +19,9 @@ with warnings.catch_warnings():  # megatron-core's notices about optional TE / a
 
 
 def transformer_config(
-    model: ModelConfig, dtype: torch.dtype = torch.float32, **overrides
+    model: ModelConfig, dtype: torch.dtype = torch.float32, expert_parallel: int = 1, **overrides
 ) -> TransformerConfig:
-    """megatron-core TransformerConfig of a dense GQA / RoPE / SwiGLU model."""
+    """megatron-core TransformerConfig of a GQA / RoPE / SwiGLU model, dense or MoE."""
     kw = dict(
         num_layers=model.layers,
         hidden_size=model.hidden,
@@ -51,6 +51,13 @@ def transformer_config(
             moe_shared_expert_intermediate_size=model.shared_ffn or None,
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=1e-3,
+            expert_model_parallel_size=expert_parallel,
+            # With experts spread over ranks, tokens travel to their experts by all-to-all on GPU
+            # (megatron-core's all-to-all dispatcher overlaps on CUDA streams); on CPU, and
+            # without expert parallelism, by all-gather.
+            moe_token_dispatcher_type=(
+                "alltoall" if expert_parallel > 1 and torch.cuda.is_available() else "allgather"
+            ),
         )
     kw.update(overrides)
     return TransformerConfig(**kw)
@@ -62,6 +69,7 @@ def build_gpt(
     runtime: Runtime,
     max_seq: int,
     dtype: torch.dtype = torch.float32,
+    expert_parallel: int = 1,
 ) -> GPTModel:
     """GPTModel with `core_attention` replaced by LibraCoreAttention for `system`."""
     spec = get_gpt_layer_local_spec(
@@ -71,7 +79,7 @@ def build_gpt(
         module=LibraCoreAttention, params={"system": system, "runtime": runtime}
     )
     return GPTModel(
-        config=transformer_config(model, dtype),
+        config=transformer_config(model, dtype, expert_parallel),
         transformer_layer_spec=spec,
         vocab_size=model.vocab,
         max_sequence_length=max_seq,

@@ -40,17 +40,6 @@ def _init_distributed(rank: int | None, world: int | None, init_method: str | No
     return dist.get_rank(), dist.get_world_size()
 
 
-def _checkpoint_path(cfg: TrainConfig, step: int, rank: int) -> Path:
-    return Path(cfg.checkpoint.dir) / f"iter_{step:07d}" / f"rank{rank:05d}.pt"
-
-
-def _latest(cfg: TrainConfig) -> int | None:
-    if not cfg.checkpoint.dir:
-        return None
-    f = Path(cfg.checkpoint.dir) / "latest"
-    return int(f.read_text().strip()) if f.is_file() else None
-
-
 def run(
     cfg: TrainConfig,
     rank: int | None = None,
@@ -80,12 +69,17 @@ def run(
     from libra_ext.attention.comm import GroupCache
     from libra_ext.attention.core import AttentionStep, Runtime, check_plan_hash
     from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+    from megatron.libra import checkpoint
     from megatron.libra.batch import make_micro_batch
     from megatron.libra.data import StepSampler
     from megatron.libra.model import build_gpt
 
     P, C, T = cfg.parallel.pool_size, cfg.parallel.cp, cfg.parallel.tp
-    ps.initialize_model_parallel(tensor_model_parallel_size=T, context_parallel_size=C)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=T,
+        context_parallel_size=C,
+        expert_model_parallel_size=cfg.parallel.ep,
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.data.seed)
     runtime = Runtime(
         groups=GroupCache(tp=T, cp=C, dp=dp),
@@ -95,13 +89,28 @@ def run(
     r, c = runtime.groups.r, runtime.groups.c
     timing = {"attention": 0.0}
     dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}[cfg.dtype]
-    model = build_gpt(cfg.model, cfg.system.name, runtime, max_seq=cfg.data.context, dtype=dtype)
+    model = build_gpt(
+        cfg.model,
+        cfg.system.name,
+        runtime,
+        max_seq=cfg.data.context,
+        dtype=dtype,
+        expert_parallel=cfg.parallel.ep,
+    )
     if torch.cuda.is_available():
         model.cuda()
     _time_attention(model, timing)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    model.config.finalize_model_grads_func = finalize_model_grads
     o = cfg.optimizer
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(
+            # bf16 runs keep fp32 gradient buffers (Megatron's accumulate-allreduce-grads-in-fp32)
+            grad_reduce_in_fp32=dtype == torch.bfloat16,
+            use_distributed_optimizer=o.distributed,
+        ),
+        model,
+    )
+    model.config.finalize_model_grads_func = finalize_model_grads
     opt = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -113,6 +122,8 @@ def run(
             adam_eps=o.adam_eps,
             clip_grad=o.clip_grad,
             params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,  # fp32 main weights and Adam states
+            use_distributed_optimizer=o.distributed,
         ),
         [ddp],
     )
@@ -146,14 +157,11 @@ def run(
         ),
     )
     start, doc_base = 0, 0
-    latest = _latest(cfg) if cfg.checkpoint.resume else None
+    latest = checkpoint.latest_step(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
     if latest is not None:
-        state = torch.load(_checkpoint_path(cfg, latest, rank), weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        planner.load_state_dict(state["planner"])
-        start, doc_base = state["next_step"], state["doc_base"]
+        resumed = checkpoint.load(cfg.checkpoint.dir, latest, model, opt, sched)
+        planner.load_state_dict(resumed.planner_state)
+        start, doc_base = resumed.next_step, resumed.doc_base
         if rank == 0:
             logger.warning("resumed from %s at step %d", cfg.checkpoint.dir, start)
     sampler = StepSampler(cfg, planner, start_step=start, doc_base=doc_base)
@@ -270,7 +278,7 @@ def run(
                 last
                 or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
             ):
-                _save(cfg, step + 1, rank, model, opt, sched, batch)
+                checkpoint.save(cfg.checkpoint.dir, step + 1, model, opt, sched, batch)
     finally:
         sampler.close()
         if log_file:
@@ -289,27 +297,6 @@ def _log_line(rec: dict, total: int) -> str:
         f"{rec['attn_time_max_over_mean']:.3f} | inter-pool imbalance: "
         f"{rec['inter_pool_imbalance']:.3f} | bytes exchanged: {rec['bytes_exchanged']:.0f}"
     )
-
-
-def _save(cfg, step, rank, model, opt, sched, batch) -> None:
-    path = _checkpoint_path(cfg, step, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The data position: the next step, the global id of its first document, and the planner's
-    # carried state (WLB-LLM's queue) as it was right after planning this step.
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "planner": batch.planner_state,
-            "next_step": step,
-            "doc_base": batch.doc_base + batch.n_inputs,
-        },
-        path,
-    )
-    dist.barrier()
-    if rank == 0:
-        (Path(cfg.checkpoint.dir) / "latest").write_text(str(step))
 
 
 def _time_attention(model: torch.nn.Module, timing: dict) -> None:

@@ -34,6 +34,9 @@ def _world(args) -> int:
 
 def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from libra_ext.attention.verify import share_cores
+
+    share_cores(world)
     from megatron.libra.train import run
 
     history = run(cfg, rank, world, f"tcp://127.0.0.1:{port}")

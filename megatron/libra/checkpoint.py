@@ -1,0 +1,126 @@
+"""Checkpoints in megatron-core's distributed format (`dist_checkpointing`, torch_dist backend).
+
+Layout, as Megatron-LM writes it:
+
+    DIR/latest_checkpointed_iteration.txt     the newest complete step
+    DIR/iter_0000100/                         one dist checkpoint per saved step
+
+A checkpoint holds the model and optimizer as sharded tensors (so it loads under another TP / DP
+layout of the same model), the LR scheduler, each rank's RNG state, and the data position: the
+next step, the global id of its first document, and the planner's carried state (WLB-LLM's delay
+queue) as it was right after planning the saved step. A resumed run therefore continues with
+exactly the samples the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+
+
+def iteration_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def latest_step(root: str | Path | None) -> int | None:
+    """The newest complete checkpoint's step in `root`, or None when there is none."""
+    if not root:
+        return None
+    f = Path(root) / TRACKER
+    if not f.is_file():
+        return None
+    text = f.read_text().strip()
+    try:
+        step = int(text)
+    except ValueError:
+        raise ValueError(f"checkpoint.dir: {f} should hold a step number, found {text!r}") from None
+    if not iteration_dir(root, step).is_dir():
+        raise ValueError(
+            f"checkpoint.dir: {f} names step {step}, but {iteration_dir(root, step)} is missing"
+        )
+    return step
+
+
+@dataclass
+class Resumed:
+    next_step: int
+    doc_base: int
+    planner_state: dict
+
+
+def _rng_object(rank: int, world: int, state=None):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(
+        "libra.rng_state",
+        {"torch": torch.get_rng_state()} if state is None else state,
+        global_shape=(world,),
+        global_offset=(rank,),
+        replica_id=0,
+    )
+
+
+def _sharded(model, opt, is_loading: bool) -> dict:
+    msd = model.sharded_state_dict()
+    return {"model": msd, "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading)}
+
+
+def save(root, step: int, model, opt, sched, batch) -> Path:
+    """Save step `step` (collective: every rank calls it) and then advance the tracker file."""
+    from megatron.core import dist_checkpointing
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = iteration_dir(root, step)
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = _sharded(model, opt, is_loading=False)
+    state["scheduler"] = sched.state_dict()
+    state["libra"] = {
+        "format_version": FORMAT_VERSION,
+        "world_size": world,
+        "next_step": step,
+        "doc_base": batch.doc_base + batch.n_inputs,
+        "planner": batch.planner_state,
+    }
+    state["rng_state"] = _rng_object(rank, world)
+    dist_checkpointing.save(state, str(path))
+    dist.barrier()
+    if rank == 0:  # the tracker moves only once every rank's shards are on disk
+        tmp = Path(root) / (TRACKER + ".tmp")
+        tmp.write_text(str(step))
+        tmp.replace(Path(root) / TRACKER)
+    return path
+
+
+def load(root, step: int, model, opt, sched) -> Resumed:
+    """Load step `step` into model, optimizer and scheduler; returns the data position."""
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(root, step)
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    meta = common.get("libra")
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint.dir: {path} is not a Libra training checkpoint")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = _sharded(model, opt, is_loading=True)
+    same_world = meta["world_size"] == world
+    if same_world:  # per-rank RNG streams only mean something on the same number of ranks
+        state["rng_state"] = _rng_object(rank, world)
+    loaded = dist_checkpointing.load(state, str(path))
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    sched.load_state_dict(common["scheduler"])
+    if same_world:
+        torch.set_rng_state(loaded["rng_state"]["torch"])
+    return Resumed(
+        next_step=int(meta["next_step"]),
+        doc_base=int(meta["doc_base"]),
+        planner_state=meta["planner"],
+    )
