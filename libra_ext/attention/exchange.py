@@ -191,17 +191,23 @@ def build_spec(plan: StepPlan, replica: int, slot: int, chunks: int) -> Exchange
                     [int(x) for x in lens[doc : doc + cnt]] if cnt > 1 else None,
                 )
                 if j == me:
-                    kv = [
-                        ("local", kv_rows(int(plan.tile_kv_start[t]), int(plan.tile_kv_len[t]), kh))
-                        for kh in kv_heads_of(t)
-                    ]
-                    spec.exec_tiles.append(_Piece(t, me, q_rows(t), kv, None))
+                    continue  # my own tiles: merged into runs below
                 else:
                     kv = [("recv",) + recv_entry[(j, doc, kh)][:2] + (j,) for kh in kv_heads_of(t)]
                     spec.exec_tiles.append(
                         _Piece(t, j, np.zeros(0, dtype=np.int64), kv, (ch, j, q_off))
                     )
                     q_off += shape[t][0] * shape[t][1]
+        own = [t for t in tiles_by.get((me, me), []) if chunk_of(t) == ch]
+        for run in _local_runs(plan, own):
+            t0, tl = run[0], run[-1]
+            key = int(t0) if len(run) == 1 else ("run", int(t0))
+            kv_start, kv_len = int(plan.tile_kv_start[tl]), int(plan.tile_kv_len[tl])
+            shape[key] = (sum(shape[t][0] for t in run), *shape[tl][1:])
+            kv = [("local", kv_rows(kv_start, kv_len, kh)) for kh in kv_heads_of(tl)]
+            spec.exec_tiles.append(
+                _Piece(key, me, np.concatenate([q_rows(t) for t in run]), kv, None)
+            )
     return ExchangeSpec(
         me=me,
         members=members,
@@ -215,6 +221,43 @@ def build_spec(plan: StepPlan, replica: int, slot: int, chunks: int) -> Exchange
         entry_lengths=entry_lengths,
         any_kv=bool(entries),
     )
+
+
+def _local_runs(plan: StepPlan, tiles: list) -> list[list]:
+    """An owner's own tiles, grouped into runs it executes with one kernel call each: tiles of
+    one document and head range whose query rows follow each other, each seeing the document's
+    prefix up to its last row, form one tile (its rows against the longest prefix, causal from
+    the bottom right). For Ulysses and for groups that move nothing this is one call per
+    document instead of one per tile; results are the same up to float summation order."""
+
+    def key(t):
+        return (
+            int(plan.tile_doc[t]),
+            int(plan.tile_head_start[t]),
+            int(plan.tile_head_count[t]),
+            int(plan.tile_q_start[t]),
+        )
+
+    def mergeable(t):  # one document, seeing its prefix up to the tile's last row
+        end_q = int(plan.tile_q_start[t]) + int(plan.tile_q_len[t])
+        end_kv = int(plan.tile_kv_start[t]) + int(plan.tile_kv_len[t])
+        return int(plan.tile_doc_count[t]) == 1 and end_q == end_kv
+
+    runs: list[list] = []
+    for t in sorted(tiles, key=key):
+        prev = runs[-1][-1] if runs else None
+        if (
+            prev is not None
+            and mergeable(t)
+            and mergeable(prev)
+            and key(prev)[:3] == key(t)[:3]
+            and int(plan.tile_kv_start[prev]) == int(plan.tile_kv_start[t])
+            and key(prev)[3] + int(plan.tile_q_len[prev]) == key(t)[3]
+        ):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
 
 
 def _exchange(
