@@ -64,12 +64,24 @@ class ModelConfig:
     """Routed experts per MoE layer (parameter count only)."""
     vocab: int = 151_936
     """Vocabulary size (parameter count only)."""
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys before attention (Qwen3); training only."""
+    rope_base: float = 10000.0
+    """Rotary embedding base (theta); training only."""
 
     def __post_init__(self) -> None:
         for name in _CORE_FIELDS + ("experts", "vocab"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"model.{name} must be an integer, got {value!r}")
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"model.qk_norm must be true or false, got {self.qk_norm!r}")
+        if (
+            isinstance(self.rope_base, bool)
+            or not isinstance(self.rope_base, (int, float))
+            or not self.rope_base > 1
+        ):
+            raise ValueError(f"model.rope_base must be a number > 1, got {self.rope_base!r}")
         self.to_core().validate()
         if self.moe_topk > self.experts:
             raise ValueError(

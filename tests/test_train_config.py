@@ -2,9 +2,10 @@
 naming the field."""
 
 import pytest
+import torch
 
 from megatron.libra.cli import main
-from megatron.libra.config import TrainConfig
+from megatron.libra.config import TrainConfig, resolve_impl
 
 CPU_TINY = "configs/train/cpu_tiny.yaml"
 
@@ -38,6 +39,13 @@ def test_cpu_tiny_loads_and_overrides_apply():
         (["data.gbs=3"], 4, r"data.gbs \(3\) must be a positive multiple"),
         (["schedule.warmup_steps=60"], 4, r"schedule.warmup_steps \(60\)"),
         ([], 3, r"world size 3 must be a multiple of parallel.tp \* parallel.cp"),
+        (["parallel.ep=2"], 4, r"parallel.ep \(2\) > 1 needs an MoE model"),
+        (
+            ["parallel.ep=3", "model.moe_topk=2", "model.experts=4", "model.moe_ffn=8"],
+            4,
+            r"parallel.ep \(3\) must divide model.experts \(4\)",
+        ),
+        (["transformer_impl=apex"], 4, r"transformer_impl must be one of auto, local"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, world, message):
@@ -52,6 +60,8 @@ def test_bad_configs_name_the_field(overrides, world, message):
         (["optimizer.lr=fast"], r"optimizer.lr must be a number, got 'fast'"),
         (["system.pipeline=3"], r"system.pipeline must be true or false"),
         (["parallel"], r"override 'parallel' must look like key.sub=value"),
+        (["model.qk_norm=1"], r"model.qk_norm must be true or false"),
+        (["model.rope_base=0.5"], r"model.rope_base must be a number > 1"),
     ],
 )
 def test_bad_fields_and_overrides(overrides, message):
@@ -79,3 +89,41 @@ def test_checkpoint_tracker_errors_name_the_file(tmp_path):
         latest_step(tmp_path)
     (tmp_path / "iter_0000007").mkdir()
     assert latest_step(tmp_path) == 7
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU-only machine refuses")
+def test_gpu_only_features_are_refused_on_cpu():
+    cfg = TrainConfig.load(CPU_TINY, ["transformer_impl=transformer_engine"])
+    with pytest.raises(ValueError, match="transformer_impl is transformer_engine, but no GPU"):
+        cfg.validate(4)
+    cfg = TrainConfig.load(CPU_TINY, ["optimizer.distributed=true"])
+    with pytest.raises(ValueError, match="optimizer.distributed needs a GPU"):
+        cfg.validate(4)
+    assert resolve_impl("auto") == "local"
+
+
+def test_layer_spec_replaces_only_core_attention():
+    from libra_ext.attention.core import LibraCoreAttention
+    from libra_ext.workload import ModelConfig
+    from megatron.libra.model import layer_spec
+
+    spec = layer_spec(ModelConfig(qk_norm=True), "libra", None, "local")
+    sub = spec.submodules.self_attention.submodules
+    assert sub.core_attention.module is LibraCoreAttention
+    assert sub.core_attention.params["system"] == "libra"
+    assert sub.q_layernorm is not None and sub.k_layernorm is not None  # Qwen3's QK-norm
+    assert "Linear" in sub.linear_qkv.__name__ and "Linear" in sub.linear_proj.__name__
+
+
+@pytest.mark.parametrize(
+    "name, world, dp", [("qwen3_30b_a3b_256k", 128, 16), ("qwen3_30b_a3b_1m", 256, 16)]
+)
+def test_cluster_configs_have_consistent_layouts(name, world, dp):
+    """The paper's settings: 16 replicas in pools of 8 on 128 (256K) or 256 (1M) GPUs. The
+    GPU-only switches and the cluster's data path are set aside to check the rest here."""
+    cfg = TrainConfig.load(
+        f"configs/train/{name}.yaml",
+        ["optimizer.distributed=false", "transformer_impl=local", "data.source=synthetic"],
+    )
+    assert cfg.validate(world) == dp
+    assert cfg.model.qk_norm and cfg.model.experts % cfg.parallel.ep == 0

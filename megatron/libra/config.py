@@ -143,6 +143,10 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     dtype: str = "fp32"
     """Parameter and activation dtype: fp32, fp64 (exact comparisons on CPU) or bf16 (GPU)."""
+    transformer_impl: str = "auto"
+    """Layer spec: transformer_engine (TE's fused layers), local (megatron-core's PyTorch
+    layers), or auto (transformer_engine when TE imports on a GPU). Core attention is Libra's
+    operator either way."""
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -249,9 +253,38 @@ class TrainConfig:
             )
         if self.dtype not in ("fp32", "fp64", "bf16"):
             raise ValueError(f"dtype must be fp32, fp64 or bf16, got {self.dtype!r}")
+        resolve_impl(self.transformer_impl)  # unknown name, or TE asked for but unusable
         if self.optimizer.lr <= 0:
             raise ValueError(f"optimizer.lr must be positive, got {self.optimizer.lr}")
         return dp
+
+
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+
+
+def te_available() -> tuple[bool, str]:
+    """(usable, why not): Transformer Engine needs a GPU and an importable build."""
+    if not torch.cuda.is_available():
+        return False, "no GPU"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # ImportError, or a build that fails to load its CUDA library
+        return False, f"transformer_engine does not import ({type(e).__name__}: {e})"
+    return True, ""
+
+
+def resolve_impl(impl: str) -> str:
+    """`auto` -> transformer_engine when usable, else local; an explicit choice is checked."""
+    if impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"transformer_impl must be one of {', '.join(TRANSFORMER_IMPLS)}, got {impl!r}"
+        )
+    ok, why = te_available()
+    if impl == "auto":
+        return "transformer_engine" if ok else "local"
+    if impl == "transformer_engine" and not ok:
+        raise ValueError(f"transformer_impl is transformer_engine, but {why}")
+    return impl
 
 
 def _scalar(text: str):

@@ -1,19 +1,26 @@
-"""A megatron-core GPTModel whose core attention is Libra's operator (local layer spec): dense
-SwiGLU, or Qwen3-style MoE when the model config has experts (moe_topk > 0)."""
+"""A megatron-core GPTModel whose core attention is Libra's operator: dense SwiGLU, or Qwen3-style
+MoE when the model config has experts (moe_topk > 0). The layer spec is Transformer Engine's
+(fused layer-norm + linear, grouped expert GEMMs) when TE is usable, megatron-core's local spec
+otherwise; either way only `core_attention` is replaced."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 
 from libra_ext.attention.core import LibraCoreAttention, Runtime
 from libra_ext.workload import ModelConfig
+from megatron.libra.config import resolve_impl
 
 with warnings.catch_warnings():  # megatron-core's notices about optional TE / apex
     warnings.simplefilter("ignore")
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -32,6 +39,7 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         normalization="RMSNorm",
+        qk_layernorm=model.qk_norm,
         add_bias_linear=False,
         use_cpu_initialization=True,
         params_dtype=dtype,
@@ -59,6 +67,8 @@ def transformer_config(
                 "alltoall" if expert_parallel > 1 and torch.cuda.is_available() else "allgather"
             ),
         )
+    if "rotary_base" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        kw["rotary_base"] = model.rope_base  # a TransformerConfig field in newer megatron-core
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -70,18 +80,36 @@ def build_gpt(
     max_seq: int,
     dtype: torch.dtype = torch.float32,
     expert_parallel: int = 1,
+    transformer_impl: str = "auto",
 ) -> GPTModel:
     """GPTModel with `core_attention` replaced by LibraCoreAttention for `system`."""
-    spec = get_gpt_layer_local_spec(
-        num_experts=model.experts if model.moe_topk > 0 else None, moe_grouped_gemm=False
-    )
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=LibraCoreAttention, params={"system": system, "runtime": runtime}
-    )
+    spec = layer_spec(model, system, runtime, resolve_impl(transformer_impl))
     return GPTModel(
         config=transformer_config(model, dtype, expert_parallel),
         transformer_layer_spec=spec,
         vocab_size=model.vocab,
         max_sequence_length=max_seq,
         position_embedding_type="rope",
+        rotary_base=model.rope_base,
     )
+
+
+def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str) -> ModuleSpec:
+    """The transformer layer spec of `impl` (local | transformer_engine) with Libra's operator as
+    core attention."""
+    experts = model.experts if model.moe_topk > 0 else None
+    if impl == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=model.qk_norm
+        )
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=model.qk_norm,
+            normalization="RMSNorm",
+        )
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=LibraCoreAttention, params={"system": system, "runtime": runtime}
+    )
+    return spec

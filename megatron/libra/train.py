@@ -96,6 +96,7 @@ def run(
         max_seq=cfg.data.context,
         dtype=dtype,
         expert_parallel=cfg.parallel.ep,
+        transformer_impl=cfg.transformer_impl,
     )
     if torch.cuda.is_available():
         model.cuda()
