@@ -61,6 +61,22 @@ dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, d)
 out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, d)
 assert torch.equal(out["w"], torch.arange(6.0)), out
 """,
+    "async_checkpoint": """
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import tempfile
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+d, w, queue = tempfile.mkdtemp(), torch.arange(6.0), AsyncCallsQueue()
+queue.schedule_async_request(dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, d,
+                                     async_sharded_save=True))
+w.zero_()  # training goes on; the checkpoint holds the values at save time
+queue.maybe_finalize_async_calls(blocking=True)
+queue.close()
+out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, d)
+assert torch.equal(out["w"], torch.arange(6.0)), out
+""",
     "grad_clip_fp32": """
 from megatron.core.optimizer import clip_grads
 p = torch.nn.Parameter(torch.ones(4))

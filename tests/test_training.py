@@ -55,7 +55,8 @@ def test_ab_libra_matches_ulysses_and_learns(tmp_path, capsys):
 
 def test_killed_run_resumes_like_the_uninterrupted_run(tmp_path):
     """SIGKILL a training run once its step-3 checkpoint is complete, resume it from megatron-core's
-    distributed checkpoint: steps 4-6 repeat the uninterrupted run."""
+    distributed checkpoint: steps 4-6 repeat the uninterrupted run. The killed run saves in the
+    background (async save): the tracker must not name a step before its shards are written."""
     over = [
         "schedule.train_steps=6",
         "schedule.warmup_steps=1",
@@ -67,6 +68,7 @@ def test_killed_run_resumes_like_the_uninterrupted_run(tmp_path):
     ck = tmp_path / "ck"
     cmd = [sys.executable, "-c", "from megatron.libra.cli import main; raise SystemExit(main())"]
     cmd += ["train", "--config", CPU_TINY, "--nproc", "2", *over, f"checkpoint.dir={ck}"]
+    cmd += ["checkpoint.async_save=true"]
     proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
     tracker = ck / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 300
@@ -80,11 +82,15 @@ def test_killed_run_resumes_like_the_uninterrupted_run(tmp_path):
         proc.wait()
     assert tracker.read_text() == "3", "killed too late: the run got to its last checkpoint"
     assert (ck / "iter_0000003" / "metadata.json").is_file()  # megatron-core dist checkpoint
-    resumed = launch(TrainConfig.load(CPU_TINY, over + [f"checkpoint.dir={ck}"]), 2, 2)
+    resumed = launch(
+        TrainConfig.load(CPU_TINY, over + [f"checkpoint.dir={ck}", "checkpoint.async_save=true"]),
+        2,
+        2,
+    )
     assert [h["step"] for h in resumed] == [4, 5, 6]
     for a, b in zip(full[3:], resumed):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (full, resumed)
-    assert latest_step(ck) == 6
+    assert latest_step(ck) == 6  # the last background save finished before the run ended
 
 
 def test_moe_with_expert_parallelism_trains_checkpoints_and_matches_ulysses(tmp_path):

@@ -71,32 +71,66 @@ def _sharded(model, opt, is_loading: bool) -> dict:
     return {"model": msd, "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading)}
 
 
-def save(root, step: int, model, opt, sched, batch) -> Path:
-    """Save step `step` (collective: every rank calls it) and then advance the tracker file."""
-    from megatron.core import dist_checkpointing
+class Checkpointer:
+    """Saves checkpoints, synchronously or in the background (megatron-core's async save: each
+    rank copies its shards to host memory, a writer process stores them while training goes
+    on). The tracker file names a step only once every rank's shards of it are on disk."""
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    path = iteration_dir(root, step)
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    state = _sharded(model, opt, is_loading=False)
-    state["scheduler"] = sched.state_dict()
-    state["libra"] = {
-        "format_version": FORMAT_VERSION,
-        "world_size": world,
-        "next_step": step,
-        "doc_base": batch.doc_base + batch.n_inputs,
-        "planner": batch.planner_state,
-    }
-    state["rng_state"] = _rng_object(rank, world)
-    dist_checkpointing.save(state, str(path))
-    dist.barrier()
-    if rank == 0:  # the tracker moves only once every rank's shards are on disk
-        tmp = Path(root) / (TRACKER + ".tmp")
-        tmp.write_text(str(step))
-        tmp.replace(Path(root) / TRACKER)
-    return path
+    def __init__(self, root, async_save: bool = False):
+        self.root, self.async_save = Path(root), async_save
+        self._queue = None
+        if async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue()
+
+    def save(self, step: int, model, opt, sched, batch) -> Path:
+        """Save step `step` (collective: every rank calls it with the same step)."""
+        from megatron.core import dist_checkpointing
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        path = iteration_dir(self.root, step)
+        if rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        state = _sharded(model, opt, is_loading=False)
+        state["scheduler"] = sched.state_dict()
+        state["libra"] = {
+            "format_version": FORMAT_VERSION,
+            "world_size": world,
+            "next_step": step,
+            "doc_base": batch.doc_base + batch.n_inputs,
+            "planner": batch.planner_state,
+        }
+        state["rng_state"] = _rng_object(rank, world)
+        if self._queue is None:
+            dist_checkpointing.save(state, str(path))
+            dist.barrier()
+            self._advance(step)
+            return path
+        self._queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
+        request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+        request.add_finalize_fn(lambda: self._advance(step))  # runs once all ranks are done
+        self._queue.schedule_async_request(request)
+        return path
+
+    def poll(self) -> None:
+        """Finish background saves that are done on every rank (collective; call every step)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def close(self) -> None:
+        """Wait for background saves and stop the writer (collective)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._queue.close()
+            self._queue = None
+
+    def _advance(self, step: int) -> None:
+        if dist.get_rank() == 0:
+            tmp = self.root / (TRACKER + ".tmp")
+            tmp.write_text(str(step))
+            tmp.replace(self.root / TRACKER)
 
 
 def load(root, step: int, model, opt, sched) -> Resumed:

@@ -108,6 +108,9 @@ class CheckpointConfig:
     """Save every N steps (0: only at the end)."""
     resume: bool = True
     """Continue from the latest checkpoint in `dir` if there is one."""
+    async_save: bool = False
+    """Write checkpoints in the background (megatron-core's async save): training continues
+    while a writer process stores the host copy of each rank's shards."""
 
 
 @dataclass

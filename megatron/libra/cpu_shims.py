@@ -17,6 +17,8 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
 - `checkpoint_preload`: the dist-checkpointing writer copies tensors to host memory with
   `non_blocking=True` and then calls `torch.cuda.synchronize()`; on CPU it copies blocking and
   synchronizes nothing.
+- `async_checkpoint`: the asynchronous checkpoint caller calls `torch.cuda.synchronize()` before
+  it starts the writer process; on CPU there is nothing to synchronize.
 """
 
 from __future__ import annotations
@@ -189,6 +191,28 @@ def _shim_checkpoint_preload() -> None:
     writer.preload_tensors = staticmethod(preload_tensors)
 
 
+# --- async_checkpoint -----------------------------------------------------------------------
+
+
+class _CudaWithoutStreams(types.ModuleType):
+    """`torch.cuda` as the async checkpoint caller sees it on CPU: nothing to synchronize."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
+
+def _shim_async_checkpoint() -> None:
+    au = importlib.import_module("megatron.core.dist_checkpointing.strategies.async_utils")
+    proxy = types.ModuleType("torch_without_cuda_streams")
+    proxy.__dict__.update(torch.__dict__)
+    proxy.cuda = _CudaWithoutStreams("torch.cuda")
+    au.torch = proxy
+
+
 SHIMS = {
     "rng_tracker": _shim_rng_tracker,
     "current_device": _shim_current_device,
@@ -196,6 +220,7 @@ SHIMS = {
     "grad_clip_fp32": _shim_grad_clip_fp32,
     "moe_without_te": _shim_moe_without_te,
     "checkpoint_preload": _shim_checkpoint_preload,
+    "async_checkpoint": _shim_async_checkpoint,
 }
 
 

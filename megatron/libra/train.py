@@ -166,6 +166,11 @@ def run(
         if rank == 0:
             logger.warning("resumed from %s at step %d", cfg.checkpoint.dir, start)
     sampler = StepSampler(cfg, planner, start_step=start, doc_base=doc_base)
+    saver = (
+        checkpoint.Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.async_save)
+        if cfg.checkpoint.dir
+        else None
+    )
     fb = get_forward_backward_func()
     history, log_file, tb = [], None, None
     if rank == 0 and cfg.logging.tensorboard_dir:
@@ -275,11 +280,13 @@ def run(
                     ):
                         tb.add_scalar(key, rec[key], step + 1)
             last = step + 1 == s.train_steps
-            if cfg.checkpoint.dir and (
-                last
-                or (cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0)
-            ):
-                checkpoint.save(cfg.checkpoint.dir, step + 1, model, opt, sched, batch)
+            if saver is not None:
+                saver.poll()
+                every = cfg.checkpoint.save_interval
+                if last or (every and (step + 1) % every == 0):
+                    saver.save(step + 1, model, opt, sched, batch)
+        if saver is not None:
+            saver.close()
     finally:
         sampler.close()
         if log_file:
