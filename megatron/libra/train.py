@@ -203,7 +203,12 @@ def run(
                     )
                 )
             global_tokens = sum(float(p.mask.sum()) for p in batch.pieces.values())
-            scale = dp * C * m / max(global_tokens, 1.0)
+            # Per-token loss over the whole global batch: each rank returns its token-loss sum
+            # times dp * m / global_tokens, because megatron-core's schedule multiplies a
+            # (loss, stats) result by the CP size and divides it by the micro-batch count, and
+            # DDP averages gradients over the dp * cp ranks. The gradient is then exactly that of
+            # sum(token losses) / global_tokens, whatever the layout.
+            scale = dp * m / max(global_tokens, 1.0)
             it = iter(micro)
 
             def forward_step(_data, model_chunk):
