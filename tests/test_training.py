@@ -140,3 +140,13 @@ def test_checkpoint_resumes_under_another_context_parallel_layout(tmp_path):
     for a, b in zip(full[3:], resumed):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (full, resumed)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (full, resumed)
+
+
+def test_tensor_parallel_run_matches_the_single_rank_layout():
+    """TP 2 (4 ranks) against TP 1 (2 ranks), same replicas: the same losses and gradients."""
+    over = ["schedule.train_steps=3", "schedule.warmup_steps=1", "parallel.cp=1"]
+    tp2 = launch(TrainConfig.load(CPU_TINY, over + ["parallel.tp=2"]), 4, 4)
+    tp1 = launch(TrainConfig.load(CPU_TINY, over), 2, 2)
+    for a, b in zip(tp2, tp1):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (tp2, tp1)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (tp2, tp1)

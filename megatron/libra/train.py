@@ -252,7 +252,8 @@ def run(
             dt = time.perf_counter() - t0
             rec = {
                 "step": step + 1,
-                "loss": float(stats[0]) / max(global_tokens, 1.0),
+                # every tensor-parallel rank holds the same loss sum: count it once
+                "loss": float(stats[0]) / T / max(global_tokens, 1.0),
                 "lr": opt.param_groups[0]["lr"],
                 "grad_norm": float(grad_norm or 0.0),
                 "tokens": global_tokens,
