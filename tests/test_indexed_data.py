@@ -37,6 +37,7 @@ def test_indexed_source_packs_documents_with_next_token_labels(tmp_path):
             "data.context=64",
             "data.gbs=2",
             "model.vocab=257",
+            "data.shuffle=false",
         ],
     )
     cfg.validate(1 * 1 * 2)
@@ -51,6 +52,22 @@ def test_indexed_source_packs_documents_with_next_token_labels(tmp_path):
     allt = np.concatenate([bid.encode(t).tolist() + [bid.EOD] for t in texts])
     got = np.concatenate([src.piece_of(0, i).tokens for i in range(len(sum(seqs, [])))])
     assert np.array_equal(got, allt[: len(got)])
+
+
+def test_shuffled_passes_visit_every_document_once(tmp_path):
+    prefix, texts = _dataset(tmp_path)
+    over = ["data.source=indexed", f"data.path={prefix}", "data.context=16", "data.gbs=1"]
+    src = IndexedSource(TrainConfig.load(None, over + ["data.seed=3"]))
+    n, total = len(texts), int(src.lengths.sum())
+    orders = [src.order(e)[0] for e in range(6)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert len({tuple(o) for o in orders}) > 1  # a new order per pass
+    # the token stream of the first two passes, step by step, follows those orders exactly
+    steps = 2 * total // 16
+    docs = [d for s in range(steps) for d, off, _ in src._layout(s) if off == 0]
+    assert docs[: 2 * n] == list(orders[0]) + list(orders[1])
+    again = IndexedSource(TrainConfig.load(None, over + ["data.seed=3"]))
+    assert [again._layout(s) for s in (5, 0)] == [src._layout(s) for s in (5, 0)]
 
 
 def test_builder_errors(tmp_path):

@@ -67,6 +67,9 @@ class DataConfig:
     """synthetic: draw document lengths from this file instead of a preset."""
     path: str | None = None
     """indexed: dataset prefix (PATH.bin / PATH.idx)."""
+    shuffle: bool = True
+    """indexed: visit documents in a seeded random order, a new order each pass (epoch);
+    false: index order."""
     context: int = 256
     """Tokens per packed sequence (S)."""
     gbs: int = 8

@@ -51,8 +51,11 @@ class SyntheticSource:
 
 
 class IndexedSource:
-    """Documents of a Megatron indexed dataset in order, production-packed into the step's
-    sequences (documents split at sequence boundaries; a document's last token has no label)."""
+    """Documents of a Megatron indexed dataset, production-packed into the step's sequences
+    (documents split at sequence boundaries; a document's last token has no label). With
+    `data.shuffle` the documents are visited in a seeded random order, a new one each pass over
+    the dataset (epoch); otherwise in index order. Either way a step's documents are a function
+    of (seed, step) only, so a resumed run reads exactly what the uninterrupted one read."""
 
     def __init__(self, cfg: TrainConfig):
         import warnings
@@ -65,22 +68,41 @@ class IndexedSource:
         if len(self.lengths) == 0:
             raise ValueError(f"data.path {cfg.data.path} holds no documents")
         self.gbs, self.context = cfg.data.gbs, cfg.data.context
+        self.shuffle, self.seed = cfg.data.shuffle, cfg.data.seed
+        self.total = int(self.lengths.sum())
+        self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
 
+    def order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document order, cumulative token counts in that order) of pass `epoch`."""
+        if epoch not in self._orders:
+            n = len(self.lengths)
+            if self.shuffle:
+                perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+            else:
+                perm = np.arange(n)
+            if len(self._orders) >= 2:  # a step spans at most two passes at a time
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = (perm, np.cumsum(self.lengths[perm]))
+        return self._orders[epoch]
+
     def _layout(self, step: int):
-        """(doc, offset, length) pieces of every sequence of `step` (cycling the dataset)."""
+        """(doc, offset, length) pieces of every sequence of `step`, cycling the dataset."""
         need = self.gbs * self.context
-        start = step * need
-        total = int(self.lengths.sum())
-        pieces, pos = [], start % total
-        doc = int(np.searchsorted(np.cumsum(self.lengths), pos, side="right"))
-        offset = pos - int(np.cumsum(self.lengths)[doc - 1]) if doc > 0 else pos
-        got = 0
+        epoch, pos = divmod(step * need, self.total)
+        perm, cum = self.order(epoch)
+        k = int(np.searchsorted(cum, pos, side="right"))
+        offset = pos - (int(cum[k - 1]) if k > 0 else 0)
+        pieces, got = [], 0
         while got < need:
+            doc = int(perm[k])
             take = min(int(self.lengths[doc]) - offset, need - got)
             pieces.append((doc, offset, take))
             got += take
-            doc, offset = (doc + 1) % len(self.lengths), 0
+            k, offset = k + 1, 0
+            if k == len(perm):
+                epoch, k = epoch + 1, 0
+                perm, cum = self.order(epoch)
         return pieces
 
     def step(self, step: int) -> list[list[int]]:
