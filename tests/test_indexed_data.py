@@ -42,16 +42,23 @@ def test_indexed_source_packs_documents_with_next_token_labels(tmp_path):
     )
     cfg.validate(1 * 1 * 2)
     src = IndexedSource(cfg)
-    seqs = src.step(0)
+    seqs = src.step(0, doc_base=0)
     assert len(seqs) == 2 and all(sum(s) == 64 for s in seqs)
-    first = src.piece_of(0, 0)
+    flat = sum(seqs, [])
+    first = src.piece(0, flat[0])
     want = bid.encode(texts[0])[: len(first.tokens)]
     assert np.array_equal(first.tokens, want)
     assert np.array_equal(first.labels[:-1], first.tokens[1:])  # next token inside a document
     # the whole corpus comes back in order, each document closed by the EOD id
     allt = np.concatenate([bid.encode(t).tolist() + [bid.EOD] for t in texts])
-    got = np.concatenate([src.piece_of(0, i).tokens for i in range(len(sum(seqs, [])))])
+    got = np.concatenate([src.piece(i, n).tokens for i, n in enumerate(flat)])
     assert np.array_equal(got, allt[: len(got)])
+    # the loss denominator counts every token but a document's last
+    assert sum(src.label_count(i, n) for i, n in enumerate(flat)) == sum(
+        float(src.piece(i, n).mask.sum()) for i, n in enumerate(flat)
+    )
+    with pytest.raises(KeyError, match="document 99 is not among"):
+        src.piece(99, 4)
 
 
 def test_shuffled_passes_visit_every_document_once(tmp_path):
@@ -78,7 +85,8 @@ def test_builder_errors(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path")
-def test_training_runs_on_an_indexed_dataset(tmp_path):
+@pytest.mark.parametrize("system", ["libra", "wlb"])  # wlb runs some documents steps late
+def test_training_runs_on_an_indexed_dataset(tmp_path, system):
     from megatron.libra.train_commands import launch
 
     prefix, _ = _dataset(tmp_path)
@@ -92,9 +100,10 @@ def test_training_runs_on_an_indexed_dataset(tmp_path):
             "parallel.cp=1",
             "parallel.pool_size=2",
             "data.gbs=2",
-            "schedule.train_steps=2",
+            "schedule.train_steps=6",
             "schedule.warmup_steps=0",
+            f"system.name={system}",
         ],
     )
     hist = launch(cfg, 2, 2)
-    assert len(hist) == 2 and all(np.isfinite(h["loss"]) for h in hist)
+    assert len(hist) == 6 and all(np.isfinite(h["loss"]) for h in hist)

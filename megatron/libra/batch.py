@@ -30,7 +30,16 @@ class MicroBatch:
 
 def make_micro_batch(pieces: list, cp: int, cp_rank: int, step: AttentionStep | None) -> MicroBatch:
     """One cp rank's share of a packed sequence made of `pieces` (data.Piece: tokens, labels and
-    loss mask of each document, in order)."""
+    loss mask of each document, in order).
+
+    A sequence without documents (WLB-LLM's repacking can leave one empty when it holds
+    outliers back) becomes one padding document of 2*cp tokens with no loss, so the model runs
+    and every collective of the step still lines up; it adds nothing to the loss."""
+    if sum(len(p.tokens) for p in pieces) == 0:
+        from megatron.libra.data import Piece
+
+        pad = np.zeros(2 * cp, dtype=np.int64)
+        pieces = [Piece(pad, pad, np.zeros(2 * cp, dtype=np.float32))]
     lengths = [len(p.tokens) for p in pieces]
     z = thd.zigzag_split(lengths, cp, cp_rank)
     inputs = np.concatenate([p.tokens for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)

@@ -34,20 +34,42 @@ class SyntheticSource:
         d = cfg.data
         self.src = LengthSource(preset=d.workload, lengths_file=d.lengths_file)
         self.gbs, self.context, self.seed, self.vocab = d.gbs, d.context, d.seed, cfg.model.vocab
+        self._mul = np.ones(1, dtype=np.int64)  # 7^k mod vocab
+        self._add = np.zeros(1, dtype=np.int64)  # 3 (7^k - 1) / 6 mod vocab
 
-    def step(self, step: int) -> list[list[int]]:
+    def step(self, step: int, doc_base: int = 0) -> list[list[int]]:
         return self.src.step(self.gbs, self.context, self.seed, step)
+
+    def _tables(self, n: int) -> None:
+        """Extend the affine-map tables to k < n: k steps of x -> 7x + 3 (mod vocab) take x to
+        mul[k] * x + add[k]."""
+        k0 = len(self._mul)
+        if n <= k0:
+            return
+        mul, add = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        mul[:k0], add[:k0] = self._mul, self._add
+        for k in range(k0, n):
+            mul[k] = (7 * mul[k - 1]) % self.vocab
+            add[k] = (7 * add[k - 1] + 3) % self.vocab
+        self._mul, self._add = mul, add
 
     def piece(self, doc_id: int, length: int) -> Piece:
         rng = np.random.default_rng([self.seed, int(doc_id)])
         n = int(length) + 1
         noise = rng.integers(0, self.vocab, size=n)
         keep = rng.random(n) < 0.8
-        t = np.empty(n, dtype=np.int64)
-        t[0] = noise[0]
-        for i in range(1, n):
-            t[i] = (7 * t[i - 1] + 3) % self.vocab if keep[i] else noise[i]
+        keep[0] = False  # the first token is drawn
+        # token i follows the rule from the last drawn token j <= i: t[i] = f^(i-j)(noise[j])
+        idx = np.arange(n)
+        last = np.maximum.accumulate(np.where(keep, 0, idx))
+        self._tables(n)
+        k = idx - last
+        t = (self._mul[k] * noise[last] + self._add[k]) % self.vocab
         return Piece(t[:-1], t[1:], np.ones(int(length), dtype=np.float32))
+
+    def label_count(self, doc_id: int, length: int) -> int:
+        """Tokens of the piece that have a label (all of them: labels run one token past)."""
+        return int(length)
 
 
 class IndexedSource:
@@ -71,7 +93,8 @@ class IndexedSource:
         self.shuffle, self.seed = cfg.data.shuffle, cfg.data.seed
         self.total = int(self.lengths.sum())
         self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._pieces: dict[int, list[tuple[int, int, int]]] = {}
+        # step -> (global id of its first input document, its (doc, offset, length) pieces)
+        self._pieces: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
 
     def order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(document order, cumulative token counts in that order) of pass `epoch`."""
@@ -105,7 +128,8 @@ class IndexedSource:
                 perm, cum = self.order(epoch)
         return pieces
 
-    def step(self, step: int) -> list[list[int]]:
+    def step(self, step: int, doc_base: int = 0) -> list[list[int]]:
+        """The step's packed sequences; its input documents get global ids doc_base, ...."""
         pieces = self._layout(step)
         seqs = pack_production([p[2] for p in pieces], self.context, self.gbs)
         # production packing may split a piece again at a sequence boundary: track sub-pieces
@@ -117,11 +141,27 @@ class IndexedSource:
                 used += length
                 if used == plen:
                     k, used = k + 1, 0
-        self._pieces[step] = flat
+        self._pieces[step] = (doc_base, flat)
+        for gone in [k for k in self._pieces if k < step - self.keep_steps]:
+            del self._pieces[gone]
         return [s.doc_lengths for s in seqs]
 
-    def piece_of(self, step: int, index: int) -> Piece:
-        doc, off, length = self._pieces[step][index]
+    keep_steps = 8
+    """Steps whose documents stay addressable (WLB-LLM may run a document a few steps late)."""
+
+    def _lookup(self, doc_id: int) -> tuple[int, int, int]:
+        for base, flat in self._pieces.values():
+            if base <= doc_id < base + len(flat):
+                return flat[doc_id - base]
+        raise KeyError(
+            f"document {doc_id} is not among the last {self.keep_steps} steps' inputs "
+            "(system.wlb_max_delay larger than the source keeps?)"
+        )
+
+    def piece(self, doc_id: int, length: int) -> Piece:
+        doc, off, plen = self._lookup(doc_id)
+        if plen != length:
+            raise ValueError(f"document {doc_id} has {plen} tokens here, the plan says {length}")
         arr = np.asarray(
             self.ds.get(doc, offset=off, length=min(length + 1, int(self.lengths[doc]) - off))
         )
@@ -133,23 +173,40 @@ class IndexedSource:
             mask[-1] = 0.0
         return Piece(tokens, labels, mask)
 
+    def label_count(self, doc_id: int, length: int) -> int:
+        """Tokens of the piece that have a label (a document's last token has none)."""
+        doc, off, plen = self._lookup(doc_id)
+        return int(length) - int(off + plen == int(self.lengths[doc]))
+
 
 @dataclass
 class StepBatch:
     step: int
     plan: StepPlan
-    pieces: dict  # executed document index in the plan -> Piece
+    pieces: dict  # executed document index in the plan -> Piece (this replica's documents only)
+    label_tokens: int  # tokens with a label in the whole global batch (the loss denominator)
     planner_state: dict  # planner state after planning this step (checkpointed with it)
     doc_base: int  # global id of this step's first input document
     n_inputs: int  # input documents this step consumed
 
 
 class StepSampler:
-    """Plans step k+1 in a background thread while step k trains."""
+    """Plans step k+1 in a background thread while step k trains. Every rank plans the whole
+    global batch (the plan is the same everywhere and checked by hash) but reads only the
+    documents of its own replica's sequences."""
 
-    def __init__(self, cfg: TrainConfig, planner: Planner, start_step: int = 0, doc_base: int = 0):
-        self.cfg, self.planner = cfg, planner
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        planner: Planner,
+        replica: int,
+        start_step: int = 0,
+        doc_base: int = 0,
+    ):
+        self.cfg, self.planner, self.replica = cfg, planner, replica
         self.source = SyntheticSource(cfg) if cfg.data.source == "synthetic" else IndexedSource(cfg)
+        if isinstance(self.source, IndexedSource):
+            self.source.keep_steps = max(self.source.keep_steps, cfg.system.wlb_max_delay + 2)
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._next, self._doc_base = start_step, doc_base
         self._stop = threading.Event()
@@ -157,20 +214,25 @@ class StepSampler:
         self._thread.start()
 
     def _plan(self, step: int) -> StepBatch:
-        seqs = self.source.step(step)
+        seqs = self.source.step(step, self._doc_base)
         plan = self.planner.plan(seqs)
         n_in = sum(len(s) for s in seqs)
-        pieces = {}
         if self.cfg.system.name == "wlb":  # ids are global already (the planner's counter)
             ids = plan.doc_ids
         else:
             ids = plan.doc_ids + self._doc_base
-        for i in range(len(plan.doc_lengths)):
-            if isinstance(self.source, SyntheticSource):
-                pieces[i] = self.source.piece(int(ids[i]), int(plan.doc_lengths[i]))
-            else:
-                pieces[i] = self.source.piece_of(step, int(plan.doc_ids[i]))
-        batch = StepBatch(step, plan, pieces, self.planner.state_dict(), self._doc_base, n_in)
+        lengths = plan.doc_lengths
+        label_tokens = sum(
+            self.source.label_count(int(i), int(n)) for i, n in zip(ids, lengths, strict=True)
+        )
+        pieces = {}
+        off = plan.seq_doc_offsets
+        for seq in np.flatnonzero(plan.seq_replica == self.replica):
+            for i in range(off[seq], off[seq + 1]):
+                pieces[i] = self.source.piece(int(ids[i]), int(lengths[i]))
+        batch = StepBatch(
+            step, plan, pieces, label_tokens, self.planner.state_dict(), self._doc_base, n_in
+        )
         self._doc_base += n_in
         return batch
 

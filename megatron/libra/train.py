@@ -165,7 +165,7 @@ def run(
         start, doc_base = resumed.next_step, resumed.doc_base
         if rank == 0:
             logger.warning("resumed from %s at step %d", cfg.checkpoint.dir, start)
-    sampler = StepSampler(cfg, planner, start_step=start, doc_base=doc_base)
+    sampler = StepSampler(cfg, planner, replica=r, start_step=start, doc_base=doc_base)
     saver = (
         checkpoint.Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.async_save)
         if cfg.checkpoint.dir
@@ -202,7 +202,7 @@ def run(
                         [batch.pieces[i] for i in docs], C, c, AttentionStep(plan, slot)
                     )
                 )
-            global_tokens = sum(float(p.mask.sum()) for p in batch.pieces.values())
+            global_tokens = float(batch.label_tokens)
             # Per-token loss over the whole global batch: each rank returns its token-loss sum
             # times dp * m / global_tokens, because megatron-core's schedule multiplies a
             # (loss, stats) result by the CP size and divides it by the micro-batch count, and

@@ -1,0 +1,40 @@
+"""The synthetic source (token ids follow the documented rule, as a plain loop computes it) and
+micro-batches of empty sequences."""
+
+import numpy as np
+
+from megatron.libra.config import TrainConfig
+from megatron.libra.data import SyntheticSource
+
+
+def _loop_tokens(seed: int, vocab: int, doc_id: int, length: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, doc_id])
+    n = length + 1
+    noise = rng.integers(0, vocab, size=n)
+    keep = rng.random(n) < 0.8
+    t = np.empty(n, dtype=np.int64)
+    t[0] = noise[0]
+    for i in range(1, n):
+        t[i] = (7 * t[i - 1] + 3) % vocab if keep[i] else noise[i]
+    return t
+
+
+def test_tokens_follow_the_rule_and_depend_only_on_seed_and_document():
+    for vocab in (256, 257, 151936):
+        src = SyntheticSource(TrainConfig.load(None, [f"model.vocab={vocab}", "data.seed=5"]))
+        for doc_id, length in ((0, 1), (3, 17), (12345, 700), (7, 3000), (8, 40)):
+            want = _loop_tokens(5, vocab, doc_id, length)
+            p = src.piece(doc_id, length)
+            assert np.array_equal(p.tokens, want[:-1]) and np.array_equal(p.labels, want[1:])
+            assert p.mask.sum() == length == src.label_count(doc_id, length)
+
+
+def test_an_empty_sequence_becomes_one_padding_document_without_loss():
+    from megatron.libra.batch import make_micro_batch
+
+    for cp in (1, 2, 4):
+        for rank in range(cp):
+            mb = make_micro_batch([], cp, rank, None)
+            assert mb.tokens.shape == (1, 2) and mb.num_tokens == 0
+            assert float(mb.loss_mask.sum()) == 0.0
+            assert mb.packed_seq_params.libra_doc_lengths == [2 * cp]
