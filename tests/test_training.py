@@ -142,6 +142,17 @@ def test_checkpoint_resumes_under_another_context_parallel_layout(tmp_path):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (full, resumed)
 
 
+def test_checkpoint_of_another_model_is_refused_before_workers_start(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    over = ["schedule.train_steps=1", "schedule.warmup_steps=0", "parallel.cp=1"]
+    launch(TrainConfig.load(CPU_TINY, over + [f"checkpoint.dir={ck}"]), 2, 2)
+    capsys.readouterr()
+    args = ["train", "--config", CPU_TINY, "--nproc", "2", *over, f"checkpoint.dir={ck}"]
+    assert main(args + ["model.layers=3", "schedule.train_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "holds another model: model.layers = 2 there, 3 here" in err, err
+
+
 def test_tensor_parallel_run_matches_the_single_rank_layout():
     """TP 2 (4 ranks) against TP 1 (2 ranks), same replicas: the same losses and gradients."""
     over = ["schedule.train_steps=3", "schedule.warmup_steps=1", "parallel.cp=1"]

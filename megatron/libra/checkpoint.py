@@ -76,8 +76,9 @@ class Checkpointer:
     rank copies its shards to host memory, a writer process stores them while training goes
     on). The tracker file names a step only once every rank's shards of it are on disk."""
 
-    def __init__(self, root, async_save: bool = False):
+    def __init__(self, root, async_save: bool = False, model_config: dict | None = None):
         self.root, self.async_save = Path(root), async_save
+        self.model_config = model_config or {}
         self._queue = None
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -101,6 +102,7 @@ class Checkpointer:
             "next_step": step,
             "doc_base": batch.doc_base + batch.n_inputs,
             "planner": batch.planner_state,
+            "model_config": self.model_config,
         }
         state["rng_state"] = _rng_object(rank, world)
         if self._queue is None:
@@ -133,15 +135,42 @@ class Checkpointer:
             tmp.replace(self.root / TRACKER)
 
 
-def load(root, step: int, model, opt, sched) -> Resumed:
-    """Load step `step` into model, optimizer and scheduler; returns the data position."""
+def _checked_meta(path: Path, model_config: dict | None) -> tuple[dict, dict]:
+    """(common state, Libra metadata) of the checkpoint at `path`; refuses a checkpoint that is
+    not Libra's or holds another model shape, naming the fields. Reads no tensor shards and
+    needs no process group."""
     from megatron.core import dist_checkpointing
 
-    path = iteration_dir(root, step)
     common = dist_checkpointing.load_common_state_dict(str(path))
     meta = common.get("libra")
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint.dir: {path} is not a Libra training checkpoint")
+    saved = meta.get("model_config") or {}
+    differ = [
+        f"model.{k} = {saved[k]!r} there, {v!r} here"
+        for k, v in (model_config or {}).items()
+        if k in saved and saved[k] != v
+    ]
+    if differ:
+        raise ValueError(f"checkpoint.dir: {path} holds another model: " + "; ".join(differ))
+    return common, meta
+
+
+def resume_step(root, model_config: dict | None = None) -> int | None:
+    """The step a run in `root` resumes from (None: no checkpoint), after checking that the
+    checkpoint fits this model; callable before any process group exists."""
+    step = latest_step(root)
+    if step is not None:
+        _checked_meta(iteration_dir(root, step), model_config)
+    return step
+
+
+def load(root, step: int, model, opt, sched, model_config: dict | None = None) -> Resumed:
+    """Load step `step` into model, optimizer and scheduler; returns the data position."""
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(root, step)
+    common, meta = _checked_meta(path, model_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     state = _sharded(model, opt, is_loading=True)
     same_world = meta["world_size"] == world

@@ -5,6 +5,7 @@ position and the planner's carried state."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -158,16 +159,18 @@ def run(
         ),
     )
     start, doc_base = 0, 0
-    latest = checkpoint.latest_step(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
+    model_fields = dataclasses.asdict(cfg.model)
+    resume = cfg.checkpoint.resume and cfg.checkpoint.dir
+    latest = checkpoint.resume_step(cfg.checkpoint.dir, model_fields) if resume else None
     if latest is not None:
-        resumed = checkpoint.load(cfg.checkpoint.dir, latest, model, opt, sched)
+        resumed = checkpoint.load(cfg.checkpoint.dir, latest, model, opt, sched, model_fields)
         planner.load_state_dict(resumed.planner_state)
         start, doc_base = resumed.next_step, resumed.doc_base
         if rank == 0:
             logger.warning("resumed from %s at step %d", cfg.checkpoint.dir, start)
     sampler = StepSampler(cfg, planner, replica=r, start_step=start, doc_base=doc_base)
     saver = (
-        checkpoint.Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.async_save)
+        checkpoint.Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.async_save, model_fields)
         if cfg.checkpoint.dir
         else None
     )

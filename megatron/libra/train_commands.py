@@ -67,6 +67,12 @@ def run_train(args):
     cfg = TrainConfig.load(args.config, args.overrides)
     world = _world(args)
     cfg.validate(world)  # before any process group exists
+    if cfg.checkpoint.resume and cfg.checkpoint.dir:  # a checkpoint of another model, too
+        import dataclasses
+
+        from megatron.libra.checkpoint import resume_step
+
+        resume_step(cfg.checkpoint.dir, dataclasses.asdict(cfg.model))
     logging.getLogger("libra.train").setLevel(logging.WARNING)
     launch(cfg, world, args.nproc)
     return None
