@@ -21,6 +21,18 @@ from megatron.libra.config import TrainConfig
 logger = logging.getLogger("libra.train")
 
 
+def _progress_log() -> None:
+    """Iteration lines on stderr as Megatron prints them (message only), under torchrun, Slurm
+    or `--nproc` alike; `libra --log-level` still governs everything else."""
+    if not any(getattr(h, "_libra_progress", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._libra_progress = True
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def _init_distributed(rank: int | None, world: int | None, init_method: str | None) -> tuple:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
@@ -49,6 +61,7 @@ def run(
 ) -> list[dict]:
     """Train; returns the per-step metrics (on every rank)."""
     rank, world = _init_distributed(rank, world, init_method)
+    _progress_log()
     dp = cfg.validate(world)
     if not torch.cuda.is_available():
         from megatron.libra import cpu_shims
@@ -167,7 +180,7 @@ def run(
         planner.load_state_dict(resumed.planner_state)
         start, doc_base = resumed.next_step, resumed.doc_base
         if rank == 0:
-            logger.warning("resumed from %s at step %d", cfg.checkpoint.dir, start)
+            logger.info("resumed from %s at step %d", cfg.checkpoint.dir, start)
     sampler = StepSampler(cfg, planner, replica=r, start_step=start, doc_base=doc_base)
     saver = (
         checkpoint.Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.async_save, model_fields)
@@ -271,7 +284,7 @@ def run(
             history.append(rec)
             if rank == 0:
                 if (step + 1) % cfg.logging.log_interval == 0:
-                    logger.warning(_log_line(rec, s.train_steps))
+                    logger.info(_log_line(rec, s.train_steps))
                 if log_file:
                     log_file.write(json.dumps(rec) + "\n")
                     log_file.flush()

@@ -73,7 +73,6 @@ def run_train(args):
         from megatron.libra.checkpoint import resume_step
 
         resume_step(cfg.checkpoint.dir, dataclasses.asdict(cfg.model))
-    logging.getLogger("libra.train").setLevel(logging.WARNING)
     launch(cfg, world, args.nproc)
     return None
 
