@@ -161,3 +161,21 @@ def test_tensor_parallel_run_matches_the_single_rank_layout():
     for a, b in zip(tp2, tp1):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (tp2, tp1)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (tp2, tp1)
+
+
+def test_torchrun_launch_trains_like_the_local_launcher(tmp_path):
+    """The path Slurm uses (torchrun, env:// rendezvous) gives the same losses as --nproc."""
+    over = ["schedule.train_steps=2", "schedule.warmup_steps=1", "parallel.cp=1"]
+    local = launch(TrainConfig.load(CPU_TINY, over), 2, 2)
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "megatron.libra.cli", "train", "--config", CPU_TINY, *over]
+    cmd += [f"logging.metrics_file={metrics}", "logging.log_interval=1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "iteration        2/       2" in out.stderr
+    runs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in runs] == [1, 2]
+    for a, b in zip(local, runs):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (local, runs)
