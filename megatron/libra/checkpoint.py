@@ -52,6 +52,7 @@ class Resumed:
     next_step: int
     doc_base: int
     planner_state: dict
+    recent_bases: dict  # step -> first document id, of the steps WLB-LLM may still draw from
 
 
 def _rng_object(rank: int, world: int, state=None):
@@ -102,6 +103,7 @@ class Checkpointer:
             "next_step": step,
             "doc_base": batch.doc_base + batch.n_inputs,
             "planner": batch.planner_state,
+            "recent_doc_bases": batch.recent_bases,
             "model_config": self.model_config,
         }
         state["rng_state"] = _rng_object(rank, world)
@@ -186,4 +188,5 @@ def load(root, step: int, model, opt, sched, model_config: dict | None = None) -
         next_step=int(meta["next_step"]),
         doc_base=int(meta["doc_base"]),
         planner_state=meta["planner"],
+        recent_bases={int(k): int(v) for k, v in meta.get("recent_doc_bases", {}).items()},
     )

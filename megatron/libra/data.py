@@ -188,6 +188,7 @@ class StepBatch:
     planner_state: dict  # planner state after planning this step (checkpointed with it)
     doc_base: int  # global id of this step's first input document
     n_inputs: int  # input documents this step consumed
+    recent_bases: dict  # step -> doc_base of the steps whose documents may still run (WLB-LLM)
 
 
 class StepSampler:
@@ -202,11 +203,18 @@ class StepSampler:
         replica: int,
         start_step: int = 0,
         doc_base: int = 0,
+        recent_bases: dict | None = None,
     ):
         self.cfg, self.planner, self.replica = cfg, planner, replica
         self.source = SyntheticSource(cfg) if cfg.data.source == "synthetic" else IndexedSource(cfg)
+        self.keep_steps = cfg.system.wlb_max_delay + 2
+        self._bases = dict(recent_bases or {})
         if isinstance(self.source, IndexedSource):
-            self.source.keep_steps = max(self.source.keep_steps, cfg.system.wlb_max_delay + 2)
+            self.source.keep_steps = max(self.source.keep_steps, self.keep_steps)
+            # a resumed run: documents WLB-LLM holds back from before the checkpoint stay
+            # addressable (a step's layout is a function of the step alone)
+            for s, base in sorted(self._bases.items()):
+                self.source.step(int(s), int(base))
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._next, self._doc_base = start_step, doc_base
         self._stop = threading.Event()
@@ -230,8 +238,18 @@ class StepSampler:
         for seq in np.flatnonzero(plan.seq_replica == self.replica):
             for i in range(off[seq], off[seq + 1]):
                 pieces[i] = self.source.piece(int(ids[i]), int(lengths[i]))
+        self._bases[step] = self._doc_base
+        for gone in [k for k in self._bases if k <= step - self.keep_steps]:
+            del self._bases[gone]
         batch = StepBatch(
-            step, plan, pieces, label_tokens, self.planner.state_dict(), self._doc_base, n_in
+            step,
+            plan,
+            pieces,
+            label_tokens,
+            self.planner.state_dict(),
+            self._doc_base,
+            n_in,
+            dict(self._bases),
         )
         self._doc_base += n_in
         return batch

@@ -171,17 +171,19 @@ def run(
             dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
         ),
     )
-    start, doc_base = 0, 0
+    start, doc_base, recent = 0, 0, {}
     model_fields = dataclasses.asdict(cfg.model)
     resume = cfg.checkpoint.resume and cfg.checkpoint.dir
     latest = checkpoint.resume_step(cfg.checkpoint.dir, model_fields) if resume else None
     if latest is not None:
         resumed = checkpoint.load(cfg.checkpoint.dir, latest, model, opt, sched, model_fields)
         planner.load_state_dict(resumed.planner_state)
-        start, doc_base = resumed.next_step, resumed.doc_base
+        start, doc_base, recent = resumed.next_step, resumed.doc_base, resumed.recent_bases
         if rank == 0:
             logger.info("resumed from %s at step %d", cfg.checkpoint.dir, start)
-    sampler = StepSampler(cfg, planner, replica=r, start_step=start, doc_base=doc_base)
+    sampler = StepSampler(
+        cfg, planner, replica=r, start_step=start, doc_base=doc_base, recent_bases=recent
+    )
     saver = (
         checkpoint.Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.async_save, model_fields)
         if cfg.checkpoint.dir
