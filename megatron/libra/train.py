@@ -317,6 +317,9 @@ def run(
             log_file.close()
         if tb is not None:
             tb.close()
+        # megatron-core's parallel state is process-global: release it so that another run can
+        # follow in this process (`libra ab` under torchrun trains every system in turn)
+        ps.destroy_model_parallel()
     return history
 
 

@@ -130,6 +130,10 @@ def run_ab(args):
             "tokens": [h["tokens"] for h in hist],
             "bytes_exchanged": [h["bytes_exchanged"] for h in hist],
         }
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun: rank 0 reports
+        return None
     ref = result["systems"].get("ulysses")
     if ref:
         for name, r in result["systems"].items():

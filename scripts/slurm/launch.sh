@@ -1,0 +1,22 @@
+#!/bin/bash
+# Run `libra ARGS...` on every GPU of the Slurm allocation: one torchrun per node (srun),
+# c10d rendezvous on the first node, NCCL over InfiniBand. Sourced by train.sbatch and ab.sbatch;
+# usable by hand inside an allocation:  bash scripts/slurm/launch.sh train --config FILE ...
+set -euo pipefail
+GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+MASTER_PORT="${MASTER_PORT:-29500}"
+# NCCL: InfiniBand, GPU-direct RDMA, and a clear error instead of a hang on a failed peer.
+export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-0}"
+export NCCL_NET_GDR_LEVEL="${NCCL_NET_GDR_LEVEL:-PHB}"
+export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+mkdir -p logs
+# Inside the container of the Dockerfile, or with the repository's .venv on a shared filesystem.
+LIBRA="${LIBRA:-libra}"
+srun --kill-on-bad-exit=1 bash -c "torchrun \
+  --nnodes=$SLURM_JOB_NUM_NODES --nproc-per-node=$GPUS_PER_NODE \
+  --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT \
+  \$(command -v $LIBRA) $*"
