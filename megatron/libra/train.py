@@ -335,16 +335,31 @@ def _log_line(rec: dict, total: int) -> str:
 
 
 def _time_attention(model: torch.nn.Module, timing: dict) -> None:
-    """Accumulate forward wall time of every core-attention call into timing['attention']."""
+    """Accumulate the wall time of every core-attention call, forward and backward (module
+    backward hooks: from the output's gradient arriving to the input gradients leaving), into
+    timing['attention']. On GPU the clock reads after a device synchronize."""
     from libra_ext.attention.core import LibraCoreAttention
 
-    def pre(_m, _a, _k=None):
-        timing["_t"] = time.perf_counter()
+    def now():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
-    def post(_m, _a, _o, _k=None):
-        timing["attention"] += time.perf_counter() - timing.pop("_t", time.perf_counter())
+    def start(key):
+        def hook(*_args):
+            timing[key] = now()
+
+        return hook
+
+    def stop(key):
+        def hook(*_args):
+            timing["attention"] += now() - timing.pop(key, now())
+
+        return hook
 
     for mod in model.modules():
         if isinstance(mod, LibraCoreAttention):
-            mod.register_forward_pre_hook(pre)
-            mod.register_forward_hook(post)
+            mod.register_forward_pre_hook(start("_fwd"))
+            mod.register_forward_hook(stop("_fwd"))
+            mod.register_full_backward_pre_hook(start("_bwd"))
+            mod.register_full_backward_hook(stop("_bwd"))

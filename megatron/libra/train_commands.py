@@ -173,10 +173,10 @@ def _ab_markdown(r: dict) -> str:
     lines += [
         "",
         "Attention work is the plan's modeled per-rank attention FLOPs; attention time is "
-        "the measured forward wall time of core attention per rank. `wlb` changes which "
-        "documents each step trains on (workload-aware packing and its delay queue), so its "
-        "losses differ from the others by design; placement alone (libra, distca) must not "
-        "change them.",
+        "the measured wall time of core attention per rank, forward and backward. `wlb` "
+        "changes which documents each step trains on (workload-aware packing and its delay "
+        "queue), so its losses differ from the others by design; placement alone (libra, "
+        "distca) must not change them.",
         "",
         "![loss](loss.png)",
         "![attention time](attention_time.png)",
