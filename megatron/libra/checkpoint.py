@@ -55,12 +55,12 @@ class Resumed:
     recent_bases: dict  # step -> first document id, of the steps WLB-LLM may still draw from
 
 
-def _rng_object(rank: int, world: int, state=None):
+def _rng_object(rank: int, world: int):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return ShardedObject(
         "libra.rng_state",
-        {"torch": torch.get_rng_state()} if state is None else state,
+        {"torch": torch.get_rng_state()},
         global_shape=(world,),
         global_offset=(rank,),
         replica_id=0,
@@ -78,7 +78,7 @@ class Checkpointer:
     on). The tracker file names a step only once every rank's shards of it are on disk."""
 
     def __init__(self, root, async_save: bool = False, model_config: dict | None = None):
-        self.root, self.async_save = Path(root), async_save
+        self.root = Path(root)
         self.model_config = model_config or {}
         self._queue = None
         if async_save:

@@ -30,7 +30,8 @@ class ParallelConfig:
     """Replicas per Libra pool; must divide the data-parallel size."""
     ep: int = 1
     """Expert-parallel size of MoE layers (megatron-core's expert_model_parallel_size); must
-    divide the number of experts and the world size. Tokens reach their experts by all-to-all."""
+    divide the number of experts and the world size. Tokens reach their experts by all-to-all
+    on GPU and by all-gather on CPU."""
 
 
 @dataclass

@@ -119,10 +119,16 @@ def _cpu_device(kwargs: dict) -> dict:
     return kwargs
 
 
+def _torch_view(name: str) -> types.ModuleType:
+    """A copy of `torch`'s namespace, for one module to see with some names replaced."""
+    view = types.ModuleType(name)
+    view.__dict__.update(torch.__dict__)
+    return view
+
+
 def _torch_on_cpu() -> types.ModuleType:
     """A view of `torch` whose tensor factories put device="cuda" tensors on the CPU."""
-    proxy = types.ModuleType("torch_on_cpu")
-    proxy.__dict__.update(torch.__dict__)
+    proxy = _torch_view("torch_on_cpu")
     for name in ("zeros", "ones", "empty", "tensor", "full", "arange"):
         fn = getattr(torch, name)
         setattr(proxy, name, (lambda f: lambda *a, **k: f(*a, **_cpu_device(k)))(fn))
@@ -207,8 +213,7 @@ class _CudaWithoutStreams(types.ModuleType):
 
 def _shim_async_checkpoint() -> None:
     au = importlib.import_module("megatron.core.dist_checkpointing.strategies.async_utils")
-    proxy = types.ModuleType("torch_without_cuda_streams")
-    proxy.__dict__.update(torch.__dict__)
+    proxy = _torch_view("torch_without_cuda_streams")
     proxy.cuda = _CudaWithoutStreams("torch.cuda")
     au.torch = proxy
 

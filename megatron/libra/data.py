@@ -24,6 +24,12 @@ class Piece:
     mask: np.ndarray
 
 
+def held_steps(cfg: TrainConfig) -> int:
+    """Steps whose input documents may still run (WLB-LLM holds outliers back at most
+    `wlb_max_delay` steps), so the sampler and the indexed source keep them addressable."""
+    return cfg.system.wlb_max_delay + 2
+
+
 class SyntheticSource:
     """Long-tail document lengths (a preset or a lengths file) with token ids that are a function
     of (seed, global document id) only. Tokens follow a fixed first-order rule with 20% noise
@@ -91,6 +97,7 @@ class IndexedSource:
             raise ValueError(f"data.path {cfg.data.path} holds no documents")
         self.gbs, self.context = cfg.data.gbs, cfg.data.context
         self.shuffle, self.seed = cfg.data.shuffle, cfg.data.seed
+        self.keep_steps = held_steps(cfg)
         self.total = int(self.lengths.sum())
         self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # step -> (global id of its first input document, its (doc, offset, length) pieces)
@@ -142,12 +149,9 @@ class IndexedSource:
                 if used == plen:
                     k, used = k + 1, 0
         self._pieces[step] = (doc_base, flat)
-        for gone in [k for k in self._pieces if k < step - self.keep_steps]:
+        for gone in [k for k in self._pieces if k <= step - self.keep_steps]:
             del self._pieces[gone]
         return [s.doc_lengths for s in seqs]
-
-    keep_steps = 8
-    """Steps whose documents stay addressable (WLB-LLM may run a document a few steps late)."""
 
     def _lookup(self, doc_id: int) -> tuple[int, int, int]:
         for base, flat in self._pieces.values():
@@ -207,10 +211,9 @@ class StepSampler:
     ):
         self.cfg, self.planner, self.replica = cfg, planner, replica
         self.source = SyntheticSource(cfg) if cfg.data.source == "synthetic" else IndexedSource(cfg)
-        self.keep_steps = cfg.system.wlb_max_delay + 2
+        self.keep_steps = held_steps(cfg)
         self._bases = dict(recent_bases or {})
         if isinstance(self.source, IndexedSource):
-            self.source.keep_steps = max(self.source.keep_steps, self.keep_steps)
             # a resumed run: documents WLB-LLM holds back from before the checkpoint stay
             # addressable (a step's layout is a function of the step alone)
             for s, base in sorted(self._bases.items()):

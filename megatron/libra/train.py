@@ -173,8 +173,7 @@ def run(
     )
     start, doc_base, recent = 0, 0, {}
     model_fields = dataclasses.asdict(cfg.model)
-    resume = cfg.checkpoint.resume and cfg.checkpoint.dir
-    latest = checkpoint.resume_step(cfg.checkpoint.dir, model_fields) if resume else None
+    latest = checkpoint.latest_step(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
     if latest is not None:
         resumed = checkpoint.load(cfg.checkpoint.dir, latest, model, opt, sched, model_fields)
         planner.load_state_dict(resumed.planner_state)
