@@ -144,7 +144,7 @@ class StepPlan:
     """One step's plan: flat integer arrays plus metrics (see DESIGN.md section 5).
 
     Attributes mirror the C++ struct: `seq_doc_offsets`, `doc_lengths`, `doc_ids`, `seq_replica`,
-    `seq_slot`, `tile_*`, `xchg_q|kv|o|lse` (shape [groups, P, P], sender x receiver, elements
+    `seq_slot`, `tile_*`, `xchg_q|kv|o` (shape [groups, P, P], sender x receiver, elements
     per rank), `send_order`, `send_group_offsets`, `kv_*`, `rank_load` ([D, C]) and the scalar
     metrics. `hash` is the 64-bit plan hash that ranks compare.
     """
@@ -157,7 +157,7 @@ class StepPlan:
         for k in _METRICS:
             setattr(self, k, float(raw.pop(k)))
         px = self.exchange_pool
-        for k in ("xchg_q", "xchg_kv", "xchg_o", "xchg_lse"):
+        for k in ("xchg_q", "xchg_kv", "xchg_o"):
             raw[k] = raw[k].reshape(-1, px, px)
         for k in ("rank_load", "rank_load_before", "rank_bytes_sent"):
             raw[k] = raw[k].reshape(self.dp, self.cp)
@@ -211,7 +211,7 @@ class StepPlan:
             "tiles_executed": np.flatnonzero((self.tile_executor == replica) & mine_cp),
             "groups": np.asarray(groups, dtype=np.int64),
         }
-        for k in ("xchg_q", "xchg_kv", "xchg_o", "xchg_lse"):
+        for k in ("xchg_q", "xchg_kv", "xchg_o"):
             m = getattr(self, k)
             out[k + "_send"] = m[groups, member, :].reshape(self.slots, px)
             out[k + "_recv"] = m[groups, :, member].reshape(self.slots, px)

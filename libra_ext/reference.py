@@ -295,7 +295,7 @@ def plan_libra(
         have = [dict() for _ in range(P)]
 
         def qo(ql, hc):
-            return 4 * ql * hc * head_dim * dtype_bytes + 4 * ql * hc
+            return 4 * ql * hc * head_dim * dtype_bytes
 
         def kvb(n):
             return 4 * n * head_dim * dtype_bytes

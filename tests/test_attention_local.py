@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from libra_ext.attention import thd
-from libra_ext.attention.kernels import reference_attention, select_backend
+from libra_ext.attention import kernels
+from libra_ext.attention.kernels import KernelParams, reference_attention, select_backend, why_not
 from libra_ext.attention.verify import free_port, share_cores
 
 
@@ -72,10 +73,40 @@ def test_zigzag_split_layout():
 
 
 def test_backend_ladder_says_why(caplog):
+    select_backend.cache_clear()
     with caplog.at_level("INFO", logger="libra_ext.attention.kernels"):
-        b = select_backend(torch.device("cpu"))
+        b = select_backend(KernelParams("cpu", torch.float32, 64))
     assert b.name == "reference"
-    assert "PyTorch reference on CPU" in caplog.text and "no GPU" in caplog.text
+    line = [r.message for r in caplog.records if r.levelname == "INFO"]
+    assert len(line) == 1 and line[0].startswith("attention backend: reference (")
+    for better in ("te: ", "flash: ", "varlen: "):
+        assert better in line[0]  # every better backend is named with its reason
+    # the choice is cached by its parameters: no second log line
+    caplog.clear()
+    assert select_backend(KernelParams("cpu", torch.float32, 64)) is b
+    assert not caplog.records
+
+
+def test_backend_choice_is_a_function_of_device_dtype_and_head_dim():
+    cuda_bf16 = KernelParams("cuda", torch.bfloat16, 128)
+    assert why_not("reference", cuda_bf16) is None
+    assert "fp16/bf16" in why_not("varlen", KernelParams("cuda", torch.float32, 128))
+    assert "needs CUDA" in why_not("varlen", KernelParams("cpu", torch.bfloat16, 128))
+    assert "head_dim" in why_not("varlen", KernelParams("cuda", torch.bfloat16, 100))
+    if not kernels.HAVE_FLASH:
+        assert "pip install flash-attn" in why_not("flash", cuda_bf16)
+    if not kernels.HAVE_TE:
+        assert "transformer_engine" in why_not("te", cuda_bf16)
+
+
+def test_forced_backend_that_cannot_run_names_the_package(monkeypatch):
+    select_backend.cache_clear()
+    with pytest.raises(RuntimeError, match="'flash' was forced but cannot run: flash-attn"):
+        select_backend(KernelParams("cpu", torch.float32, 64, forced="flash"))
+    with pytest.raises(ValueError, match="attention_backend must be auto or one of"):
+        select_backend(KernelParams("cpu", torch.float32, 64, forced="ring"))
+    monkeypatch.setenv("LIBRA_ATTENTION_BACKEND", "reference")
+    assert select_backend(KernelParams("cpu", torch.float32, 32)).name == "reference"
 
 
 def _bad_input_worker(rank, world, port, out_dir):

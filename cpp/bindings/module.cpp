@@ -41,7 +41,7 @@ py::dict plan_to_dict(StepPlan&& p) {
   LIBRA_ARR(tile_head_start); LIBRA_ARR(tile_head_count); LIBRA_ARR(tile_kv_start);
   LIBRA_ARR(tile_kv_len); LIBRA_ARR(tile_owner); LIBRA_ARR(tile_executor); LIBRA_ARR(tile_cp);
   LIBRA_ARR(tile_pairs);
-  LIBRA_ARR(xchg_q); LIBRA_ARR(xchg_kv); LIBRA_ARR(xchg_o); LIBRA_ARR(xchg_lse);
+  LIBRA_ARR(xchg_q); LIBRA_ARR(xchg_kv); LIBRA_ARR(xchg_o);
   LIBRA_ARR(send_order); LIBRA_ARR(send_group_offsets);
   LIBRA_ARR(kv_group); LIBRA_ARR(kv_src); LIBRA_ARR(kv_dst); LIBRA_ARR(kv_seq);
   LIBRA_ARR(kv_start); LIBRA_ARR(kv_len); LIBRA_ARR(kv_head);

@@ -89,7 +89,7 @@ u64 StepPlan::compute_hash() const {
                         &tile_seq, &tile_doc, &tile_doc_count, &tile_q_start, &tile_q_len, &tile_head_start,
                         &tile_head_count, &tile_kv_start, &tile_kv_len, &tile_owner,
                         &tile_executor, &tile_cp, &tile_pairs, &xchg_q, &xchg_kv, &xchg_o,
-                        &xchg_lse, &send_order, &send_group_offsets, &kv_group, &kv_src, &kv_dst,
+                        &send_order, &send_group_offsets, &kv_group, &kv_src, &kv_dst,
                         &kv_seq, &kv_start, &kv_len, &kv_head})
     h.vec(*v);
   for (const auto* v : {&rank_load, &rank_load_before, &group_load, &rank_bytes_sent}) h.vec(*v);
@@ -161,7 +161,6 @@ void build_exchange(StepPlan& p) {
   p.xchg_q.assign(cells, 0);
   p.xchg_kv.assign(cells, 0);
   p.xchg_o.assign(cells, 0);
-  p.xchg_lse.assign(cells, 0);
   const i64 d = p.head_dim;
   // Moved KV prefixes: (document, kv head, destination) -> longest prefix needed there. The
   // document fixes the sequence, so also the group and the sender.
@@ -184,7 +183,6 @@ void build_exchange(StepPlan& p) {
     const i64 g = cell / (Px * Px), src = (cell / Px) % Px, dst = cell % Px;
     p.xchg_q[cell] += qh * d;
     p.xchg_o[(g * Px + dst) * Px + src] += qh * d;
-    p.xchg_lse[(g * Px + dst) * Px + src] += qh;
     const i64 kv0 = kv_head_of(p, p.tile_head_start[t]);
     const i64 kv1 = kv_head_of(p, p.tile_head_start[t] + p.tile_head_count[t] - 1);
     for (i64 kh = kv0; kh <= kv1; ++kh)
@@ -240,7 +238,8 @@ void build_exchange(StepPlan& p) {
   p.moved_token_fraction = all_tokens > 0 ? moved_tokens / all_tokens : 0.0;
 
   // Bytes each rank sends, forward + backward: as owner Q, KV (fwd) and dO (bwd); as executor
-  // O, LSE (fwd) and dQ, dKV (bwd). Identical for every cp rank of a replica (own head slice).
+  // O (fwd) and dQ, dKV (bwd). Identical for every cp rank of a replica (own head slice). The
+  // softmax LSE stays on the executor (its kernel backward uses it), so it is not sent.
   p.rank_bytes_sent.assign(static_cast<std::size_t>(p.dp * p.cp), 0.0);
   const double eb = static_cast<double>(p.dtype_bytes);
   for (i64 g = 0; g < G; ++g)
@@ -249,8 +248,7 @@ void build_exchange(StepPlan& p) {
       for (i64 b = 0; b < Px; ++b) {
         const i64 ab = (g * Px + a) * Px + b, ba = (g * Px + b) * Px + a;
         sent += eb * static_cast<double>(p.xchg_q[ab] + p.xchg_kv[ab] + p.xchg_o[ab] +
-                                         p.xchg_o[ba] + p.xchg_q[ba] + p.xchg_kv[ba]) +
-                4.0 * static_cast<double>(p.xchg_lse[ab]);
+                                         p.xchg_o[ba] + p.xchg_q[ba] + p.xchg_kv[ba]);
       }
       const i64 r = (g / p.slots) * Px + a;
       for (i64 c = 0; c < p.cp; ++c) p.rank_bytes_sent[r * p.cp + c] += sent;

@@ -1,8 +1,7 @@
-"""Counted collectives with explicit backward passes, and cached process groups.
+"""Counted collectives and the runtime's cached process groups.
 
-Every collective of the runtime lives inside an autograd Function whose backward issues the
-mirrored collective itself, so each pass issues its collectives in one fixed order on every rank
-(autograd never interleaves two independent collectives differently on different ranks).
+The operator (exchange.py) issues every collective inside its autograd Functions, forward and
+mirrored backward, in one fixed order on every rank.
 """
 
 from __future__ import annotations
@@ -48,51 +47,20 @@ def all_to_all(
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
-class EqualAllToAll(torch.autograd.Function):
-    """[n, W, f] -> [W * n, f]: slice w of every rank's input goes to rank w (Ulysses)."""
-
-    @staticmethod
-    def forward(ctx, x, group, counter, kind):
-        n, world, f = x.shape
-        inp = x.transpose(0, 1).contiguous().reshape(-1)
-        out = torch.empty_like(inp)
-        all_to_all(out, inp, [n * f] * world, [n * f] * world, group, counter, kind)
-        ctx.group, ctx.counter, ctx.kind, ctx.shape = group, counter, kind, (n, world, f)
-        return out.reshape(world * n, f)
-
-    @staticmethod
-    def backward(ctx, grad):
-        n, world, f = ctx.shape
-        inp = grad.contiguous().reshape(-1)
-        out = torch.empty_like(inp)
-        all_to_all(
-            out, inp, [n * f] * world, [n * f] * world, ctx.group, ctx.counter, ctx.kind + ".bwd"
-        )
-        return out.reshape(world, n, f).transpose(0, 1), None, None, None
-
-
-class AllGatherRS(torch.autograd.Function):
-    """All-gather along dim 0 (equal sizes); backward is a reduce-scatter (all-to-all + sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group, counter, kind):
-        world = dist.get_world_size(group)
-        flat = x.contiguous().reshape(-1)
-        inp = flat.repeat(world)
-        out = torch.empty_like(inp)
-        n = flat.numel()
-        all_to_all(out, inp, [n] * world, [n] * world, group, counter, kind)
-        ctx.group, ctx.counter, ctx.kind, ctx.shape = group, counter, kind, x.shape
-        return out.reshape(world * x.shape[0], *x.shape[1:])
-
-    @staticmethod
-    def backward(ctx, grad):
-        world = dist.get_world_size(ctx.group)
-        inp = grad.contiguous().reshape(-1)
-        out = torch.empty_like(inp)
-        n = inp.numel() // world
-        all_to_all(out, inp, [n] * world, [n] * world, ctx.group, ctx.counter, ctx.kind + ".bwd")
-        return out.reshape(world, *ctx.shape).sum(0), None, None, None
+def all_gather_rows(
+    x: torch.Tensor, group, counter: ByteCounter | None, kind: str
+) -> torch.Tensor:
+    """[n, ...] -> [world * n, ...]: every rank's rows, in rank order (equal sizes)."""
+    world = dist.get_world_size(group)
+    out = x.new_empty(world * x.shape[0], *x.shape[1:])
+    inp = x.contiguous()
+    if counter is not None:
+        counter.add(kind, (world - 1) * inp.numel() * inp.element_size())
+    if dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(out, inp, group=group)
+    else:
+        dist.all_gather(list(out.chunk(world)), inp, group=group)
+    return out
 
 
 class GroupCache:
@@ -111,8 +79,9 @@ class GroupCache:
         # others instead of a hang.
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pool: dict = {}
-        # For the per-step plan-hash check: a group of all ranks with a short timeout.
-        self.check_group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+        # For the per-step plan-hash check and step statistics: all ranks, host tensors (gloo,
+        # also when the default backend is NCCL, so no device sync), short timeout.
+        self.check_group = dist.new_group(timeout=datetime.timedelta(seconds=60), backend="gloo")
         me = dist.get_rank()
         self.t, rest = me % tp, me // tp
         self.c, self.r = rest % cp, rest // cp

@@ -3,11 +3,17 @@
 Inputs are one cp rank's THD tensors in Megatron's per-document zigzag layout (see `thd`):
 query [t, h, d], key/value [t, h_kv, d] (h, h_kv already divided by tp). Output [t, h * d].
 
-- `ulysses`: all-to-all over heads inside the CP group, attention over whole documents, back.
-- `libra` / `distca`: the same all-to-all, then the step plan's tiles run through the pool
-  exchange (TileExchange), then back.
-- `wlb`: per-document CP: K and V all-gathered in the CP group, each rank computes its two chunks
-  of every document; dK/dV reduce-scattered back.
+- `ulysses`: all-to-all over heads inside the CP group, one batched kernel call over the whole
+  packed sequence (segments = documents), all-to-all back.
+- `libra` / `distca`: the same all-to-all, then the step plan's tiles: the rank's own tiles in one
+  batched call while the pool exchange moves the others' tiles in chunks, one batched call per
+  chunk (exchange.PlannedAttention).
+- `wlb`: per-document CP: K and V all-gathered in the CP group, the rank's two chunks of every
+  document in one batched call; dK/dV reduce-scattered back (exchange.PerDocAttention).
+
+What a micro-batch needs of the plan is compiled ahead, once per step (`meta`), and copied to
+the device in one transfer (`Runtime.prepare`); the operator then runs only device gathers,
+collectives and kernel calls.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from libra_ext.attention import thd
-from libra_ext.attention.comm import AllGatherRS, ByteCounter, EqualAllToAll, GroupCache
-from libra_ext.attention.exchange import TileExchange, build_spec
-from libra_ext.attention.kernels import select_backend
+from libra_ext.attention import meta
+from libra_ext.attention.comm import ByteCounter, GroupCache
+from libra_ext.attention.counters import RuntimeStats
+from libra_ext.attention.exchange import ExecEnv, PerDocAttention, PlannedAttention
+from libra_ext.attention.kernels import backend_for
 from libra_ext.planner import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -34,35 +41,69 @@ SYSTEMS = ("ulysses", "libra", "wlb", "distca")
 
 @dataclass
 class AttentionStep:
-    """What the operator needs about the current micro-batch: the step plan and the slot."""
+    """What the operator needs about the current micro-batch: the step plan, the slot, and the
+    slot's device program when it was prepared ahead (`Runtime.prepare`)."""
 
     plan: StepPlan
     slot: int
+    program: object = None
+
+
+def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> list:
+    """Host programs of every slot of rank (replica, cp_rank): what the sampler's background
+    thread builds one step ahead."""
+    if plan.system == "wlb":
+        out = []
+        for slot in range(plan.slots):
+            seq = meta._seq_at(plan, replica, slot)
+            off = plan.seq_doc_offsets
+            L = plan.doc_lengths[off[seq] : off[seq + 1]]
+            if len(L) == 0:  # an empty repacked sequence trains as one padding document
+                L = np.array([2 * plan.cp], dtype=np.int64)
+            out.append(meta.compile_wlb(L, plan.cp, cp_rank))
+        return out
+    return [meta.compile_slot(plan, replica, slot, chunks) for slot in range(plan.slots)]
 
 
 @dataclass
 class Runtime:
-    """Per-process runtime state: process groups (created once), byte counters, options."""
+    """Per-process runtime state: process groups (created once), options, byte counters, call
+    counters, and the current step's device programs."""
 
     groups: GroupCache
     chunks: int = 4
-    """TAP pipeline head chunks."""
+    """Chunks of the pool exchange pipeline (fewer when little moves)."""
     pipelined: bool = True
+    """Overlap the exchange with compute (False: every transfer completes before the next
+    step; results are identical)."""
+    backend: str | None = None
+    """Force an attention kernel backend (kernels.BACKENDS); None: best available."""
     counter: ByteCounter = field(default_factory=ByteCounter)
-    _specs: dict = field(default_factory=dict)
-    _backend: object = None
+    stats: RuntimeStats = field(default_factory=RuntimeStats)
+    _programs: dict = field(default_factory=dict)
 
-    def backend(self, device):
-        if self._backend is None:
-            self._backend = select_backend(device)
-        return self._backend
+    def prepare(self, plan: StepPlan, device, host_programs: list | None = None) -> list:
+        """AttentionSteps of every slot of this rank for `plan`, their programs on `device`
+        (compiled now unless `host_programs` were built ahead)."""
+        g = self.groups
+        if host_programs is None:
+            host_programs = compile_rank(plan, g.r, g.c, self.chunks)
+        device = torch.device(device)
+        self._programs = {
+            (plan.hash, slot, device): meta.upload(p, device)
+            for slot, p in enumerate(host_programs)
+        }
+        return [
+            AttentionStep(plan, slot, self._programs[(plan.hash, slot, device)])
+            for slot in range(len(host_programs))
+        ]
 
-    def spec(self, plan: StepPlan, replica: int, slot: int):
-        key = (plan.hash, replica, slot, self.chunks)
-        if key not in self._specs:
-            self._specs.clear()  # one plan at a time
-            self._specs[key] = build_spec(plan, replica, slot, self.chunks)
-        return self._specs[key]
+    def program(self, plan: StepPlan, slot: int, device):
+        """The device program of (this rank, slot) of `plan` (prepared on first use)."""
+        key = (plan.hash, slot, torch.device(device))
+        if key not in self._programs:
+            self.prepare(plan, device)
+        return self._programs[key]
 
 
 def check_plan_hash(plan: StepPlan, timeout_s: float = 60.0, group=None) -> None:
@@ -97,6 +138,7 @@ def core_attention(
     runtime: Runtime,
     step: AttentionStep | None = None,
     softmax_scale: float | None = None,
+    layer=None,
 ) -> torch.Tensor:
     """One rank's core attention for one packed sequence. Returns [t, h * d]."""
     if system not in SYSTEMS:
@@ -114,22 +156,28 @@ def core_attention(
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
     groups = runtime.groups
     C, c, r = groups.cp, groups.c, groups.r
-    L = [int(x) for x in doc_lengths]
-    mine = thd.zigzag_split(L, C, c)
-    if len(mine.token_index) != t:
-        raise ValueError(
-            f"cu_seqlens do not match the tokens: the documents {sum(L)} tokens "
-            f"give {len(mine.token_index)} local slots on cp rank {c}, query has {t}"
-        )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    kernel = runtime.backend(query.device)
+    env = ExecEnv(
+        kernel=backend_for(query, runtime.backend),
+        scale=scale,
+        cp_group=groups.cp_group(),
+        pool_group=None,
+        counter=runtime.counter,
+        stats=runtime.stats,
+        pipelined=runtime.pipelined,
+        key=layer,
+    )
     if system == "wlb":
-        return _per_document_cp(query, key, value, L, mine, groups, runtime.counter, kernel, scale)
+        if step is not None:
+            prog = step.program or runtime.program(step.plan, step.slot, query.device)
+        else:  # no plan: compile from the documents (slow path for direct calls)
+            prog = meta.upload(meta.compile_wlb(doc_lengths, C, c), query.device)
+        _check_slots(prog, t, c, r, step)
+        return PerDocAttention.apply(query, key, value, prog, env)
     if h % C:
         raise ValueError(f"query heads ({h}) must be divisible by cp ({C}) for {system}")
     hl = h // C
-    g = h // hkv
-    kvl = max(1, hl // g)
+    kvl = max(1, hl // (h // hkv))
     if step is None:
         raise ValueError(f"{system} needs the step plan (packed_seq_params.libra)")
     plan = step.plan
@@ -139,79 +187,20 @@ def core_attention(
             f"{plan.kv_heads_local} KV heads per rank over cp {plan.cp}, the tensors "
             f"give {hl} and {kvl} over cp {C}"
         )
-    spec = runtime.spec(plan, r, step.slot)
-    if spec.tokens != sum(L):
+    prog = step.program or runtime.program(plan, step.slot, query.device)
+    _check_slots(prog, t, c, r, step)
+    if prog.members > 1:
+        env.pool_group = groups.pool_group(prog.members)
+    return PlannedAttention.apply(query, key, value, prog, env)
+
+
+def _check_slots(prog, t: int, c: int, r: int, step) -> None:
+    if prog.t != t:
+        where = f" at replica {r}, slot {step.slot}" if step is not None else ""
         raise ValueError(
-            f"the plan's sequence at replica {r}, slot {step.slot} has "
-            f"{spec.tokens} tokens, the batch {sum(L)}"
+            f"cu_seqlens do not match the tokens: the plan's sequence{where} has "
+            f"{prog.tokens} tokens, {prog.t} local slots on cp rank {c}; query has {t}"
         )
-    # [t, h, d] -> [t, C, hl*d]; KV: the heads each cp rank's query slice needs.
-    kv_idx = np.stack(
-        [
-            np.arange(j * hl // g, j * hl // g + kvl) if hl >= g else np.full(kvl, j * hl // g)
-            for j in range(C)
-        ]
-    )
-    q_send = query.reshape(t, C, hl * d)
-    k_send = key[:, torch.as_tensor(kv_idx.reshape(-1))].reshape(t, C, kvl * d)
-    v_send = value[:, torch.as_tensor(kv_idx.reshape(-1))].reshape(t, C, kvl * d)
-    qkv = torch.cat([q_send, k_send, v_send], dim=2)
-    if C > 1:
-        qkv = EqualAllToAll.apply(qkv, groups.cp_group(), runtime.counter, "ulysses.in")
-    else:
-        qkv = qkv.reshape(t, -1)
-    order = torch.as_tensor(thd.gather_order(L, C))
-    full = qkv.index_select(0, order)  # [S, hl*d + 2*kvl*d], natural token order
-    S = full.shape[0]
-    q_full = full[:, : hl * d].reshape(S, hl, d)
-    k_full = full[:, hl * d : (hl + kvl) * d].reshape(S, kvl, d)
-    v_full = full[:, (hl + kvl) * d :].reshape(S, kvl, d)
-    pool_group = groups.pool_group(plan.exchange_pool) if plan.exchange_pool > 1 else None
-    out_full = TileExchange.apply(
-        q_full, k_full, v_full, spec, pool_group, kernel, scale, runtime.counter, runtime.pipelined
-    )
-    rows = out_full.new_zeros(C * t, hl * d).index_copy(0, order, out_full.reshape(S, hl * d))
-    if C > 1:
-        back = EqualAllToAll.apply(
-            rows.reshape(C, t, hl * d).transpose(0, 1),
-            groups.cp_group(),
-            runtime.counter,
-            "ulysses.out",
-        )
-    else:
-        back = rows
-    # [C*t, hl*d] (block i: head slice i of my tokens) -> [t, h*d]
-    return back.reshape(C, t, hl, d).permute(1, 0, 2, 3).reshape(t, h * d)
-
-
-def _per_document_cp(query, key, value, L, mine, groups, counter, kernel, scale):
-    t, h, d = query.shape
-    C = groups.cp
-    if C > 1:
-        kv = AllGatherRS.apply(torch.cat([key, value], dim=1), groups.cp_group(), counter, "wlb.kv")
-    else:
-        kv = torch.cat([key, value], dim=1)
-    order = torch.as_tensor(thd.gather_order(L, C))
-    kv_full = kv.index_select(0, order)
-    hkv = key.shape[1]
-    k_full, v_full = kv_full[:, :hkv], kv_full[:, hkv:]
-    g = h // hkv
-    out = query.new_zeros(t, h, d)
-    starts = np.concatenate([[0], np.cumsum(L)[:-1]]).astype(np.int64)
-    pad = thd.padded_lengths(L, C)
-    slot = 0
-    for s0, l, lp in zip(starts, L, pad):
-        ch = int(lp) // (2 * C)
-        for k in (groups.c, 2 * C - 1 - groups.c):
-            a, b = min(l, k * ch), min(l, (k + 1) * ch)
-            if b > a:
-                q_t = query[slot + (a - k * ch) : slot + (b - k * ch)]
-                kk = k_full[s0 : s0 + b].repeat_interleave(g, dim=1)
-                vv = v_full[s0 : s0 + b].repeat_interleave(g, dim=1)
-                o, _ = kernel(q_t, kk, vv, scale)
-                out = out.index_copy(0, torch.arange(slot, slot + (b - a)), o)
-            slot += ch
-    return out.reshape(t, h * d)
 
 
 class LibraCoreAttention(torch.nn.Module):
@@ -277,5 +266,6 @@ class LibraCoreAttention(torch.nn.Module):
             self.runtime,
             getattr(packed_seq_params, "libra", None),
             self.softmax_scale,
+            layer=self.layer_number,
         )
         return out.unsqueeze(1) if squeeze else out

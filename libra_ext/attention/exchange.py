@@ -1,573 +1,393 @@
-"""Tile execution for one (replica, slot): the pool exchange of Libra and DistCA, and local
-execution for Ulysses, as one autograd Function with an explicit, mirrored backward.
+"""The operator's two autograd Functions, driven by the per-step programs of `meta`.
 
-Forward, per head chunk: owners send each moved tile's Q rows and (once per destination) the KV
-prefix it needs; executors run the tiles and return O and the softmax LSE; owners place O rows.
-Backward mirrors it: dO to executors, dQ back to owners, dK/dV summed back to owners. With the
-pipeline on, chunk i+1's transfer is in flight while chunk i computes (async work handles).
+`PlannedAttention` (libra, distca, ulysses) for one rank and one micro-batch:
+
+  forward   q, k, v [t, h|hkv, d] --Ulysses all-to-all--> X [C*t, W, d]
+            send buffer = X[send_idx]; every chunk's [Q | K | V] all-to-all posted at once
+            local block: pack = X[gather], <= 2 batched kernel calls, O scattered into the
+                         output buffer [C*t*hl, d] (runs while the chunks are in flight)
+            chunk k:     wait, pack = recv[gather], <= 2 kernel calls, O back (async)
+            received O scattered into the output buffer --Ulysses all-to-all--> [t, h*d]
+  backward  the mirror: dO to the executors (all chunks posted at once, last chunk first),
+            local kernel backward, then chunks last to first: kernel backward, the chunk's
+            dQ/dK/dV (summed in fp32 on the executor) back to its owners right away. A chunk
+            may read KV an earlier chunk delivered, never a later one, so going backwards every
+            chunk's gradients are complete when it is done. Owners sum returns in fp32.
+
+`PerDocAttention` (wlb): K and V all-gathered in the CP group, the rank's chunks of every
+document in one kernel call, dK/dV reduce-scattered back (summed in fp32).
+
+Every collective is issued inside these Functions in one fixed order on every rank, so
+autograd never interleaves collectives differently on different ranks. Kernel calls go
+through `kernels.Backend.attend` with their own autograd graph: the forward keeps each call's
+(q, k, v leaves, output) and the backward runs the kernel's own backward from them.
+
+Legend: t local slots, C cp ranks, h/hkv query/KV heads of this tp rank, hl/kvl the Ulysses
+slice, W = hl + 2 kvl, d head dim; counts in the programs are vectors of d elements.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from libra_ext.attention.comm import ByteCounter, all_to_all
-from libra_ext.planner import StepPlan
+from libra_ext.attention.comm import ByteCounter, all_gather_rows, all_to_all
+from libra_ext.attention.counters import CallCounts, RuntimeStats
+from libra_ext.attention.kernels import Backend
+from libra_ext.attention.meta import Block, SlotProgram, WlbProgram
 
 
 @dataclass
-class _Piece:
-    """Where a tile's inputs live on its executor."""
+class ExecEnv:
+    """What the Functions need besides tensors and the program."""
 
-    tile: int
-    owner: int  # member index
-    q_rows: np.ndarray  # local: flat q rows; received: unused
-    kv_src: list  # per kv head: ("local", rows) or ("recv", chunk, src, offset, kv_len_entry)
-    q_recv: tuple | None  # (chunk, src, offset) into the receive buffer for received tiles
-
-
-@dataclass
-class ChunkSpec:
-    send_q: list  # [peer] flat q rows of tiles I own that peer executes
-    send_kv: list  # [peer] flat kv rows of KV entries I send to peer
-    recv_q_elems: list  # [peer] elements of Q I receive from peer
-    recv_kv_elems: list  # [peer] elements of K (= of V) I receive from peer
-    exec_tiles: list = field(default_factory=list)  # _Piece, in execution order
-    back_rows: list = field(default_factory=list)  # [peer] flat q rows of my tiles peer returns
-    return_tiles: list = field(default_factory=list)  # [peer] tile ids I return to peer, in order
+    kernel: Backend
+    scale: float
+    cp_group: object
+    pool_group: object
+    counter: ByteCounter | None
+    stats: RuntimeStats
+    pipelined: bool = True
+    key: object = None
+    """Names the calling layer (the TE backend keeps one module per layer)."""
 
 
-@dataclass
-class ExchangeSpec:
-    """Everything one rank needs to run its slot of a StepPlan (identical layout on every rank
-    of the exchange group, derived from the plan alone)."""
-
-    me: int
-    members: list
-    seq: int
-    tokens: int
-    heads: int
-    kv_heads: int
-    chunks: list
-    tile_shape: dict  # tile -> (q_len, hc, kv_len, h0, doc_lengths or None)
-    active: list  # per chunk: does any member of the group move a tile (same on every member)
-    entry_lengths: dict  # (chunk, src, offset) -> rows of a received KV entry
-    any_kv: bool  # does the group ship any KV entry
+def _put_kv(dst: torch.Tensor, src: torch.Tensor, C: int, hl: int) -> None:
+    """dst [C, t, kvl, d] <- the KV heads each cp rank's query slice needs from src [t, hkv, d]."""
+    t, hkv, d = src.shape
+    g = (hl * C) // hkv  # query heads per KV head
+    if hl >= g:  # rank j holds whole groups: KV heads [j*kvl, (j+1)*kvl)
+        dst.copy_(src.reshape(t, C, hkv // C, d).transpose(0, 1))
+    else:  # hl divides g: g/hl consecutive ranks share one KV head
+        dst.view(hkv, g // hl, t, d).copy_(src.transpose(0, 1)[:, None].expand(hkv, g // hl, t, d))
 
 
-def build_spec(plan: StepPlan, replica: int, slot: int, chunks: int) -> ExchangeSpec:
-    """The exchange of (replica, slot) in `plan`, cut into `chunks` head chunks."""
-    px = plan.exchange_pool
-    g = plan.group_of(replica, slot)
-    base = (replica // px) * px
-    members = list(range(base, base + px))
-    me = replica - base
-    seqs = np.flatnonzero((plan.seq_replica == replica) & (plan.seq_slot == slot))
-    if len(seqs) != 1:
-        raise ValueError(f"plan has {len(seqs)} sequences at replica {replica}, slot {slot}")
-    seq = int(seqs[0])
-    hl, kvl = plan.heads_local, plan.kv_heads_local
-    gl = hl // kvl
-    off = plan.seq_doc_offsets
-    lens = plan.doc_lengths
-    doc_start = {}
-    for s in range(plan.n_seq):
-        acc = 0
-        for dd in range(off[s], off[s + 1]):
-            doc_start[dd] = (s, acc)
-            acc += int(lens[dd])
-    start_doc = {v: k for k, v in doc_start.items()}
-    tokens = int(lens[off[seq] : off[seq + 1]].sum())
-    hpc = -(-hl // chunks)
-    order = plan.send_order[plan.send_group_offsets[g] : plan.send_group_offsets[g + 1]]
+def _take_kv(src: torch.Tensor, C: int, hl: int, hkv: int) -> torch.Tensor:
+    """Gradient of _put_kv: src [C, t, kvl, d] -> [t, hkv, d] (shared heads summed in fp32)."""
+    _, t, kvl, d = src.shape
+    g = (hl * C) // hkv
+    if hl >= g:
+        return src.transpose(0, 1).reshape(t, hkv, d)
+    s = src.reshape(hkv, g // hl, t, d).sum(1, dtype=torch.float32)
+    return s.to(src.dtype).transpose(0, 1).contiguous()
 
-    def chunk_of(t):
-        return min(int(plan.tile_head_start[t]) // hpc, chunks - 1)
 
-    def kv_heads_of(t):
-        h0, hc = int(plan.tile_head_start[t]), int(plan.tile_head_count[t])
-        return list(range(h0 // gl, (h0 + hc - 1) // gl + 1))
+def _run_calls(pack: torch.Tensor, block: Block, env: ExecEnv, d: int, counts: CallCounts):
+    """Forward of a block's calls on views of its pack; returns (outputs, leaves)."""
+    outs, leaves = [], []
+    for call in block.calls:
+        q = pack[call.q_off : call.k_off].view(call.n_q, call.hc, d)
+        k = pack[call.k_off : call.v_off].view(call.n_k, call.hk, d)
+        v = pack[call.v_off : call.v_off + call.n_k * call.hk].view(call.n_k, call.hk, d)
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        with torch.enable_grad():
+            outs.append(env.kernel.attend(q, k, v, call.seg, env.scale, env.key))
+        leaves.append((q, k, v))
+        counts.kernel_calls += 1
+    return outs, leaves
 
-    # KV entries of this group: (src, dst, doc, kh) -> (kv_start, kv_len); in plan order per cell.
-    in_group = np.flatnonzero(plan.kv_group == g)
-    entries = []
-    for e in in_group:
-        doc = start_doc[(int(plan.kv_seq[e]), int(plan.kv_start[e]))]
-        entries.append(
-            (
-                int(plan.kv_src[e]),
-                int(plan.kv_dst[e]),
-                doc,
-                int(plan.kv_head[e]),
-                int(plan.kv_start[e]),
-                int(plan.kv_len[e]),
-            )
-        )
-    tiles_by = {}
-    for t in order:
-        a, b = int(plan.tile_owner[t]) - base, int(plan.tile_executor[t]) - base
-        tiles_by.setdefault((a, b), []).append(int(t))
-    entry_chunk = {}
-    for (a, b), ts in tiles_by.items():
-        if a == b:
-            continue
-        for t in ts:
-            for kh in kv_heads_of(t):
-                key = (a, b, int(plan.tile_doc[t]), kh)
-                entry_chunk[key] = min(entry_chunk.get(key, chunks), chunk_of(t))
 
-    def q_rows(t):
-        q0, ql = int(plan.tile_q_start[t]), int(plan.tile_q_len[t])
-        h0, hc = int(plan.tile_head_start[t]), int(plan.tile_head_count[t])
-        pos = np.arange(q0, q0 + ql)[:, None]
-        return (pos * hl + np.arange(h0, h0 + hc)[None, :]).reshape(-1)
+def _backward_calls(outs, leaves, grads, counts: CallCounts):
+    """The kernels' own backward for a block: [(dq, dk, dv)] per call."""
+    flat = [x for qkv in leaves for x in qkv]
+    g = torch.autograd.grad(outs, flat, grads)
+    counts.kernel_calls += len(outs)
+    return [g[3 * i : 3 * i + 3] for i in range(len(outs))]
 
-    def kv_rows(start, length, kh):
-        return np.arange(start, start + length) * kvl + kh
 
-    specs = []
-    for ch in range(chunks):
-        spec = ChunkSpec(send_q=[], send_kv=[], recv_q_elems=[], recv_kv_elems=[])
-        for j in range(px):
-            mine = [t for t in tiles_by.get((me, j), []) if chunk_of(t) == ch] if j != me else []
-            spec.send_q.append(
-                np.concatenate([q_rows(t) for t in mine]) if mine else np.zeros(0, dtype=np.int64)
-            )
-            ents = [
-                e
-                for e in entries
-                if e[0] == me and e[1] == j and entry_chunk[(me, j, e[2], e[3])] == ch
-            ]
-            spec.send_kv.append(
-                np.concatenate([kv_rows(e[4], e[5], e[3]) for e in ents])
-                if ents
-                else np.zeros(0, dtype=np.int64)
-            )
-            theirs = [t for t in tiles_by.get((j, me), []) if chunk_of(t) == ch] if j != me else []
-            spec.recv_q_elems.append(
-                sum(int(plan.tile_q_len[t] * plan.tile_head_count[t]) for t in theirs)
-            )
-            ents_in = [
-                e
-                for e in entries
-                if e[0] == j and e[1] == me and entry_chunk[(j, me, e[2], e[3])] == ch
-            ]
-            spec.recv_kv_elems.append(sum(e[5] for e in ents_in))
-            spec.back_rows.append(spec.send_q[-1])
-            spec.return_tiles.append(theirs)
-        specs.append(spec)
-    active = [
-        any(a != b and chunk_of(t) == ch for (a, b), ts in tiles_by.items() for t in ts)
-        for ch in range(chunks)
-    ]
-    entry_lengths = {}
-    # Where each executed tile's inputs are: local rows, or offsets in a chunk's receive buffer.
-    recv_entry = {}  # (src, doc, kh) -> (chunk, offset in K block of src, kv_len)
-    for ch, spec in enumerate(specs):
-        for j in range(px):
-            if j == me:
-                continue
-            offset = 0
-            for e in entries:
-                if e[0] == j and e[1] == me and entry_chunk[(j, me, e[2], e[3])] == ch:
-                    recv_entry[(j, e[2], e[3])] = (ch, offset, e[5])
-                    entry_lengths[(ch, j, offset)] = e[5]
-                    offset += e[5]
-    shape = {}
-    for ch, spec in enumerate(specs):
-        for j in range(px):
-            ts = [t for t in tiles_by.get((j, me), []) if chunk_of(t) == ch]
-            q_off = 0
-            for t in ts:
-                doc, cnt = int(plan.tile_doc[t]), int(plan.tile_doc_count[t])
-                shape[t] = (
-                    int(plan.tile_q_len[t]),
-                    int(plan.tile_head_count[t]),
-                    int(plan.tile_kv_len[t]),
-                    int(plan.tile_head_start[t]),
-                    [int(x) for x in lens[doc : doc + cnt]] if cnt > 1 else None,
-                )
-                if j == me:
-                    continue  # my own tiles: merged into runs below
-                else:
-                    kv = [("recv",) + recv_entry[(j, doc, kh)][:2] + (j,) for kh in kv_heads_of(t)]
-                    spec.exec_tiles.append(
-                        _Piece(t, j, np.zeros(0, dtype=np.int64), kv, (ch, j, q_off))
-                    )
-                    q_off += shape[t][0] * shape[t][1]
-        own = [t for t in tiles_by.get((me, me), []) if chunk_of(t) == ch]
-        for run in _local_runs(plan, own):
-            t0, tl = run[0], run[-1]
-            key = int(t0) if len(run) == 1 else ("run", int(t0))
-            kv_start, kv_len = int(plan.tile_kv_start[tl]), int(plan.tile_kv_len[tl])
-            shape[key] = (sum(shape[t][0] for t in run), *shape[tl][1:])
-            kv = [("local", kv_rows(kv_start, kv_len, kh)) for kh in kv_heads_of(tl)]
-            spec.exec_tiles.append(
-                _Piece(key, me, np.concatenate([q_rows(t) for t in run]), kv, None)
-            )
-    return ExchangeSpec(
-        me=me,
-        members=members,
-        seq=seq,
-        tokens=tokens,
-        heads=hl,
-        kv_heads=kvl,
-        chunks=specs,
-        tile_shape=shape,
-        active=active,
-        entry_lengths=entry_lengths,
-        any_kv=bool(entries),
+def _accumulate(buf: torch.Tensor, block: Block, calls_grads, d: int, copy: bool) -> None:
+    """Add (or, when every pack vector is distinct, copy) a block's pack gradients into buf."""
+    for call, (dq, dk, dv) in zip(block.calls, calls_grads):
+        nk = call.n_k * call.hk
+        for lo, n, gr in ((call.q_off, call.n_q * call.hc, dq), (call.k_off, nk, dk),
+                          (call.v_off, nk, dv)):
+            idx = block.gather[lo : lo + n]
+            src = gr.reshape(-1, d)
+            if copy:
+                buf.index_copy_(0, idx, src.to(buf.dtype))
+            else:
+                buf.index_add_(0, idx, src.to(buf.dtype))
+
+
+def _outputs_in_order(outs, block: Block, n: int, like: torch.Tensor, d: int) -> torch.Tensor:
+    """A chunk block's outputs laid out as its O message (owner-major)."""
+    flat = [o.reshape(-1, d) for o in outs]
+    if block.out is None:
+        return flat[0] if len(flat) == 1 else torch.cat(flat)
+    msg = like.new_empty(n, d)
+    for call, o in zip(block.calls, flat):
+        msg.index_copy_(0, block.out[call.out_off : call.out_off + call.n_out], o)
+    return msg
+
+
+def _a2a(out, inp, out_vec, in_vec, d, group, env: ExecEnv, kind: str, async_op: bool):
+    """all_to_all_single of flat [n, d] buffers with splits in vectors."""
+    w = all_to_all(
+        out.view(-1),
+        inp.reshape(-1),
+        [n * d for n in out_vec],
+        [n * d for n in in_vec],
+        group,
+        env.counter,
+        kind,
+        async_op=async_op,
     )
+    return w if async_op else None
 
 
-def _local_runs(plan: StepPlan, tiles: list) -> list[list]:
-    """An owner's own tiles, grouped into runs it executes with one kernel call each: tiles of
-    one document and head range whose query rows follow each other, each seeing the document's
-    prefix up to its last row, form one tile (its rows against the longest prefix, causal from
-    the bottom right). For Ulysses and for groups that move nothing this is one call per
-    document instead of one per tile; results are the same up to float summation order."""
-
-    def key(t):
-        return (
-            int(plan.tile_doc[t]),
-            int(plan.tile_head_start[t]),
-            int(plan.tile_head_count[t]),
-            int(plan.tile_q_start[t]),
-        )
-
-    def mergeable(t):  # one document, seeing its prefix up to the tile's last row
-        end_q = int(plan.tile_q_start[t]) + int(plan.tile_q_len[t])
-        end_kv = int(plan.tile_kv_start[t]) + int(plan.tile_kv_len[t])
-        return int(plan.tile_doc_count[t]) == 1 and end_q == end_kv
-
-    runs: list[list] = []
-    for t in sorted(tiles, key=key):
-        prev = runs[-1][-1] if runs else None
-        if (
-            prev is not None
-            and mergeable(t)
-            and mergeable(prev)
-            and key(prev)[:3] == key(t)[:3]
-            and int(plan.tile_kv_start[prev]) == int(plan.tile_kv_start[t])
-            and key(prev)[3] + int(plan.tile_q_len[prev]) == key(t)[3]
-        ):
-            runs[-1].append(t)
-        else:
-            runs.append([t])
-    return runs
-
-
-def _exchange(
-    send, recv_splits, send_splits, active: bool, group, counter, kind: str, async_op: bool
-):
-    """Receive buffer and work handle of one all-to-all-v of the pool group; no collective when
-    no member of the group moves anything in this chunk (`active` is the same on all members)."""
-    recv = send.new_empty(sum(recv_splits))
-    if group is None or not active:
-        return recv, None
-    return recv, all_to_all(
-        recv, send, recv_splits, send_splits, group, counter, kind, async_op=async_op
-    )
-
-
-def _output_splits(spec: ExchangeSpec, c: ChunkSpec, d: int) -> tuple[list, list]:
-    """Elements per peer of a chunk's O return: (what I send as executor, what I receive as
-    owner). dO in the backward flows the other way with the same sizes."""
-    px = len(spec.members)
-    executor = [
-        sum(spec.tile_shape[t][0] * spec.tile_shape[t][1] for t in c.return_tiles[j]) * d
-        for j in range(px)
-    ]
-    owner = [len(c.back_rows[j]) * d for j in range(px)]
-    return executor, owner
-
-
-def _input_splits(c: ChunkSpec, d: int) -> tuple[list, list]:
-    """Elements per peer of a chunk's Q + KV transfer: (what I send as owner, what I receive)."""
-    send = [(len(c.send_q[j]) + 2 * len(c.send_kv[j])) * d for j in range(len(c.send_q))]
-    recv = [(c.recv_q_elems[j] + 2 * c.recv_kv_elems[j]) * d for j in range(len(c.send_q))]
-    return send, recv
-
-
-class TileExchange(torch.autograd.Function):
-    """(q_full [S, hl, d], k_full, v_full [S, kvl, d]) -> out_full [S, hl, d] for one slot."""
+class PlannedAttention(torch.autograd.Function):
+    """(q [t, h, d], k, v [t, hkv, d]) -> out [t, h*d] for one micro-batch of a step plan."""
 
     @staticmethod
-    def forward(
-        ctx,
-        q_full,
-        k_full,
-        v_full,
-        spec: ExchangeSpec,
-        group,
-        kernel,
-        scale,
-        counter: ByteCounter | None,
-        pipelined: bool,
-    ):
-        d = q_full.shape[-1]
-        S, hl = q_full.shape[0], spec.heads
-        qf, kf, vf = q_full.reshape(-1, d), k_full.reshape(-1, d), v_full.reshape(-1, d)
-        px, me = len(spec.members), spec.me
-        out = torch.zeros_like(qf)
-        recv_bufs = [None] * len(spec.chunks)
-        pending = []
+    def forward(ctx, q, k, v, prog: SlotProgram, env: ExecEnv):
+        with env.stats.watch("fwd", prog.tiles_executed) as counts:
+            return PlannedAttention._forward(ctx, q, k, v, prog, env, counts)
 
-        def post(ch):
-            c = spec.chunks[ch]
-            send_splits, recv_splits = _input_splits(c, d)
-            parts = []
-            for j in range(px):
-                parts += [qf[c.send_q[j]], kf[c.send_kv[j]], vf[c.send_kv[j]]]
-            send = torch.cat([p.reshape(-1) for p in parts]) if parts else qf.new_zeros(0)
-            recv, work = _exchange(
-                send,
-                recv_splits,
-                send_splits,
-                spec.active[ch],
-                group,
-                counter,
-                "pool.qkv",
-                pipelined,
-            )
-            return recv, work, recv_splits
-
-        def views(ch):
-            return _recv_views(recv_bufs[ch][0], spec.chunks[ch], px, d)
-
-        recv_bufs[0] = post(0)
-        for ch in range(len(spec.chunks)):
-            if pipelined and ch + 1 < len(spec.chunks):
-                recv_bufs[ch + 1] = post(ch + 1)  # in flight while chunk ch computes
-            if recv_bufs[ch][1] is not None:
-                recv_bufs[ch][1].wait()
-            outs = _run_tiles(spec, ch, qf, kf, vf, views, d, kernel, scale)
-            # Return O (and LSE) of tiles I ran for other owners; place my own.
-            c = spec.chunks[ch]
-            o_parts, l_parts = [], []
-            for j in range(px):
-                for t in c.return_tiles[j]:
-                    o_parts.append(outs[t][0].reshape(-1))
-                    l_parts.append(outs[t][1].reshape(-1))
-            for p in c.exec_tiles:
-                if p.owner == me:
-                    out[torch.as_tensor(p.q_rows)] = outs[p.tile][0].reshape(-1, d)
-            o_send_splits, o_recv_splits = _output_splits(spec, c, d)
-            if group is not None and spec.active[ch]:
-                o_send = torch.cat(o_parts) if o_parts else qf.new_zeros(0)
-                o_recv, w1 = _exchange(
-                    o_send, o_recv_splits, o_send_splits, True, group, counter, "pool.o", pipelined
+    @staticmethod
+    def _forward(ctx, q, k, v, prog, env, counts):
+        t, h, d = q.shape
+        C, hkv = prog.cp, k.shape[1]
+        hl, kvl = prog.heads_local, prog.kv_heads_local
+        W = hl + 2 * kvl
+        # Ulysses in: [t, h, d] -> X [C*t, W, d] (rank-major slots, my head slice)
+        send = q.new_empty(C, t, W, d)
+        send[:, :, :hl].copy_(q.reshape(t, C, hl, d).transpose(0, 1))
+        _put_kv(send[:, :, hl : hl + kvl], k, C, hl)
+        _put_kv(send[:, :, hl + kvl :], v, C, hl)
+        if C > 1:
+            X = torch.empty_like(send)
+            _a2a(X, send, [t * W] * C, [t * W] * C, d, env.cp_group, env, "ulysses.in", False)
+        else:
+            X = send
+        xf = X.view(-1, d)
+        pool, pipelined = env.pool_group, env.pipelined
+        # pool exchange: every chunk's Q/K/V in flight before any compute
+        works = []
+        if prog.chunks:
+            send_all = xf.index_select(0, prog.send_idx)
+            recv_all = xf.new_empty(prog.n_recv, d)
+            for c in prog.chunks:
+                works.append(
+                    _a2a(
+                        recv_all[c.recv_off : c.recv_off + c.n_recv],
+                        send_all[c.send_off : c.send_off + c.n_send],
+                        c.qkv_recv,
+                        c.qkv_send,
+                        d,
+                        pool,
+                        env,
+                        "pool.qkv",
+                        pipelined,
+                    )
                 )
-                l_send = (torch.cat(l_parts) if l_parts else qf.new_zeros(0)).float()
-                _, w2 = _exchange(
-                    l_send,
-                    [x // d for x in o_recv_splits],
-                    [x // d for x in o_send_splits],
-                    True,
-                    group,
-                    counter,
-                    "pool.lse",
+        out_flat = xf.new_zeros(C * t * hl, d)
+        saved = {}
+        if prog.local is not None:  # my own tiles, while the exchange is in flight
+            b = prog.local
+            outs, leaves = _run_calls(xf.index_select(0, b.gather), b, env, d, counts)
+            for call, o in zip(b.calls, outs):
+                out_flat.index_copy_(0, b.out[call.out_off : call.out_off + call.n_out],
+                                     o.reshape(-1, d))
+            saved["local"] = (outs, leaves)
+        o_works = []
+        if prog.chunks:
+            o_recv_all = xf.new_empty(prog.n_o_recv, d)
+            for i, c in enumerate(prog.chunks):
+                if works[i] is not None:
+                    works[i].wait()
+                if c.block is not None:
+                    pack = recv_all.index_select(0, c.block.gather)
+                    outs, leaves = _run_calls(pack, c.block, env, d, counts)
+                    o_send = _outputs_in_order(outs, c.block, c.n_o_send, xf, d)
+                    saved[i] = (outs, leaves)
+                else:
+                    o_send = xf.new_empty(0, d)
+                o_works.append(
+                    _a2a(
+                        o_recv_all[c.o_recv_off : c.o_recv_off + c.n_o_recv],
+                        o_send,
+                        c.o_recv,
+                        c.o_send,
+                        d,
+                        pool,
+                        env,
+                        "pool.o",
+                        pipelined,
+                    )
+                )
+            for w in o_works:
+                if w is not None:
+                    w.wait()
+            out_flat.index_copy_(0, prog.o_out_idx, o_recv_all)
+        # Ulysses out: [C*t*hl, d] (block j: rank j's slots) -> [t, h*d]
+        if C > 1:
+            Y = torch.empty_like(out_flat)
+            _a2a(Y, out_flat, [t * hl] * C, [t * hl] * C, d, env.cp_group, env, "ulysses.out",
+                 False)
+        else:
+            Y = out_flat
+        ctx.prog, ctx.env, ctx.saved = prog, env, saved
+        ctx.shape = (t, h, hkv, d)
+        ctx.dtype = q.dtype
+        return Y.view(C, t, hl, d).permute(1, 0, 2, 3).reshape(t, h * d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with ctx.env.stats.watch("bwd") as counts:
+            return PlannedAttention._backward(ctx, grad, counts)
+
+    @staticmethod
+    def _backward(ctx, grad, counts):
+        prog, env, saved = ctx.prog, ctx.env, ctx.saved
+        t, h, hkv, d = ctx.shape
+        C, hl, kvl = prog.cp, prog.heads_local, prog.kv_heads_local
+        W = hl + 2 * kvl
+        dtype = ctx.dtype
+        pool, pipelined = env.pool_group, env.pipelined
+        dY = grad.reshape(t, C, hl, d).transpose(0, 1).contiguous()
+        if C > 1:
+            d_out = torch.empty_like(dY)
+            _a2a(d_out, dY, [t * hl] * C, [t * hl] * C, d, env.cp_group, env, "ulysses.out.bwd",
+                 False)
+        else:
+            d_out = dY
+        dof = d_out.view(-1, d)
+        chunks = prog.chunks
+        n_ch = len(chunks)
+        # dO to the executors, last chunk first (the order chunks are processed below)
+        do_works = [None] * n_ch
+        if n_ch:
+            d_o_send = dof.index_select(0, prog.o_out_idx)
+            n_do = sum(c.n_o_send for c in chunks)
+            d_o_recv = dof.new_empty(n_do, d)
+            do_off = [0] * n_ch
+            acc = 0
+            for i, c in enumerate(chunks):
+                do_off[i] = acc
+                acc += c.n_o_send
+            for i in reversed(range(n_ch)):
+                c = chunks[i]
+                do_works[i] = _a2a(
+                    d_o_recv[do_off[i] : do_off[i] + c.n_o_send],
+                    d_o_send[c.o_recv_off : c.o_recv_off + c.n_o_recv],
+                    c.o_send,
+                    c.o_recv,
+                    d,
+                    pool,
+                    env,
+                    "pool.do",
                     pipelined,
                 )
-                pending.append((o_recv, c, w1, w2))
-            if not pipelined and ch + 1 < len(spec.chunks):
-                recv_bufs[ch + 1] = post(ch + 1)
-        for o_recv, c, w1, w2 in pending:
-            if w1 is not None:
-                w1.wait()
-                w2.wait()
-            pos = 0
-            for j in range(px):
-                n = len(c.back_rows[j])
-                if n:
-                    out[torch.as_tensor(c.back_rows[j])] = o_recv[pos : pos + n * d].reshape(n, d)
-                pos += n * d
-        ctx.save_for_backward(q_full, k_full, v_full)
-        ctx.spec, ctx.group, ctx.kernel, ctx.scale = spec, group, kernel, scale
-        ctx.counter, ctx.pipelined = counter, pipelined
-        ctx.recv_bufs = [(r[0], None, r[2]) for r in recv_bufs]
-        return out.reshape(S, hl, d)
+        exact = dtype == torch.float32 or dtype == torch.float64
+        copy_local = prog.local_unique and not n_ch
+        buf_dtype = dtype if (exact or copy_local) else torch.float32
+        dX = dof.new_zeros(C * t * W, d, dtype=buf_dtype)
+        if "local" in saved:
+            b = prog.local
+            outs, leaves = saved["local"]
+            grads = [
+                dof.index_select(0, b.out[c.out_off : c.out_off + c.n_out]).view(c.n_q, c.hc, d)
+                for c in b.calls
+            ]
+            _accumulate(dX, b, _backward_calls(outs, leaves, grads, counts), d, copy_local)
+        if n_ch:
+            d_recv = dof.new_zeros(prog.n_recv, d, dtype=buf_dtype)
+            d_send = dof.new_empty(prog.n_send, d)
+            ret_works = []
+            for i in reversed(range(n_ch)):
+                c = chunks[i]
+                if do_works[i] is not None:
+                    do_works[i].wait()
+                if i in saved:
+                    outs, leaves = saved[i]
+                    msg = d_o_recv[do_off[i] : do_off[i] + c.n_o_send]
+                    b = c.block
+                    grads = []
+                    for call in b.calls:
+                        if b.out is None:
+                            g = msg[call.out_off : call.out_off + call.n_out]
+                        else:
+                            g = msg.index_select(0, b.out[call.out_off : call.out_off + call.n_out])
+                        grads.append(g.view(call.n_q, call.hc, d))
+                    _accumulate(d_recv, b, _backward_calls(outs, leaves, grads, counts), d, False)
+                ret = d_recv[c.recv_off : c.recv_off + c.n_recv].to(dtype)
+                ret_works.append(
+                    _a2a(
+                        d_send[c.send_off : c.send_off + c.n_send],
+                        ret,
+                        c.qkv_send,
+                        c.qkv_recv,
+                        d,
+                        pool,
+                        env,
+                        "pool.dqkv",
+                        pipelined,
+                    )
+                )
+            for w in ret_works:
+                if w is not None:
+                    w.wait()
+            dX.index_add_(0, prog.send_idx, d_send.to(buf_dtype))
+        dX = dX.to(dtype).view(C, t, W, d)
+        if C > 1:
+            dsend = torch.empty_like(dX)
+            _a2a(dsend, dX, [t * W] * C, [t * W] * C, d, env.cp_group, env, "ulysses.in.bwd",
+                 False)
+        else:
+            dsend = dX
+        dq = dsend[:, :, :hl].transpose(0, 1).reshape(t, h, d)
+        dk = _take_kv(dsend[:, :, hl : hl + kvl], C, hl, hkv)
+        dv = _take_kv(dsend[:, :, hl + kvl :], C, hl, hkv)
+        ctx.saved = None
+        return dq, dk, dv, None, None
+
+
+class PerDocAttention(torch.autograd.Function):
+    """WLB-LLM's per-document CP: (q [t, h, d], k, v [t, hkv, d]) -> out [t, h*d]."""
 
     @staticmethod
-    def backward(ctx, grad_out):
-        q_full, k_full, v_full = ctx.saved_tensors
-        spec, group, counter, pipelined = ctx.spec, ctx.group, ctx.counter, ctx.pipelined
-        d = q_full.shape[-1]
-        qf, kf, vf = q_full.reshape(-1, d), k_full.reshape(-1, d), v_full.reshape(-1, d)
-        gf = grad_out.reshape(-1, d)
-        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-        px, me = len(spec.members), spec.me
-        recv_bufs = ctx.recv_bufs
+    def forward(ctx, q, k, v, prog: WlbProgram, env: ExecEnv):
+        with env.stats.watch("fwd", prog.tiles_executed) as counts:
+            t, h, d = q.shape
+            hkv, C = k.shape[1], prog.cp
+            kv = torch.cat([k, v], dim=1)  # [t, 2 hkv, d]
+            if C > 1:
+                kv = all_gather_rows(kv, env.cp_group, env.counter, "wlb.kv")  # [C*t, ...]
+            pack = kv.index_select(0, prog.kv_rows)
+            ql = q.detach().requires_grad_()
+            kl = pack[:, :hkv].detach().requires_grad_()
+            vl = pack[:, hkv:].detach().requires_grad_()
+            with torch.enable_grad():
+                o = env.kernel.attend(ql, kl, vl, prog.call.seg, env.scale, env.key)
+            counts.kernel_calls += 1
+            real = prog.real.to(o.dtype)[:, None, None]
+            ctx.prog, ctx.env, ctx.graph, ctx.real = prog, env, (o, (ql, kl, vl)), real
+            ctx.shape = (t, h, hkv, d)
+            return (o.detach() * real).reshape(t, h * d)
 
-        def views(ch):
-            return _recv_views(recv_bufs[ch][0], spec.chunks[ch], px, d)
+    @staticmethod
+    def backward(ctx, grad):
+        with ctx.env.stats.watch("bwd") as counts:
+            prog, env = ctx.prog, ctx.env
+            t, h, hkv, d = ctx.shape
+            o, leaves = ctx.graph
+            dq, dk, dv = torch.autograd.grad(o, leaves, grad.reshape(t, h, d) * ctx.real)
+            counts.kernel_calls += 1
+            dtype = dq.dtype
+            C = prog.cp
+            buf = dk.new_zeros(C * t, 2 * hkv, d, dtype=torch.promote_types(dtype, torch.float32))
+            buf[:, :hkv].index_add_(0, prog.kv_rows, dk.to(buf.dtype))
+            buf[:, hkv:].index_add_(0, prog.kv_rows, dv.to(buf.dtype))
+            if C > 1:  # reduce-scatter: rank j gets every rank's gradient of its rows, summed
+                send = buf.to(dtype)
+                recv = torch.empty_like(send)
+                n = t * 2 * hkv * d
+                all_to_all(recv.view(-1), send.view(-1), [n] * C, [n] * C, env.cp_group,
+                           env.counter, "wlb.kv.bwd")
+                mine = recv.view(C, t, 2 * hkv, d).sum(0, dtype=buf.dtype)
+            else:
+                mine = buf
+            ctx.graph = None
+            return dq, mine[:, :hkv].to(dtype), mine[:, hkv:].to(dtype), None, None
 
-        def post_do(ch):
-            c = spec.chunks[ch]
-            recv_splits, send_splits = _output_splits(spec, c, d)  # dO: O's reverse
-            send = torch.cat([gf[torch.as_tensor(c.back_rows[j])].reshape(-1) for j in range(px)])
-            recv, work = _exchange(
-                send,
-                recv_splits,
-                send_splits,
-                spec.active[ch],
-                group,
-                counter,
-                "pool.do",
-                pipelined,
-            )
-            return recv, work
-
-        # Gradients of received KV entries accumulate over every chunk that uses them, so they go
-        # back in one message after the last chunk; dQ goes back chunk by chunk.
-        kv_grads = {}
-        do_bufs = [None] * len(spec.chunks)
-        do_bufs[0] = post_do(0)
-        pending = []
-        for ch in range(len(spec.chunks)):
-            if do_bufs[ch] is None:
-                do_bufs[ch] = post_do(ch)
-            if pipelined and ch + 1 < len(spec.chunks):
-                do_bufs[ch + 1] = post_do(ch + 1)  # in flight while chunk ch computes
-            if do_bufs[ch][1] is not None:
-                do_bufs[ch][1].wait()
-            c = spec.chunks[ch]
-            do_of, pos = {}, 0
-            for j in range(px):
-                for t in c.return_tiles[j]:
-                    n = spec.tile_shape[t][0] * spec.tile_shape[t][1] * d
-                    do_of[t] = do_bufs[ch][0][pos : pos + n]
-                    pos += n
-            dq_parts = {j: [] for j in range(px)}
-            for p in c.exec_tiles:
-                ql, hc, kvlen, h0, docs = spec.tile_shape[p.tile]
-                q_t, k_t, v_t = _tile_inputs(p, spec, ql, hc, kvlen, qf, kf, vf, views, d)
-                q_t, k_t, v_t = (x.detach().requires_grad_(True) for x in (q_t, k_t, v_t))
-                mine = p.owner == me
-                g_t = (gf[torch.as_tensor(p.q_rows)] if mine else do_of[p.tile]).reshape(ql, hc, d)
-                with torch.enable_grad():
-                    o_t, _ = _kernel_call(ctx.kernel, q_t, k_t, v_t, h0, spec, ctx.scale, docs)
-                    gq, gk, gv = torch.autograd.grad(o_t, (q_t, k_t, v_t), g_t)
-                if mine:
-                    dq.index_add_(0, torch.as_tensor(p.q_rows), gq.reshape(-1, d))
-                    for i, src in enumerate(p.kv_src):
-                        rows = torch.as_tensor(src[1])
-                        dk.index_add_(0, rows, gk[:, i])
-                        dv.index_add_(0, rows, gv[:, i])
-                    continue
-                dq_parts[p.owner].append(gq.reshape(-1))  # exec order == return order
-                for i, (_, ech, eoff, j) in enumerate(p.kv_src):
-                    key = (j, ech, eoff)
-                    if key not in kv_grads:
-                        n_entry = spec.entry_lengths[(ech, j, eoff)]
-                        kv_grads[key] = [gf.new_zeros(n_entry, d), gf.new_zeros(n_entry, d)]
-                    kv_grads[key][0][:kvlen] += gk[:, i]
-                    kv_grads[key][1][:kvlen] += gv[:, i]
-            if group is not None and spec.active[ch]:
-                send_splits = [sum(x.numel() for x in dq_parts[j]) for j in range(px)]
-                recv_splits = [len(c.send_q[j]) * d for j in range(px)]
-                parts = [x for j in range(px) for x in dq_parts[j]]
-                send = torch.cat(parts) if parts else gf.new_zeros(0)
-                recv, w = _exchange(
-                    send, recv_splits, send_splits, True, group, counter, "pool.dq", pipelined
-                )
-                pending.append((recv, c, w))
-        for recv, c, w in pending:
-            if w is not None:
-                w.wait()
-            pos = 0
-            for j in range(px):
-                nq = len(c.send_q[j]) * d
-                if nq:
-                    dq.index_add_(
-                        0, torch.as_tensor(c.send_q[j]), recv[pos : pos + nq].reshape(-1, d)
-                    )
-                pos += nq
-        if group is not None and spec.any_kv:
-            # per peer: dK then dV of every entry it sent me, in (chunk, offset) order
-            send_parts, send_splits, recv_splits = [], [], []
-            for j in range(px):
-                keys = sorted(k for k in kv_grads if k[0] == j)
-                ks = [kv_grads[k][0].reshape(-1) for k in keys]
-                vs = [kv_grads[k][1].reshape(-1) for k in keys]
-                send_parts += ks + vs
-                send_splits.append(sum(x.numel() for x in ks + vs))
-                recv_splits.append(2 * sum(len(c.send_kv[j]) for c in spec.chunks) * d)
-            send = torch.cat(send_parts) if send_parts else gf.new_zeros(0)
-            recv = gf.new_empty(sum(recv_splits))
-            all_to_all(recv, send, recv_splits, send_splits, group, counter, "pool.dkv")
-            pos = 0
-            for j in range(px):
-                rows = np.concatenate([c.send_kv[j] for c in spec.chunks])
-                n = len(rows) * d
-                if n:
-                    rows_t = torch.as_tensor(rows)
-                    dk.index_add_(0, rows_t, recv[pos : pos + n].reshape(-1, d))
-                    dv.index_add_(0, rows_t, recv[pos + n : pos + 2 * n].reshape(-1, d))
-                pos += 2 * n
-        return (
-            dq.reshape(q_full.shape),
-            dk.reshape(k_full.shape),
-            dv.reshape(v_full.shape),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
-
-
-def _recv_views(recv: torch.Tensor, c: ChunkSpec, px: int, d: int) -> dict:
-    """Per source member: its Q block, K block and V block in a chunk's receive buffer."""
-    out, pos = {}, 0
-    for j in range(px):
-        nq, nk = c.recv_q_elems[j] * d, c.recv_kv_elems[j] * d
-        out[j] = (
-            recv[pos : pos + nq],
-            recv[pos + nq : pos + nq + nk],
-            recv[pos + nq + nk : pos + nq + 2 * nk],
-        )
-        pos += nq + 2 * nk
-    return out
-
-
-def _tile_inputs(p: _Piece, spec, ql, hc, kvlen, qf, kf, vf, views, d):
-    if p.q_recv is None:
-        q_t = qf[torch.as_tensor(p.q_rows)].reshape(ql, hc, d)
-    else:
-        ch, j, off = p.q_recv
-        q_t = views(ch)[j][0][off * d : (off + ql * hc) * d].reshape(ql, hc, d)
-    ks, vs = [], []
-    for src in p.kv_src:
-        if src[0] == "local":
-            rows = torch.as_tensor(src[1])
-            ks.append(kf[rows])
-            vs.append(vf[rows])
-        else:
-            _, ech, eoff, j = src
-            v_ = views(ech)[j]
-            ks.append(v_[1][eoff * d : (eoff + kvlen) * d].reshape(kvlen, d))
-            vs.append(v_[2][eoff * d : (eoff + kvlen) * d].reshape(kvlen, d))
-    return q_t, torch.stack(ks, dim=1), torch.stack(vs, dim=1)
-
-
-def _kernel_call(kernel, q_t, k_t, v_t, h0, spec, scale, docs):
-    """Run a tile: expand its KV heads to one per query head (GQA) and call the kernel."""
-    hc = q_t.shape[1]
-    gl = spec.heads // spec.kv_heads
-    kh0 = h0 // gl
-    idx = torch.as_tensor([(h0 + i) // gl - kh0 for i in range(hc)])
-    return kernel(q_t, k_t[:, idx], v_t[:, idx], scale, docs)
-
-
-def _run_tiles(spec, ch, qf, kf, vf, views, d, kernel, scale):
-    outs = {}
-    for p in spec.chunks[ch].exec_tiles:
-        ql, hc, kvlen, h0, docs = spec.tile_shape[p.tile]
-        q_t, k_t, v_t = _tile_inputs(p, spec, ql, hc, kvlen, qf, kf, vf, views, d)
-        outs[p.tile] = _kernel_call(kernel, q_t, k_t, v_t, h0, spec, scale, docs)
-    return outs

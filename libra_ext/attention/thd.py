@@ -1,6 +1,8 @@
 """THD layout helpers: Megatron's per-document zigzag split of a packed sequence over C
 context-parallel ranks (each document padded to a multiple of 2C, rank c holds chunks c and
-2C-1-c), written without Transformer Engine."""
+2C-1-c), written without Transformer Engine. Everything is vectorized numpy (no loop over
+documents): these run once per step when the runtime's metadata is prepared.
+"""
 
 from __future__ import annotations
 
@@ -23,49 +25,61 @@ class RankTHD:
     """[n_doc + 1] cumulative local slots per document on this rank (padded)."""
 
 
+def _lengths(doc_lengths) -> np.ndarray:
+    L = np.asarray(doc_lengths, dtype=np.int64).reshape(-1)
+    if (L <= 0).any():
+        raise ValueError(f"doc_lengths[{int(np.argmax(L <= 0))}] must be positive")
+    return L
+
+
 def padded_lengths(doc_lengths, cp: int) -> np.ndarray:
     """Each document's length rounded up to a multiple of 2C."""
     L = np.asarray(doc_lengths, dtype=np.int64)
     return -(-L // (2 * cp)) * (2 * cp)
 
 
+def ranges(starts, lengths) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for every (s, n), vectorized."""
+    n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    s = np.asarray(starts, dtype=np.int64).reshape(-1)
+    total = int(n.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    excl = np.cumsum(n) - n
+    return np.arange(total, dtype=np.int64) + np.repeat(s - excl, n)
+
+
 def zigzag_split(doc_lengths, cp: int, rank: int) -> RankTHD:
     """Rank `rank`'s slots: for every document, chunk `rank` then chunk 2C-1-rank."""
     if cp <= 0 or not 0 <= rank < cp:
         raise ValueError(f"rank must be in [0, cp={cp}), got {rank}")
-    L = np.asarray(doc_lengths, dtype=np.int64)
-    if (L <= 0).any():
-        raise ValueError(f"doc_lengths[{int(np.argmax(L <= 0))}] must be positive")
-    Lp = padded_lengths(L, cp)
-    chunk = Lp // (2 * cp)
-    starts = np.concatenate([[0], np.cumsum(L)[:-1]]) if len(L) else np.zeros(0, dtype=np.int64)
-    idx, pos, cu, cu_pad = [], [], [0], [0]
-    for s, l, ch in zip(starts, L, chunk):
-        real = 0
-        for k in (rank, 2 * cp - 1 - rank):
-            p = np.arange(k * ch, (k + 1) * ch)
-            pos.append(p)
-            idx.append(np.where(p < l, s + p, -1))
-            real += int(np.clip(l - k * ch, 0, ch))
-        cu.append(cu[-1] + real)
-        cu_pad.append(cu_pad[-1] + 2 * int(ch))
-    cat = (
-        (lambda xs: np.concatenate(xs).astype(np.int64))
-        if idx
-        else (lambda xs: np.zeros(0, dtype=np.int64))
-    )
-    return RankTHD(
-        cat(idx), cat(pos), np.asarray(cu, dtype=np.int64), np.asarray(cu_pad, dtype=np.int64)
-    )
+    L = _lengths(doc_lengths)
+    ch = padded_lengths(L, cp) // (2 * cp)  # [n_doc] chunk size
+    starts = np.cumsum(L) - L
+    # local slots of document j: [ch_j slots of chunk rank | ch_j slots of chunk 2C-1-rank]
+    n_local = 2 * ch
+    doc = np.repeat(np.arange(len(L)), n_local)
+    k = np.arange(int(n_local.sum()), dtype=np.int64) - np.repeat(np.cumsum(n_local) - n_local, n_local)
+    second = k >= ch[doc]
+    chunk = np.where(second, 2 * cp - 1 - rank, rank)
+    pos = chunk * ch[doc] + np.where(second, k - ch[doc], k)
+    idx = np.where(pos < L[doc], starts[doc] + pos, -1)
+    real = np.clip(L[:, None] - np.stack([rank * ch, (2 * cp - 1 - rank) * ch], 1), 0, ch[:, None])
+    cu = np.concatenate([[0], np.cumsum(real.sum(1))]).astype(np.int64)
+    cu_pad = np.concatenate([[0], np.cumsum(n_local)]).astype(np.int64)
+    return RankTHD(idx.astype(np.int64), pos.astype(np.int64), cu, cu_pad)
 
 
 def gather_order(doc_lengths, cp: int) -> np.ndarray:
     """For the rank-major concatenation of all cp ranks' slots (what a Ulysses all-to-all
     delivers), the slot holding each packed-sequence position, in position order."""
-    parts = [zigzag_split(doc_lengths, cp, r).token_index for r in range(cp)]
-    allslots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    n = int(np.sum(doc_lengths))
-    order = np.full(n, -1, dtype=np.int64)
-    real = allslots >= 0
-    order[allslots[real]] = np.flatnonzero(real)
-    return order
+    L = _lengths(doc_lengths)
+    ch = padded_lengths(L, cp) // (2 * cp)
+    t = int(2 * ch.sum())  # local slots per rank (the same on every rank)
+    doc = np.repeat(np.arange(len(L)), L)
+    p = np.arange(int(L.sum()), dtype=np.int64) - np.repeat(np.cumsum(L) - L, L)
+    k = p // ch[doc]  # chunk index in [0, 2C)
+    rank = np.where(k < cp, k, 2 * cp - 1 - k)
+    local_doc_start = np.cumsum(2 * ch) - 2 * ch  # slot of the document's first local slot
+    slot = local_doc_start[doc] + np.where(k < cp, 0, ch[doc]) + p % ch[doc]
+    return (rank * t + slot).astype(np.int64)

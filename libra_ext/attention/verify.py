@@ -22,10 +22,14 @@ import torch.multiprocessing as mp
 
 from libra_ext.attention import thd
 from libra_ext.attention.comm import GroupCache
-from libra_ext.attention.core import AttentionStep, Runtime, check_plan_hash, core_attention
+from libra_ext.attention.core import Runtime, check_plan_hash, core_attention
 from libra_ext.attention.kernels import reference_attention
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import ModelConfig
+
+
+COUNTERS = ("kernel_calls_fwd", "kernel_calls_bwd", "tiles_executed", "host_copies", "host_reads")
+"""Per-call runtime counters reported as the maximum over ranks and calls."""
 
 
 @dataclass
@@ -141,6 +145,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
     for system in cfg.systems:
         for pipelined in cfg.pipelined:
             runtime = Runtime(groups=groups, chunks=cfg.chunks, pipelined=pipelined)
+            runtime.stats.count_host = True
             err_out = err_grad = 0.0
             sent = planned = 0
             for batch in range(cfg.batches):
@@ -155,6 +160,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
                 plan = planner.plan(seqs, flush=True)
                 check_plan_hash(plan, group=groups.check_group)
                 runtime.counter.reset()
+                steps = runtime.prepare(plan, "cpu")  # metadata ahead, as the sampler does
                 for slot in range(plan.slots):
                     s_idx = int(
                         np.flatnonzero((plan.seq_replica == r) & (plan.seq_slot == slot))[0]
@@ -170,9 +176,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
                     ql = (q[take] * real[:, None, None]).detach().requires_grad_(True)
                     kl = (k[take] * real[:, None, None]).detach().requires_grad_(True)
                     vl = (v[take] * real[:, None, None]).detach().requires_grad_(True)
-                    out = core_attention(
-                        ql, kl, vl, docs, system, runtime, AttentionStep(plan, slot), scale
-                    )
+                    out = core_attention(ql, kl, vl, docs, system, runtime, steps[slot], scale)
                     (out * (do[take] * real[:, None])).sum().backward()
                     m = real[:, None]
                     err_out = max(err_out, float(((out.detach() - ref_out[take]) * m).abs().max()))
@@ -189,6 +193,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
                     "max_abs_err_grad": err_grad,
                     "bytes_sent": sent,
                     "bytes_planned": planned,
+                    **runtime.stats.summary(),
                 }
             )
     dist.barrier()
@@ -220,6 +225,7 @@ def run(cfg: VerifyConfig, tol: float = 1e-5) -> dict:
                 "max_abs_err_grad": max(p["max_abs_err_grad"] for p in per),
                 "bytes_sent": [p["bytes_sent"] for p in per],
                 "bytes_planned": [p["bytes_planned"] for p in per],
+                **{k: max(p[k] for p in per) for k in COUNTERS},
             }
         )
         cases[-1]["ok"] = (

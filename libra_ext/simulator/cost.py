@@ -67,13 +67,10 @@ def pool_collective_time(plan: StepPlan, hw: HardwareProfile, chunks: int) -> np
     if px == 1 or not plan.xchg_q.any():
         return out
     dt = float(plan.dtype_bytes)
-    q, kv, o, lse = (
-        x.astype(np.float64) for x in (plan.xchg_q, plan.xchg_kv, plan.xchg_o, plan.xchg_lse)
-    )
-    # [G, a, b]: bytes a sends b over forward (Q, KV as owner; O, LSE as executor) and backward
+    q, kv, o = (x.astype(np.float64) for x in (plan.xchg_q, plan.xchg_kv, plan.xchg_o))
+    # [G, a, b]: bytes a sends b over forward (Q, KV as owner; O as executor) and backward
     # (dO as owner; dQ, dKV as executor).
     send = dt * (q + kv + o + np.swapaxes(o, 1, 2) + np.swapaxes(q, 1, 2) + np.swapaxes(kv, 1, 2))
-    send += 4.0 * lse
     busiest = np.maximum(send.sum(axis=2), send.sum(axis=1)).max(axis=1)  # [G]
     peers = ((send > 0).sum(axis=2) + (send > 0).sum(axis=1)).max(axis=1)  # [G]
     link = hw.link(plan.cp * plan.tp * px <= hw.gpus_per_node)

@@ -91,8 +91,8 @@ struct StepPlan {
       tile_head_count, tile_kv_start, tile_kv_len, tile_owner, tile_executor, tile_cp, tile_pairs;
 
   // Exchange per group, [G][P][P] row = sender, column = receiver, element counts per rank of the
-  // pool communicator (one head slice). Forward: Q and KV flow owner -> executor, O and LSE back.
-  std::vector<i64> xchg_q, xchg_kv, xchg_o, xchg_lse;
+  // pool communicator (one head slice). Forward: Q and KV flow owner -> executor, O back.
+  std::vector<i64> xchg_q, xchg_kv, xchg_o;
   // Tiles in send order: sorted by (group, owner, executor, tile index); offsets per group [G+1].
   std::vector<i64> send_order, send_group_offsets;
   // KV prefixes shipped: one entry per (group, src, dst, seq, doc, kv head), longest prefix needed.

@@ -8,12 +8,13 @@
 
 namespace libra {
 
-// Byte model of moving a tile (forward + backward): Q and dQ, O and dO, the softmax LSE (fp32),
-// and K/V plus dK/dV for the part of the KV prefix not already resident on the destination.
+// Byte model of moving a tile (forward + backward): Q and dQ, O and dO, and K/V plus dK/dV for
+// the part of the KV prefix not already resident on the destination. (The softmax LSE stays on
+// the executor, whose kernel backward uses it.)
 struct TileBytes {
   i64 head_dim;
   i64 dtype_bytes;
-  i64 qo_bytes(i64 q_len, i64 heads) const { return 4 * q_len * heads * head_dim * dtype_bytes + 4 * q_len * heads; }
+  i64 qo_bytes(i64 q_len, i64 heads) const { return 4 * q_len * heads * head_dim * dtype_bytes; }
   i64 kv_bytes(i64 kv_tokens) const { return 4 * kv_tokens * head_dim * dtype_bytes; }
 };
 

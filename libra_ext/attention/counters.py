@@ -1,0 +1,124 @@
+"""Counters of the attention runtime that tests and `libra verify attention` read.
+
+Per core-attention call (one layer, one micro-batch): attention kernel calls in the forward and
+in the backward, plan tiles executed, and - when `count_host` is on - host-to-device copies and
+device-to-host reads made inside the operator's forward and backward. A host copy is a tensor
+made from host data (torch.tensor / as_tensor / asarray / from_numpy) or a copy from a CPU
+tensor to another device; on a GPU each is a transfer and usually a sync. A host read is
+`.item()`, `.tolist()`, `.numpy()` or `.cpu()`. Counting uses a TorchFunctionMode (and a
+wrapper of torch.from_numpy, which the mode does not see) only while switched on, so the same
+count works on CPU in CI and on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_FROM_HOST = {"tensor", "as_tensor", "asarray", "from_numpy"}
+_TO_HOST = {"item", "tolist", "numpy", "cpu"}
+_COPIES = {"to", "copy_", "cuda"}
+
+
+def _device_of(args, kwargs):
+    for a in list(args[1:]) + list(kwargs.values()):
+        if isinstance(a, torch.device):
+            return a
+        if isinstance(a, str):
+            try:
+                return torch.device(a)
+            except RuntimeError:
+                continue
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+class _HostCopyMode(TorchFunctionMode):
+    def __init__(self, counts: "CallCounts"):
+        super().__init__()
+        self.stats = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _FROM_HOST:
+            self.stats.host_copies += 1
+        elif name in _TO_HOST:
+            self.stats.host_reads += 1
+        elif name in _COPIES and args and isinstance(args[0], torch.Tensor):
+            src = args[0]
+            if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+                if args[1].device.type == "cpu" and src.device.type != "cpu":
+                    self.stats.host_copies += 1
+            elif src.device.type == "cpu":
+                dev = torch.device("cuda") if name == "cuda" else _device_of(args, kwargs)
+                if dev is not None and dev.type != "cpu":
+                    self.stats.host_copies += 1
+        return func(*args, **kwargs)
+
+
+_patch_lock = threading.Lock()
+
+
+@dataclass
+class CallCounts:
+    """Counts of one forward or one backward of one core-attention call."""
+
+    kernel_calls: int = 0
+    host_copies: int = 0
+    host_reads: int = 0
+
+
+@dataclass
+class RuntimeStats:
+    """Per-call counters folded into maxima since the last reset: `kernel_calls_fwd`,
+    `kernel_calls_bwd`, `tiles_executed`, `host_copies`, `host_reads`."""
+
+    count_host: bool = False
+    """Count host copies and reads inside forward/backward (slows the call; tests, verify)."""
+    max: dict = field(default_factory=dict)
+
+    def _note(self, key: str, value: int) -> None:
+        self.max[key] = max(self.max.get(key, 0), int(value))
+
+    def summary(self) -> dict:
+        keys = ("kernel_calls_fwd", "kernel_calls_bwd", "tiles_executed", "host_copies",
+                "host_reads")
+        return {k: self.max.get(k, 0) for k in keys}
+
+    def reset(self) -> None:
+        self.max.clear()
+
+    @contextlib.contextmanager
+    def watch(self, phase: str, tiles: int | None = None):
+        """Count one forward (phase "fwd") or backward ("bwd"): kernel calls as the operator
+        reports them on the yielded CallCounts, host copies and reads when count_host is on."""
+        counts = CallCounts()
+        if tiles is not None:
+            self._note("tiles_executed", tiles)
+        if not self.count_host:
+            yield counts
+            self._note(f"kernel_calls_{phase}", counts.kernel_calls)
+            return
+        original = torch.from_numpy
+
+        def from_numpy(a):
+            counts.host_copies += 1
+            return original(a)
+
+        with _patch_lock:
+            torch.from_numpy = from_numpy
+        try:
+            with _HostCopyMode(counts):
+                yield counts
+        finally:
+            with _patch_lock:
+                torch.from_numpy = original
+        self._note(f"kernel_calls_{phase}", counts.kernel_calls)
+        self._note("host_copies", counts.host_copies)
+        self._note("host_reads", counts.host_reads)
