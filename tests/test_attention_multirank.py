@@ -17,6 +17,8 @@ ALL = ("ulysses", "libra", "wlb", "distca")
         (4, 1, 4, dict(kv_heads=1, head_group=3)),  # D=4 C=1 P=4, MQA, uneven heads
         (8, 2, 2, dict(kv_heads=4, block=8, batches=1)),  # D=4 C=2 P=2, MHA, small tiles
         (8, 4, 2, dict(heads=8, kv_heads=2, batches=1)),  # D=2 C=4 P=2, GQA across cp ranks
+        # D=4 C=1 P=4: four chunks, small tiles, KV prefixes split across chunks
+        (4, 1, 4, dict(chunks=4, block=8, context=256, batches=1)),
     ],
 )
 def test_systems_match_the_reference(nproc, cp, pool, extra):

@@ -372,39 +372,66 @@ class _Group:
         keep = r_to > r_from
         r_seg, r_kh, r_from, r_to = r_seg[keep], r_kh[keep], r_from[keep], r_to[keep]
         r_tile = self.s_tile[r_seg]
-        # bytes (vectors) of every moved tile: Q rows x heads + K and V increments
-        vec = np.where(moved, t_ql * t_hc, 0)
-        np.add.at(vec, r_tile, 2 * (r_to - r_from))
-        t_chunk = np.zeros(nt, dtype=_I64)
+        # Each executor's incoming vectors as one stream in canonical tile order - a tile's K/V
+        # increments (2 vectors a row), then its Q - cut into `chunks` equal parts. A unit that
+        # straddles a cut is split there (KV at whole rows): KV reaches an executor ahead of the
+        # tile that needs it, and a tile runs in the chunk where its last Q vector arrives.
         mv = order[moved[order]]  # moved tiles in canonical order (grouped by executor)
-        if len(mv):
-            e = self.t_exec[mv]
-            excl = _group_excl(vec[mv], e)
-            total = np.zeros(px, dtype=_I64)
-            np.add.at(total, e, vec[mv])
-            t_chunk[mv] = np.minimum(chunks - 1, (excl * chunks) // np.maximum(total[e], 1))
-            active = np.unique(t_chunk[mv])
-            t_chunk[mv] = np.searchsorted(active, t_chunk[mv])
-            self.n_chunks = len(active)
-        else:
-            self.n_chunks = 0
+        n_rec = len(r_tile)
+        u_tile = np.r_[r_tile, mv]
+        u_kind = np.r_[np.zeros(n_rec, dtype=_I64), np.ones(len(mv), dtype=_I64)]
+        u_sub = np.r_[np.arange(n_rec), np.zeros(len(mv), dtype=_I64)]
+        u_size = np.r_[2 * (r_to - r_from), t_ql[mv] * t_hc[mv]]
+        uo = np.lexsort((u_sub, u_kind, rank[u_tile], self.t_exec[u_tile]))
+        u_tile, u_kind, u_sub, u_size = u_tile[uo], u_kind[uo], u_sub[uo], u_size[uo]
+        u_exec = self.t_exec[u_tile]
+        pos0 = _group_excl(u_size, u_exec)
+        total = np.bincount(u_exec, weights=u_size, minlength=px).astype(_I64)
+        tot = np.maximum(total[u_exec], 1)
+        n = chunks
+        c0 = np.minimum(n - 1, (pos0 * n) // tot)
+        c1 = np.minimum(n - 1, ((pos0 + u_size - 1) * n) // tot)
+        npc = c1 - c0 + 1
+        pu = np.repeat(np.arange(len(u_size)), npc)  # piece -> unit
+        pk = c0[pu] + thd.ranges(np.zeros(len(npc), dtype=_I64), npc)  # piece chunk
+        cut = -(-(pk * tot[pu]) // n)  # first stream vector of chunk pk: ceil(k * total / n)
+        lo = np.maximum(pos0[pu], cut) - pos0[pu]
+        hi = np.minimum(pos0[pu] + u_size[pu], -(-((pk + 1) * tot[pu]) // n)) - pos0[pu]
+        hi = np.where(pk == c1[pu], u_size[pu], hi)
+        kv = u_kind[pu] == 0
+        lo = np.where(kv, lo + lo % 2, lo)  # KV pieces hold whole rows (K and V vector)
+        hi = np.where(kv, hi + hi % 2, hi)
+        keep = hi > lo
+        pu, pk, lo, hi = pu[keep], pk[keep], lo[keep], hi[keep]
+        # chunks with any traffic, renumbered without gaps
+        active = np.unique(pk)
+        pk = np.searchsorted(active, pk)
+        self.n_chunks = len(active)
+        t_chunk = np.zeros(nt, dtype=_I64)
+        qp = u_kind[pu] == 1
+        t_chunk[u_tile[pu[qp]]] = pk[qp]  # pieces in stream order: the last one wins
         self.moved, self.t_chunk = moved, t_chunk
-        # message layout: cell (chunk, owner, executor); Q of tiles in canonical order, then
-        # K and V increments in the order of their tiles, documents and KV heads
+        # message layout: cell (chunk, owner, executor) = [Q pieces | K pieces | V pieces], each
+        # in stream order
         n_cells = max(1, self.n_chunks) * px * px
-        t_cell = (t_chunk * px + self.t_owner) * px + self.t_exec
-        qo = np.lexsort((rank[mv], t_cell[mv])) if len(mv) else mv
-        mvq = mv[qo]
-        self.t_qoff = np.zeros(nt, dtype=_I64)
-        self.t_qoff[mvq] = _group_excl(vec_q := t_ql[mvq] * t_hc[mvq], t_cell[mvq])
-        self.nq = np.bincount(t_cell[mvq], weights=vec_q, minlength=n_cells).astype(_I64)
-        r_cell = t_cell[r_tile]
-        ro = np.lexsort((r_kh, self.s_doc[r_seg], rank[r_tile], r_cell))
-        self.r_seg, self.r_kh = r_seg[ro], r_kh[ro]
-        self.r_from, self.r_to, self.r_cell = r_from[ro], r_to[ro], r_cell[ro]
-        inc = self.r_to - self.r_from
-        self.r_off = _group_excl(inc, self.r_cell)
-        self.nkv = np.bincount(self.r_cell, weights=inc, minlength=n_cells).astype(_I64)
+        p_tile = u_tile[pu]
+        p_cell = (pk * px + self.t_owner[p_tile]) * px + self.t_exec[p_tile]
+        q_i = np.flatnonzero(qp)
+        q_i = q_i[np.argsort(p_cell[q_i], kind="stable")]
+        self.qp_tile, self.qp_cell = p_tile[q_i], p_cell[q_i]
+        self.qp_start, self.qp_len = lo[q_i], hi[q_i] - lo[q_i]
+        self.qp_off = _group_excl(self.qp_len, self.qp_cell)
+        self.nq = np.bincount(self.qp_cell, weights=self.qp_len, minlength=n_cells).astype(_I64)
+        k_i = np.flatnonzero(~qp)
+        k_i = k_i[np.argsort(p_cell[k_i], kind="stable")]
+        rec = u_sub[pu[k_i]]
+        self.kp_seg, self.kp_kh = r_seg[rec], r_kh[rec]
+        self.kp_from = r_from[rec] + lo[k_i] // 2
+        self.kp_to = r_from[rec] + hi[k_i] // 2
+        self.kp_cell = p_cell[k_i]
+        inc = self.kp_to - self.kp_from
+        self.kp_off = _group_excl(inc, self.kp_cell)
+        self.nkv = np.bincount(self.kp_cell, weights=inc, minlength=n_cells).astype(_I64)
         self.msg = (self.nq + 2 * self.nkv).reshape(-1, px, px)  # [chunk, owner, executor]
 
     # -- execution blocks (piece level, for any executor) ---------------------------------------
@@ -448,8 +475,10 @@ class _Group:
         return p, cls, run
 
     # -- element-level index arrays (only for what this member needs) --------------------------
-    def q_source(self, p: _Pieces, local: bool, xrow, qbase):
-        """Source vector of every Q element of pieces p (row-major) and the pieces' rows."""
+    def q_source(self, p: _Pieces, local: bool, xrow, qloc):
+        """Source vector of every Q element of pieces p (row-major) and the pieces' rows: in X
+        for local pieces, else in the receive buffer (`qloc` = (location of every received Q
+        vector, offset of each tile's first one))."""
         s = p.seg
         rows = self.s_b[s] - self.s_a[s]
         pi, r, hh = _elements(rows, p.hc)
@@ -457,7 +486,9 @@ class _Group:
         if local:
             return xrow[pos] * self.W + p.h0[pi] + hh, rows
         t = self.s_tile[s][pi]
-        return qbase[t] + (pos - self.t_q0[t]) * self.t_hc[t] + (p.h0[pi] - self.t_h0[t]) + hh, rows
+        q_loc, qbase = qloc
+        at = qbase[t] + (pos - self.t_q0[t]) * self.t_hc[t] + (p.h0[pi] - self.t_h0[t]) + hh
+        return q_loc[at], rows
 
     def out_index(self, p: _Pieces, xrow):
         """Output-buffer vector ([C*t*hl]) of every O element of pieces p (row-major)."""
@@ -468,7 +499,7 @@ class _Group:
         return xrow[pos] * self.hl + p.h0[pi] + hh
 
 
-def _block(g: _Group, pieces, local: bool, xrow, qbase, kv_loc) -> tuple[Block, np.ndarray]:
+def _block(g: _Group, pieces, local: bool, xrow, qloc, kv_loc) -> tuple[Block, list]:
     """Pack indices and calls of one block; returns (block, per-O-vector piece ids)."""
     p, cls, run = pieces
     gl, W, hl, kvl = g.gl, g.W, g.hl, g.kvl
@@ -477,7 +508,7 @@ def _block(g: _Group, pieces, local: bool, xrow, qbase, kv_loc) -> tuple[Block, 
     for c in range(int(cls.max()) + 1):
         sel = np.flatnonzero(cls == c)
         pc = p.take(sel)
-        q_idx, rows = g.q_source(pc, local, xrow, qbase)
+        q_idx, rows = g.q_source(pc, local, xrow, qloc)
         r = run[sel]
         first = np.r_[True, r[1:] != r[:-1]]
         last = np.r_[r[1:] != r[:-1], True]
@@ -538,38 +569,43 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
     send_base = _excl(send_sizes.reshape(-1)).reshape(send_sizes.shape)
     n_send = int(send_sizes.sum())
     send_idx = np.zeros(n_send, dtype=_I64)
-    mine = np.flatnonzero(g.moved & (g.t_owner == me))
-    if len(mine):
-        rows = plan.tile_q_len[g.tiles[mine]].astype(_I64)
-        pi, r, hh = _elements(rows, g.t_hc[mine])
-        tm = mine[pi]
-        dst = send_base[g.t_chunk[tm], g.t_exec[tm]] + g.t_qoff[tm] + r * g.t_hc[tm] + hh
-        send_idx[dst] = xrow[g.t_q0[tm] + r] * g.W + g.t_h0[tm] + hh
-    rsel = np.flatnonzero(g.r_cell % (px * px) // px == me)  # increments I send
-    if len(rsel):
-        inc = g.r_to[rsel] - g.r_from[rsel]
-        ri = np.repeat(rsel, inc)
-        pos = g.r_from[ri] + thd.ranges(np.zeros(len(inc), dtype=_I64), inc)
-        cell = g.r_cell[ri]
-        ch, ex = cell // (px * px), cell % px
-        kdst = send_base[ch, ex] + g.nq[cell] + g.r_off[ri] + (pos - g.r_from[ri])
-        rowx = xrow[g.s_ds[g.r_seg[ri]] + pos] * g.W + g.hl + g.r_kh[ri]
+    cells_per_chunk = px * px
+    qs = np.flatnonzero(g.qp_cell % cells_per_chunk // px == me)  # Q pieces I send
+    if len(qs):
+        pi = np.repeat(qs, g.qp_len[qs])
+        j = g.qp_start[pi] + thd.ranges(np.zeros(len(qs), dtype=_I64), g.qp_len[qs])
+        tm, cell = g.qp_tile[pi], g.qp_cell[pi]
+        dst = send_base[cell // cells_per_chunk, cell % px] + g.qp_off[pi] + j - g.qp_start[pi]
+        send_idx[dst] = xrow[g.t_q0[tm] + j // g.t_hc[tm]] * g.W + g.t_h0[tm] + j % g.t_hc[tm]
+    ks = np.flatnonzero(g.kp_cell % cells_per_chunk // px == me)  # KV pieces I send
+    if len(ks):
+        inc = g.kp_to[ks] - g.kp_from[ks]
+        ri = np.repeat(ks, inc)
+        pos = g.kp_from[ri] + thd.ranges(np.zeros(len(inc), dtype=_I64), inc)
+        cell = g.kp_cell[ri]
+        kdst = send_base[cell // cells_per_chunk, cell % px] + g.nq[cell] + g.kp_off[ri]
+        kdst = kdst + (pos - g.kp_from[ri])
+        rowx = xrow[g.s_ds[g.kp_seg[ri]] + pos] * g.W + g.hl + g.kp_kh[ri]
         send_idx[kdst] = rowx
         send_idx[kdst + g.nkv[cell]] = rowx + g.kvl
-    # -- my incoming messages (I execute): where each received tile and KV row lands
+    # -- my incoming messages (I execute): where each received Q vector and KV row lands
     recv_sizes = msg[:, :, me] if n_ch else np.zeros((0, px), dtype=_I64)
     recv_base = _excl(recv_sizes.reshape(-1)).reshape(recv_sizes.shape)
-    qbase = np.zeros(len(g.tiles), dtype=_I64)
-    theirs = np.flatnonzero(g.moved & (g.t_exec == me))
-    qbase[theirs] = recv_base[g.t_chunk[theirs], g.t_owner[theirs]] + g.t_qoff[theirs]
-    rin = np.flatnonzero(g.r_cell % px == me)
+    qr = np.flatnonzero(g.qp_cell % px == me)  # Q pieces I receive, by tile then start
+    qr = qr[np.lexsort((g.qp_start[qr], g.qp_tile[qr]))]
+    cell = g.qp_cell[qr]
+    qpos = recv_base[cell // cells_per_chunk, cell // px % px] + g.qp_off[qr]
+    q_loc = thd.ranges(qpos, g.qp_len[qr])
+    qbase = np.zeros(len(g.tiles), dtype=_I64)  # offset of a tile's first Q vector in q_loc
+    first = np.r_[True, g.qp_tile[qr][1:] != g.qp_tile[qr][:-1]] if len(qr) else qr.astype(bool)
+    qbase[g.qp_tile[qr][first]] = _excl(g.qp_len[qr])[first]
+    rin = np.flatnonzero(g.kp_cell % px == me)
     if len(rin):
-        inc = g.r_to[rin] - g.r_from[rin]
-        cell = g.r_cell[rin]
-        ch, ow = cell // (px * px), cell // px % px
-        kpos = recv_base[ch, ow] + g.nq[cell] + g.r_off[rin]
-        key = g.s_doc[g.r_seg[rin]] * g.kvl + g.r_kh[rin]
-        o = np.lexsort((g.r_from[rin], key))
+        inc = g.kp_to[rin] - g.kp_from[rin]
+        cell = g.kp_cell[rin]
+        kpos = recv_base[cell // cells_per_chunk, cell // px % px] + g.nq[cell] + g.kp_off[rin]
+        key = g.s_doc[g.kp_seg[rin]] * g.kvl + g.kp_kh[rin]
+        o = np.lexsort((g.kp_from[rin], key))
         key, inc, kpos, vpos = key[o], inc[o], kpos[o], kpos[o] + g.nkv[cell][o]
         loc_k, loc_v = thd.ranges(kpos, inc), thd.ranges(vpos, inc)
         keys, first = np.unique(key, return_index=True)
@@ -604,7 +640,7 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
             if e == me:
                 for o in range(px):
                     o_send[o] = int(vecs[owners == o].sum())
-                block, out_pieces = _block(g, pieces, False, None, qbase, kv_loc)
+                block, out_pieces = _block(g, pieces, False, None, (q_loc, qbase), kv_loc)
                 # position of each O vector (class order) in the owner-major O message
                 order_p = np.concatenate(out_pieces)
                 pv = vecs[order_p]
