@@ -5,6 +5,7 @@ rank sends in the pool exchange equal the plan's promise."""
 import pytest
 
 from libra_ext.attention.verify import VerifyConfig, run
+from libra_ext.workload import LengthSource
 
 ALL = ("ulysses", "libra", "wlb", "distca")
 
@@ -51,3 +52,37 @@ def test_bf16_matches_the_reference_to_bf16_precision():
         assert case["max_abs_err_grad"] <= 6.25e-2, case
         assert case["bytes_sent"] == case["bytes_planned"], case  # 2-byte elements counted
     assert result["ok"]
+
+
+@pytest.mark.parametrize(
+    "name, lengths",
+    [
+        # the libra-256k preset's long tail, cut to the test context
+        ("long-tail", tuple(min(512, x) for x in LengthSource(preset="libra-256k").sample(64, 0))),
+        ("many-short", tuple(range(2, 13))),  # tens of documents per sequence
+    ],
+)
+def test_kernel_calls_do_not_grow_with_tiles_and_nothing_is_copied_from_the_host(name, lengths):
+    cfg = VerifyConfig(
+        nproc=4,
+        cp=2,
+        pool_size=2,
+        systems=ALL,
+        pipelined=(True,),
+        heads=4,
+        kv_heads=2,
+        context=512,
+        block=16,
+        chunks=3,
+        batches=1,
+        lengths=lengths,
+        fill=True,
+    )
+    result = run(cfg)
+    assert result["ok"], result
+    for case in result["cases"]:
+        blocks = case["exec_blocks"]
+        assert case["kernel_calls_fwd"] <= 2 * blocks, case  # at most 2 per active chunk
+        assert case["kernel_calls_bwd"] <= 2 * blocks, case
+        assert case["host_copies"] == 0 and case["host_reads"] == 0, case
+        assert case["tiles_executed"] > 2 * blocks, case  # a per-tile loop would show

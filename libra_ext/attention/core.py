@@ -111,7 +111,7 @@ def check_plan_hash(plan: StepPlan, timeout_s: float = 60.0, group=None) -> None
     that differ; a rank that never arrives turns into an error after the group's timeout
     (`timeout_s` for a group made here; pass GroupCache.check_group to reuse one), not a hang."""
     if group is None:
-        group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+        group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s), backend="gloo")
     mine = torch.tensor([plan.hash & ((1 << 63) - 1), plan.hash >> 63], dtype=torch.int64)
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     try:

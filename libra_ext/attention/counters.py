@@ -77,7 +77,7 @@ class CallCounts:
 @dataclass
 class RuntimeStats:
     """Per-call counters folded into maxima since the last reset: `kernel_calls_fwd`,
-    `kernel_calls_bwd`, `tiles_executed`, `host_copies`, `host_reads`."""
+    `kernel_calls_bwd`, `tiles_executed`, `exec_blocks`, `host_copies`, `host_reads`."""
 
     count_host: bool = False
     """Count host copies and reads inside forward/backward (slows the call; tests, verify)."""
@@ -87,20 +87,24 @@ class RuntimeStats:
         self.max[key] = max(self.max.get(key, 0), int(value))
 
     def summary(self) -> dict:
-        keys = ("kernel_calls_fwd", "kernel_calls_bwd", "tiles_executed", "host_copies",
-                "host_reads")
+        keys = ("kernel_calls_fwd", "kernel_calls_bwd", "tiles_executed", "exec_blocks",
+                "host_copies", "host_reads")
         return {k: self.max.get(k, 0) for k in keys}
 
     def reset(self) -> None:
         self.max.clear()
 
     @contextlib.contextmanager
-    def watch(self, phase: str, tiles: int | None = None):
+    def watch(self, phase: str, tiles: int | None = None, blocks: int | None = None):
         """Count one forward (phase "fwd") or backward ("bwd"): kernel calls as the operator
-        reports them on the yielded CallCounts, host copies and reads when count_host is on."""
+        reports them on the yielded CallCounts, host copies and reads when count_host is on;
+        `tiles` plan tiles and `blocks` execution blocks (local tiles, each exchange chunk with
+        work for this rank) of the call."""
         counts = CallCounts()
         if tiles is not None:
             self._note("tiles_executed", tiles)
+        if blocks is not None:
+            self._note("exec_blocks", blocks)
         if not self.count_host:
             yield counts
             self._note(f"kernel_calls_{phase}", counts.kernel_calls)

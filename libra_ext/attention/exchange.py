@@ -141,7 +141,7 @@ class PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, prog: SlotProgram, env: ExecEnv):
-        with env.stats.watch("fwd", prog.tiles_executed) as counts:
+        with env.stats.watch("fwd", prog.tiles_executed, prog.exec_blocks) as counts:
             return PlannedAttention._forward(ctx, q, k, v, prog, env, counts)
 
     @staticmethod
@@ -348,7 +348,7 @@ class PerDocAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, prog: WlbProgram, env: ExecEnv):
-        with env.stats.watch("fwd", prog.tiles_executed) as counts:
+        with env.stats.watch("fwd", prog.tiles_executed, 1) as counts:
             t, h, d = q.shape
             hkv, C = k.shape[1], prog.cp
             kv = torch.cat([k, v], dim=1)  # [t, 2 hkv, d]

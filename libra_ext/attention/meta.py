@@ -162,6 +162,11 @@ class SlotProgram:
         return sum(c.n_o_recv for c in self.chunks)
 
     @property
+    def exec_blocks(self) -> int:
+        """Blocks with work: local tiles, and each chunk that brings this rank tiles."""
+        return sum(b is not None for b in [self.local] + [c.block for c in self.chunks])
+
+    @property
     def kernel_calls(self) -> int:
         blocks = [self.local] + [c.block for c in self.chunks]
         return sum(len(b.calls) for b in blocks if b is not None)
@@ -673,7 +678,9 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
         recv_off += int(recv_sizes[k].sum())
         o_recv_off += sum(o_recv)
     o_out_idx = np.concatenate(o_out).astype(_I64) if o_out else np.zeros(0, dtype=_I64)
-    unique = local is None or len(np.unique(local.gather)) == len(local.gather)
+    unique = local is None or not len(local.gather) or (
+        np.bincount(local.gather, minlength=C * t * g.W).max() <= 1
+    )
     executed = np.flatnonzero(g.t_exec == me)
     return SlotProgram(
         replica=replica,
@@ -769,50 +776,73 @@ def _walk(prog):
     return out
 
 
-def upload(prog, device: torch.device | str, pin: bool | None = None):
-    """The program with every index array on `device` (int64; cu_seqlens int32), copied in one
-    host-to-device transfer from pinned memory (non_blocking). Returns a new program; the host
-    one stays usable (its CallSpecs keep their host offsets for the reference kernel)."""
-    import copy
+@dataclass
+class Staged:
+    """A program whose index arrays sit in one flat host tensor (pinned when asked), ready for
+    one host-to-device copy."""
 
-    device = torch.device(device)
-    dev = copy.deepcopy(prog)
-    slots = _walk(dev)
-    arrays = [np.asarray(getattr(h, a), dtype=_I64).reshape(-1) for h, a in slots]
-    sizes = [len(x) for x in arrays]
+    prog: object
+    host: torch.Tensor
+    sizes: list
+
+
+def _clone(prog):
+    """A copy of a program's structure (programs, chunks, blocks, calls) sharing its arrays, so
+    that uploading it leaves the host program as it was."""
+    from dataclasses import replace
+
+    def block(b):
+        return None if b is None else replace(b, calls=[replace(c) for c in b.calls])
+
+    if isinstance(prog, WlbProgram):
+        return replace(prog, call=replace(prog.call), _keep=[])
+    return replace(
+        prog,
+        local=block(prog.local),
+        chunks=[replace(c, block=block(c.block)) for c in prog.chunks],
+        _keep=[],
+    )
+
+
+def stage(prog, pin: bool = False) -> Staged:
+    """Flatten a host program's arrays into one host tensor (pinned: for a non-blocking copy).
+    Runs off the critical path (the sampler's thread)."""
+    prog = _clone(prog)
+    arrays = [np.asarray(getattr(h, a), dtype=_I64).reshape(-1) for h, a in _walk(prog)]
     flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=_I64)
     host = torch.from_numpy(flat)
-    if pin is None:
-        pin = device.type == "cuda"
-    if pin and device.type == "cuda":
+    if pin:
         host = host.pin_memory()
+    return Staged(prog, host, [len(x) for x in arrays])
+
+
+def upload(prog, device: torch.device | str, pin: bool | None = None):
+    """The program with every index array on `device` (int64; cu_seqlens int32), copied in one
+    host-to-device transfer (non-blocking, from pinned memory on CUDA). `prog` is a host
+    program or a `Staged` one; a new program is returned (CallSpecs keep their host offsets in
+    `seg`, for the reference kernel)."""
+    device = torch.device(device)
+    if not isinstance(prog, Staged):
+        prog = stage(prog, pin=device.type == "cuda" if pin is None else pin)
+    dev, host = prog.prog, prog.host
     buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
-    views, o = [], 0
-    for n in sizes:
-        views.append(buf[o : o + n])
-        o += n
-    for (h, a), v, arr in zip(slots, views, arrays):
+    host_np = host.numpy()
+    cu = {}  # id(call) -> {"cu_q": (device int32, host), "cu_k": ...}
+    o = 0
+    for (h, a), n in zip(_walk(dev), prog.sizes):
+        v = buf[o : o + n]
         if a in ("cu_q", "cu_k"):
-            setattr(h, "_host_" + a, arr)
-            setattr(h, a, v.to(torch.int32))
-        else:
-            setattr(h, a, v)
-    calls = []
-    if isinstance(dev, SlotProgram):
-        for b in [dev.local] + [c.block for c in dev.chunks]:
-            if b is not None:
-                calls += b.calls
-    else:
-        calls = [dev.call]
+            v = v.to(torch.int32)
+            cu.setdefault(id(h), {})[a] = (v, host_np[o : o + n])
+        setattr(h, a, v)
+        o += n
+    calls = [dev.call] if isinstance(dev, WlbProgram) else [
+        call for b in [dev.local] + [c.block for c in dev.chunks] if b is not None for call in b.calls
+    ]
     for call in calls:
-        hq, hk = call._host_cu_q, call._host_cu_k
+        (cq, hq), (ck, hk) = cu[id(call)]["cu_q"], cu[id(call)]["cu_k"]
         call.seg = Segments(
-            call.cu_q,
-            call.cu_k,
-            int(np.diff(hq).max(initial=0)),
-            int(np.diff(hk).max(initial=0)),
-            hq,
-            hk,
+            cq, ck, int(np.diff(hq).max(initial=0)), int(np.diff(hk).max(initial=0)), hq, hk
         )
     dev.device = device
     dev._keep = [host, buf]

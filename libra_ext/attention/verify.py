@@ -28,7 +28,14 @@ from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import ModelConfig
 
 
-COUNTERS = ("kernel_calls_fwd", "kernel_calls_bwd", "tiles_executed", "host_copies", "host_reads")
+COUNTERS = (
+    "kernel_calls_fwd",
+    "kernel_calls_bwd",
+    "tiles_executed",
+    "exec_blocks",
+    "host_copies",
+    "host_reads",
+)
 """Per-call runtime counters reported as the maximum over ranks and calls."""
 
 
@@ -50,6 +57,7 @@ class VerifyConfig:
     chunks: int = 2
     seed: int = 0
     lengths: tuple = ()  # document lengths to draw from; empty: built-in edge cases
+    fill: bool = False  # with lengths: fill every sequence to the context (no early stop)
     dtype: str = "float32"
 
 
@@ -82,7 +90,7 @@ def make_batch(cfg: VerifyConfig, dp: int, batch: int) -> list[list[int]]:
                 l = int(min(room, cfg.lengths[rng.integers(len(cfg.lengths))]))
                 docs.append(l)
                 room -= l
-                if rng.random() < 0.2:
+                if not cfg.fill and rng.random() < 0.2:
                     break
         elif kind == 0:
             docs = [S]

@@ -134,8 +134,9 @@ def simulate_plan(
     if (~all_cp).any():
         idx = (plan.tile_executor[~all_cp] * C + plan.tile_cp[~all_cp]) * m + exec_slot[~all_cp] % m
         attn_slot += np.bincount(idx, weights=t_tile[~all_cp], minlength=D * C * m).reshape(D, C, m)
-    # Kernel-call floor: one batched varlen call per head chunk, forward and backward, per layer.
-    calls = (chunks if plan.exchange_pool > 1 and pipelined else 1) * 2 * L
+    # Kernel-call floor: one batched varlen call for a rank's own tiles and one per exchange
+    # chunk (the runtime's two head classes at most are counted as one), forward and backward.
+    calls = (1 + chunks if plan.exchange_pool > 1 else 1) * 2 * L
     busy = np.zeros((D, C, m), dtype=bool)
     busy[:, :, :] = attn_slot > 0
     attn_slot += busy * calls * hw.call_floor
@@ -166,7 +167,7 @@ def simulate_plan(
     # of the group waits for max over members of max(bytes sent, bytes received).
     pool_comm = (
         np.repeat(
-            pool_collective_time(plan, hw, chunks if pipelined else 1).sum(axis=1)[:, None],
+            pool_collective_time(plan, hw, chunks).sum(axis=1)[:, None],
             C,
             axis=1,
         )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -87,6 +89,87 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=run_bench_planner)
+    a = bsub.add_parser(
+        "attention",
+        help="core-attention operator against one plain kernel call",
+        description="The operator of each system (world size 1) against one plain batched "
+        "varlen call over the same packed sequence, forward + backward, side by side, with "
+        "kernel-call, tile and host-copy counters.",
+    )
+    _add_bench_attention_args(a)
+    a.set_defaults(func=run_bench_attention)
+
+
+def _add_bench_attention_args(a: argparse.ArgumentParser) -> None:
+    a.add_argument("--context", type=int, default=262_144, help="tokens of the packed sequence")
+    a.add_argument("--workload", default="libra-256k", help="length preset")
+    a.add_argument("--lengths-file", help="draw document lengths from this file")
+    a.add_argument("--heads", type=int, default=32)
+    a.add_argument("--kv-heads", type=int, default=4)
+    a.add_argument("--head-dim", type=int, default=128)
+    a.add_argument("--systems", default="libra,ulysses,wlb")
+    a.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    a.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    a.add_argument("--backend", default="auto", help="auto, te, flash, varlen or reference")
+    a.add_argument("--reps", type=int, default=3)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--out", help="also write the JSON result here")
+    a.add_argument("--json", action="store_true")
+
+
+def run_bench_attention(args) -> dict | None:
+    from libra_ext.attention import bench
+
+    systems = tuple(s for s in args.systems.split(",") if s)
+    for s in systems:
+        if s not in ("libra", "ulysses", "wlb", "distca"):
+            raise ValueError(f"systems: unknown system {s!r}")
+    for field in ("context", "heads", "kv_heads", "head_dim", "reps"):
+        _positive(getattr(args, field), field)
+    if args.heads % args.kv_heads:
+        raise ValueError(f"heads ({args.heads}) must be a multiple of kv_heads ({args.kv_heads})")
+    r = bench.run(
+        context=args.context,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        systems=systems,
+        device=args.device,
+        dtype=args.dtype,
+        reps=args.reps,
+        workload=args.workload,
+        lengths_file=args.lengths_file,
+        seed=args.seed,
+        backend=None if args.backend == "auto" else args.backend,
+    )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(r, indent=1))
+    if args.json:
+        return r
+    print(
+        f"libra bench attention: {r['device']}, {r['backend']} kernel, {r['dtype']}, "
+        f"{r['context']} tokens in {r['documents']} documents (longest {r['longest_document']})"
+    )
+    print(f"  plain varlen call: {r['plain_ms']:.2f} ms (forward + backward)")
+    print(f"  {'system':8s} {'ms':>10s} {'ratio':>7s} {'tiles':>6s} {'calls f/b':>9s} host copies")
+    for name, s in r["systems"].items():
+        print(
+            f"  {name:8s} {s['operator_ms']:10.2f} {s['ratio']:7.3f} {s['tiles']:6d} "
+            f"{s['kernel_calls_fwd']:>4d}/{s['kernel_calls_bwd']:<4d} {s['host_copies']}"
+        )
+    return None
+
+
+def bench_attention_main(argv) -> int:
+    """Entry point of tools/gpu_bench_attention.py (the same options as the subcommand)."""
+    p = argparse.ArgumentParser(prog="gpu_bench_attention", description=__doc__)
+    _add_bench_attention_args(p)
+    args = p.parse_args(argv)
+    r = run_bench_attention(args)
+    if r is not None:
+        print(json.dumps(r))
+    return 0
 
 
 def _positive(value: int, field: str) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from libra_ext.attention.kernels import BACKENDS
 from libra_ext.planner import SYSTEMS
 from libra_ext.workload import ModelConfig, preset_names
 
@@ -49,9 +50,14 @@ class SystemConfig:
     tap: bool = True
     """libra: move tiles inside the pool (false: owners compute their own attention)."""
     pipeline: bool = True
-    """Overlap the pool exchange with attention in head chunks."""
+    """Overlap the pool exchange with attention compute (false: each transfer completes before
+    the next step; identical results)."""
     chunks: int = 2
-    """Head chunks of the pipeline."""
+    """Chunks of the pool exchange pipeline: each executor's incoming bytes are cut into this
+    many equal rounds (fewer when little moves)."""
+    attention_backend: str = "auto"
+    """Attention kernel: auto (best available: te > flash > varlen > reference, one log line
+    says which and why) or one of te, flash, varlen, reference to force it."""
     wlb_outlier_len: int = 0
     """wlb: documents at least this long wait in the delay queue (0: context / 4)."""
     wlb_max_delay: int = 4
@@ -123,6 +129,9 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     metrics_file: str | None = None
     """Write one JSON line per step here (used by `libra ab`)."""
+    attention_time: bool = True
+    """Measure each rank's core-attention time (forward + backward; CUDA events on GPU, read
+    once per step) for the attn time max/mean column; false: no timing hooks."""
 
 
 @dataclass
@@ -223,6 +232,11 @@ class TrainConfig:
             raise ValueError(f"system.name must be one of {', '.join(SYSTEMS)}, got {s.name!r}")
         if s.chunks < 1:
             raise ValueError(f"system.chunks must be >= 1, got {s.chunks}")
+        if s.attention_backend not in ("auto",) + BACKENDS:
+            raise ValueError(
+                f"system.attention_backend must be auto or one of {', '.join(BACKENDS)}, "
+                f"got {s.attention_backend!r}"
+            )
         if d.gbs % dp or d.gbs <= 0:
             raise ValueError(
                 f"data.gbs ({d.gbs}) must be a positive multiple of the data-parallel size ({dp})"

@@ -193,12 +193,15 @@ class StepBatch:
     doc_base: int  # global id of this step's first input document
     n_inputs: int  # input documents this step consumed
     recent_bases: dict  # step -> doc_base of the steps whose documents may still run (WLB-LLM)
+    programs: list | None = None  # this rank's attention programs per slot, staged for upload
 
 
 class StepSampler:
     """Plans step k+1 in a background thread while step k trains. Every rank plans the whole
     global batch (the plan is the same everywhere and checked by hash) but reads only the
-    documents of its own replica's sequences."""
+    documents of its own replica's sequences. With `cp_rank` given, the same thread also
+    compiles this rank's attention programs (index arrays, cu_seqlens, split sizes) for every
+    slot and stages them in one (pinned, on CUDA) host buffer each, ready for one copy."""
 
     def __init__(
         self,
@@ -208,8 +211,9 @@ class StepSampler:
         start_step: int = 0,
         doc_base: int = 0,
         recent_bases: dict | None = None,
+        cp_rank: int | None = None,
     ):
-        self.cfg, self.planner, self.replica = cfg, planner, replica
+        self.cfg, self.planner, self.replica, self.cp_rank = cfg, planner, replica, cp_rank
         self.source = SyntheticSource(cfg) if cfg.data.source == "synthetic" else IndexedSource(cfg)
         self.keep_steps = held_steps(cfg)
         self._bases = dict(recent_bases or {})
@@ -244,6 +248,18 @@ class StepSampler:
         self._bases[step] = self._doc_base
         for gone in [k for k in self._bases if k <= step - self.keep_steps]:
             del self._bases[gone]
+        programs = None
+        if self.cp_rank is not None:
+            import torch
+
+            from libra_ext.attention.core import compile_rank
+            from libra_ext.attention.meta import stage
+
+            pin = torch.cuda.is_available()
+            programs = [
+                stage(p, pin)
+                for p in compile_rank(plan, self.replica, self.cp_rank, self.cfg.system.chunks)
+            ]
         batch = StepBatch(
             step,
             plan,
@@ -253,6 +269,7 @@ class StepSampler:
             self._doc_base,
             n_in,
             dict(self._bases),
+            programs,
         )
         self._doc_base += n_in
         return batch

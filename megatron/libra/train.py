@@ -81,7 +81,7 @@ def run(
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from libra_ext.attention.comm import GroupCache
-    from libra_ext.attention.core import AttentionStep, Runtime, check_plan_hash
+    from libra_ext.attention.core import Runtime, check_plan_hash
     from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
     from megatron.libra import checkpoint
     from megatron.libra.batch import make_micro_batch
@@ -99,9 +99,12 @@ def run(
         groups=GroupCache(tp=T, cp=C, dp=dp),
         chunks=cfg.system.chunks,
         pipelined=cfg.system.pipeline,
+        backend=None if cfg.system.attention_backend == "auto" else cfg.system.attention_backend,
     )
     r, c = runtime.groups.r, runtime.groups.c
-    timing = {"attention": 0.0}
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+        torch.device("cpu")
+    )
     dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}[cfg.dtype]
     model = build_gpt(
         cfg.model,
@@ -114,7 +117,7 @@ def run(
     )
     if torch.cuda.is_available():
         model.cuda()
-    _time_attention(model, timing)
+    timer = AttentionTimer(model, cfg.logging.attention_time)
     o = cfg.optimizer
     ddp = DistributedDataParallel(
         model.config,
@@ -181,7 +184,13 @@ def run(
         if rank == 0:
             logger.info("resumed from %s at step %d", cfg.checkpoint.dir, start)
     sampler = StepSampler(
-        cfg, planner, replica=r, start_step=start, doc_base=doc_base, recent_bases=recent
+        cfg,
+        planner,
+        replica=r,
+        start_step=start,
+        doc_base=doc_base,
+        recent_bases=recent,
+        cp_rank=c,
     )
     saver = (
         checkpoint.Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.async_save, model_fields)
@@ -210,15 +219,13 @@ def run(
             plan = batch.plan
             check_plan_hash(plan, group=runtime.groups.check_group)
             m = plan.slots
+            # this rank's attention metadata of every slot: one host-to-device copy each
+            steps = runtime.prepare(plan, device, batch.programs)
             micro = []
             for slot in range(m):
                 seq = int(((plan.seq_replica == r) & (plan.seq_slot == slot)).nonzero()[0][0])
                 docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
-                micro.append(
-                    make_micro_batch(
-                        [batch.pieces[i] for i in docs], C, c, AttentionStep(plan, slot)
-                    )
-                )
+                micro.append(make_micro_batch([batch.pieces[i] for i in docs], C, c, steps[slot]))
             global_tokens = float(batch.label_tokens)
             # Per-token loss over the whole global batch: each rank returns its token-loss sum
             # times dp * m / global_tokens, because megatron-core's schedule multiplies a
@@ -248,7 +255,7 @@ def run(
             ddp.zero_grad_buffer()
             opt.zero_grad()
             runtime.counter.reset()
-            timing["attention"] = 0.0
+            timer.reset()
             outs = fb(
                 forward_step_func=forward_step,
                 data_iterator=iter([None] * m),
@@ -261,11 +268,18 @@ def run(
             _, grad_norm, _ = opt.step()
             sched.step(1)
             local = sum(float(x["local_sum"]) for x in outs) if outs else 0.0
+            # step statistics over host tensors on the gloo group (no device sync under NCCL)
             stats = torch.tensor([local, float(runtime.counter.total())], dtype=torch.float64)
-            dist.all_reduce(stats)
-            attn = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-            dist.all_gather(attn, torch.tensor([timing["attention"]], dtype=torch.float64))
-            attn_t = torch.cat(attn)
+            dist.all_reduce(stats, group=runtime.groups.check_group)
+            attn_t = None
+            if timer.enabled:
+                attn = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+                dist.all_gather(
+                    attn,
+                    torch.tensor([timer.seconds()], dtype=torch.float64),
+                    group=runtime.groups.check_group,
+                )
+                attn_t = torch.cat(attn)
             dt = time.perf_counter() - t0
             rec = {
                 "step": step + 1,
@@ -278,8 +292,10 @@ def run(
                 "tokens_per_s": global_tokens / dt,
                 "attn_work_max_over_mean": plan.max_over_mean,
                 "inter_pool_imbalance": plan.inter_pool_imbalance,
-                "attn_time_max_over_mean": float(attn_t.max() / max(attn_t.mean(), 1e-12)),
-                "attn_time_per_rank": attn_t.tolist(),
+                "attn_time_max_over_mean": (
+                    float(attn_t.max() / max(attn_t.mean(), 1e-12)) if attn_t is not None else None
+                ),
+                "attn_time_per_rank": attn_t.tolist() if attn_t is not None else None,
                 "bytes_exchanged": float(stats[1]),
             }
             history.append(rec)
@@ -301,7 +317,8 @@ def run(
                         "inter_pool_imbalance",
                         "bytes_exchanged",
                     ):
-                        tb.add_scalar(key, rec[key], step + 1)
+                        if rec[key] is not None:
+                            tb.add_scalar(key, rec[key], step + 1)
             last = step + 1 == s.train_steps
             if saver is not None:
                 saver.poll()
@@ -323,42 +340,74 @@ def run(
 
 
 def _log_line(rec: dict, total: int) -> str:
+    attn = rec["attn_time_max_over_mean"]
     return (
         f" [libra] iteration {rec['step']:8d}/{total:8d} | lm loss: {rec['loss']:.6E} | "
         f"learning rate: {rec['lr']:.3E} | grad norm: {rec['grad_norm']:.3f} | "
         f"tokens/s: {rec['tokens_per_s']:.1f} | step time (s): {rec['step_time']:.3f} | "
         f"attn work max/mean: {rec['attn_work_max_over_mean']:.3f} | attn time max/mean: "
-        f"{rec['attn_time_max_over_mean']:.3f} | inter-pool imbalance: "
+        f"{'off' if attn is None else f'{attn:.3f}'} | inter-pool imbalance: "
         f"{rec['inter_pool_imbalance']:.3f} | bytes exchanged: {rec['bytes_exchanged']:.0f}"
     )
 
 
-def _time_attention(model: torch.nn.Module, timing: dict) -> None:
-    """Accumulate the wall time of every core-attention call, forward and backward (module
-    backward hooks: from the output's gradient arriving to the input gradients leaving), into
-    timing['attention']. On GPU the clock reads after a device synchronize."""
-    from libra_ext.attention.core import LibraCoreAttention
+class AttentionTimer:
+    """Each rank's core-attention time of a step, forward and backward (module hooks: from a
+    layer's inputs arriving to its output leaving, and from its output gradient arriving to its
+    input gradients leaving). On GPU the hooks record CUDA events (no synchronization); the
+    events are read once per step, after the optimizer step. Disabled: no hooks at all."""
 
-    def now():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+    def __init__(self, model: torch.nn.Module, enabled: bool = True):
+        from libra_ext.attention.core import LibraCoreAttention
+
+        self.enabled, self.cuda = enabled, torch.cuda.is_available()
+        self._open: dict = {}
+        self._pairs: list = []
+        self._host = 0.0
+        if not enabled:
+            return
+        for mod in model.modules():
+            if isinstance(mod, LibraCoreAttention):
+                mod.register_forward_pre_hook(self._start("fwd"))
+                mod.register_forward_hook(self._stop("fwd"))
+                mod.register_full_backward_pre_hook(self._start("bwd"))
+                mod.register_full_backward_hook(self._stop("bwd"))
+
+    def _mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
         return time.perf_counter()
 
-    def start(key):
+    def _start(self, key):
         def hook(*_args):
-            timing[key] = now()
+            self._open[key] = self._mark()
 
         return hook
 
-    def stop(key):
+    def _stop(self, key):
         def hook(*_args):
-            timing["attention"] += now() - timing.pop(key, now())
+            start, end = self._open.pop(key, None), self._mark()
+            if start is None:
+                return
+            if self.cuda:
+                self._pairs.append((start, end))
+            else:
+                self._host += end - start
 
         return hook
 
-    for mod in model.modules():
-        if isinstance(mod, LibraCoreAttention):
-            mod.register_forward_pre_hook(start("_fwd"))
-            mod.register_forward_hook(stop("_fwd"))
-            mod.register_full_backward_pre_hook(start("_bwd"))
-            mod.register_full_backward_hook(stop("_bwd"))
+    def reset(self) -> None:
+        self._pairs.clear()
+        self._open.clear()
+        self._host = 0.0
+
+    def seconds(self) -> float:
+        """The step's attention time so far (waits for the last recorded event on GPU)."""
+        if not self.cuda:
+            return self._host
+        if not self._pairs:
+            return 0.0
+        self._pairs[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self._pairs) / 1e3

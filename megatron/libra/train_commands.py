@@ -115,6 +115,7 @@ def run_ab(args):
                 warmup_steps=min(base.schedule.warmup_steps, args.steps - 1),
             ),
             checkpoint=dataclasses.replace(base.checkpoint, dir=None),
+            logging=dataclasses.replace(base.logging, attention_time=True),  # it is reported
         )
         cfg.validate(world)  # every system's config before any process group exists
         configs[name] = cfg

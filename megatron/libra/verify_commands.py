@@ -23,6 +23,8 @@ def add_verify_parser(sub) -> None:
     a.add_argument("--context", type=int, default=128, help="tokens per packed sequence")
     a.add_argument("--heads", type=int, default=4)
     a.add_argument("--kv-heads", type=int, default=2)
+    a.add_argument("--block", type=int, default=16, help="query tokens per tile")
+    a.add_argument("--chunks", type=int, default=2, help="chunks of the pool exchange")
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--tolerance", type=float, default=1e-5)
     a.add_argument("--json", action="store_true")
@@ -30,7 +32,7 @@ def add_verify_parser(sub) -> None:
 
 
 def run_verify_attention(args):
-    from libra_ext.attention.verify import VerifyConfig, run
+    from libra_ext.attention.verify import COUNTERS, VerifyConfig, run
     from libra_ext.workload import read_lengths_file
 
     if args.nproc <= 0:
@@ -42,8 +44,9 @@ def run_verify_attention(args):
     pool = args.pool_size if args.pool_size is not None else dp
     if pool <= 0 or dp % pool:
         raise ValueError(f"pool_size (P={pool}) must divide dp (D={dp})")
-    if args.context <= 0:
-        raise ValueError(f"context must be positive, got {args.context}")
+    for field in ("context", "block", "chunks"):
+        if getattr(args, field) <= 0:
+            raise ValueError(f"{field} must be positive, got {getattr(args, field)}")
     lengths = tuple(read_lengths_file(args.lengths_file)) if args.lengths_file else ()
     cfg = VerifyConfig(
         nproc=args.nproc,
@@ -53,6 +56,8 @@ def run_verify_attention(args):
         heads=args.heads,
         kv_heads=args.kv_heads,
         context=args.context,
+        block=args.block,
+        chunks=args.chunks,
         seed=args.seed,
         lengths=lengths,
     )
@@ -68,6 +73,8 @@ def run_verify_attention(args):
         "max_abs_err_grad": max(c["max_abs_err_grad"] for c in cases),
         "bytes_sent": sum(sum(c["bytes_sent"]) for c in cases),
         "bytes_planned": sum(sum(c["bytes_planned"]) for c in cases),
+        # per core-attention call (one layer), the maximum over ranks, calls and cases
+        **{k: max(c[k] for c in cases) for k in COUNTERS},
         "ok": result["ok"],
         "cases": cases,
     }
@@ -79,6 +86,8 @@ def run_verify_attention(args):
             f"  {c['system']:8s} pipeline={'on ' if c['pipelined'] else 'off'} "
             f"out err {c['max_abs_err_out']:.2e} grad err {c['max_abs_err_grad']:.2e} "
             f"bytes sent {sum(c['bytes_sent'])} planned {sum(c['bytes_planned'])} "
+            f"kernel calls {c['kernel_calls_fwd']}/{c['kernel_calls_bwd']} for "
+            f"{c['tiles_executed']} tiles, host copies {c['host_copies']} "
             f"{'ok' if c['ok'] else 'FAIL'}"
         )
     print(f"  ok: {result['ok']}")

@@ -1,0 +1,156 @@
+"""`libra bench attention`: the core-attention operator against one plain batched kernel call
+over the same packed sequence, forward + backward, side by side in one run, on one device
+(world size 1: every tile runs locally, so the difference is the operator's own overhead:
+layout copies, gathers, scatters, gradient sums).
+
+The plain call is the backend's varlen kernel over the sequence's documents in natural order,
+exactly what a Megatron/TE THD attention layer runs. Times are device-event times on GPU and
+wall time on CPU, averaged over `reps` after one warm-up; the counters come from one extra,
+untimed call with host-copy counting on. `compile_ms` is the host time to turn the plan into the
+rank's metadata (done one step ahead in the sampler's thread during training).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from libra_ext.attention.comm import GroupCache
+from libra_ext.attention.core import Runtime, compile_rank, core_attention
+from libra_ext.attention.kernels import backend_for, segments_on
+from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+from libra_ext.workload import LengthSource, ModelConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def ensure_single_process_group() -> None:
+    """A world-1 gloo group (the runtime's groups need one; nothing is communicated)."""
+    if not dist.is_initialized():
+        from libra_ext.attention.verify import free_port
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+
+
+def timed_ms(fn, reps: int, device: torch.device) -> float:
+    """Mean milliseconds of fn() over reps calls after one warm-up (device events on GPU)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def sequence(context: int, workload: str = "libra-256k", lengths_file=None, seed: int = 0) -> list:
+    """One packed sequence of `context` tokens from a preset (or a lengths file)."""
+    src = LengthSource(preset=workload, lengths_file=lengths_file)
+    return [int(x) for x in src.step(1, context, seed=seed, step=0)[0]]
+
+
+def run(
+    context: int = 262_144,
+    heads: int = 32,
+    kv_heads: int = 4,
+    head_dim: int = 128,
+    systems=("libra", "ulysses", "wlb"),
+    device: str = "cuda",
+    dtype: str = "bf16",
+    reps: int = 3,
+    workload: str = "libra-256k",
+    lengths_file=None,
+    seed: int = 0,
+    backend: str | None = None,
+) -> dict:
+    """Operator vs plain kernel call per system; returns the JSON-ready result."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if context <= 0 or reps <= 0:
+        raise ValueError(f"context and reps must be positive, got {context} and {reps}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda asked for, but no GPU is available")
+    dt = DTYPES[dtype]
+    ensure_single_process_group()
+    docs = sequence(context, workload, lengths_file, seed)
+    S = sum(docs)
+    model = ModelConfig(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    layout = LayoutConfig(dp=1, cp=1, pool_size=1, context=max(context, S))
+    groups = GroupCache(tp=1, cp=1, dp=1)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=dt, generator=gen)
+
+    # plain: one varlen call over the documents in natural order
+    qp, kp, vp = rand(S, heads, head_dim), rand(S, kv_heads, head_dim), rand(S, kv_heads, head_dim)
+    gp = rand(S, heads, head_dim)
+    cu = np.r_[0, np.cumsum(docs)]
+    seg = segments_on(cu, cu, dev)
+    kernel = backend_for(qp, backend)
+    scale = head_dim**-0.5
+
+    def plain():
+        q, k, v = (x.detach().requires_grad_() for x in (qp, kp, vp))
+        out = kernel.attend(q, k, v, seg, scale)
+        torch.autograd.grad(out, (q, k, v), gp)
+
+    result = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "backend": kernel.name,
+        "dtype": dtype,
+        "context": S,
+        "documents": len(docs),
+        "longest_document": max(docs),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "plain_ms": timed_ms(plain, reps, dev),
+        "systems": {},
+    }
+    del qp, kp, vp, gp
+    for system in systems:
+        plan = Planner(layout, model, PlannerOptions(system=system)).plan([docs])
+        runtime = Runtime(groups=groups, backend=backend)
+        t0 = time.perf_counter()
+        host = compile_rank(plan, 0, 0, runtime.chunks)
+        compile_ms = (time.perf_counter() - t0) * 1e3
+        step = runtime.prepare(plan, dev, host)[0]
+        t = step.program.t
+        q, k, v = rand(t, heads, head_dim), rand(t, kv_heads, head_dim), rand(t, kv_heads, head_dim)
+        g = rand(t, heads * head_dim)
+
+        def op():
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            out = core_attention(qq, kk, vv, docs, system, runtime, step)
+            torch.autograd.grad(out, (qq, kk, vv), g)
+
+        ms = timed_ms(op, reps, dev)
+        runtime.stats.reset()
+        runtime.stats.count_host = True
+        op()
+        counters = runtime.stats.summary()
+        result["systems"][system] = {
+            "operator_ms": ms,
+            "ratio": ms / result["plain_ms"],
+            "compile_ms": compile_ms,
+            "tiles": int(plan.n_tiles),
+            **counters,
+        }
+        del q, k, v, g, step
+        runtime._programs.clear()
+    return result

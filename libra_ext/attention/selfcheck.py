@@ -1,0 +1,159 @@
+"""Device checks of the attention runtime, shared by tests/test_attention_gpu.py and
+tools/gpu_check.py (which writes their numbers to one JSON file):
+
+- `kernel_cases`: every usable backend against the dense reference (float64) on segment
+  layouts that matter here - whole documents, query tiles against longer prefixes (bottom-right
+  causal), one-row tiles, GQA and MQA, several segments per call - output and q/k/v gradients;
+- `alignment`: which causal alignment a backend implements (must be bottom-right);
+- `sync_free`: the single-rank operator, forward and backward, under
+  `torch.cuda.set_sync_debug_mode("error")` (any hidden device sync raises).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from libra_ext.attention import kernels
+from libra_ext.attention.kernels import KernelParams, reference_attention, segments_on, why_not
+
+CASES = (
+    # (query rows per segment, key rows per segment, query heads, KV heads)
+    ((256,), (256,), 8, 2),
+    ((128,), (1024,), 4, 4),
+    ((1,), (64,), 2, 1),
+    ((3, 100, 17, 64), (10, 300, 17, 64), 8, 1),
+    ((512, 7), (512, 900), 4, 2),
+)
+
+TOLERANCE = {torch.bfloat16: (2e-2, 4e-2), torch.float16: (4e-3, 8e-3), torch.float32: (1e-5, 1e-4)}
+"""(output, gradient) tolerance per dtype, relative to the largest reference magnitude."""
+
+
+def usable_backends(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:
+    p = KernelParams(device.type, dtype, head_dim)
+    return [b for b in kernels.BACKENDS if why_not(b, p) is None]
+
+
+def _run(backend: str, q, k, v, seg, scale, dout):
+    b = kernels._FACTORIES[backend]()
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = b.attend(q, k, v, seg, scale)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def _reference(q, k, v, ql, kl, scale, dout, top_left=False):
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    outs, qs, ks = [], 0, 0
+    for a, b in zip(ql, kl):
+        qq, kk, vv = q[qs : qs + a], k[ks : ks + b], v[ks : ks + b]
+        if top_left:  # query i sees keys j <= i: a tile aligned to the top left
+            kk, vv = kk[:a] if b >= a else kk, vv[:a] if b >= a else vv
+        outs.append(reference_attention(qq, kk, vv, scale)[0])
+        qs, ks = qs + a, ks + b
+    out = torch.cat(outs)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout.double()))
+
+
+def _err(got, want) -> float:
+    got, want = got.detach(), want.detach()
+    scale = max(float(want.abs().max()), 1.0)
+    return float((got.double() - want).abs().max()) / scale
+
+
+def kernel_cases(device, dtype=torch.bfloat16, backends=None, head_dim=64, seed=0) -> list[dict]:
+    """Every (backend, case): relative max error of the output and of the q/k/v gradients."""
+    device = torch.device(device)
+    backends = backends or usable_backends(device, dtype, head_dim)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out_tol, grad_tol = TOLERANCE[dtype]
+    results = []
+    for ql, kl, hq, hk in CASES:
+        nq, nk = sum(ql), sum(kl)
+        q = torch.randn(nq, hq, head_dim, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(nk, hk, head_dim, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(nk, hk, head_dim, device=device, dtype=dtype, generator=gen)
+        dout = torch.randn(nq, hq, head_dim, device=device, dtype=dtype, generator=gen)
+        seg = segments_on(np.r_[0, np.cumsum(ql)], np.r_[0, np.cumsum(kl)], device)
+        scale = head_dim**-0.5
+        want = _reference(q, k, v, ql, kl, scale, dout)
+        for name in backends:
+            got = _run(name, q, k, v, seg, scale, dout)
+            err_out = _err(got[0], want[0])
+            err_grad = max(_err(a, b) for a, b in zip(got[1:], want[1:]))
+            results.append(
+                {
+                    "backend": name,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "q_lens": list(ql),
+                    "k_lens": list(kl),
+                    "heads": [hq, hk],
+                    "err_out": err_out,
+                    "err_grad": err_grad,
+                    "ok": err_out <= out_tol and err_grad <= grad_tol,
+                }
+            )
+    return results
+
+
+def alignment(device, dtype=torch.bfloat16, backend: str = "reference", head_dim=64) -> dict:
+    """Errors of one 5-row tile against a 40-key prefix under both causal alignments."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    ql, kl = (5,), (40,)
+    q = torch.randn(5, 2, head_dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(40, 2, head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(40, 2, head_dim, device=device, dtype=dtype, generator=gen)
+    dout = torch.randn_like(q)
+    seg = segments_on(np.array([0, 5]), np.array([0, 40]), device)
+    got = _run(backend, q, k, v, seg, head_dim**-0.5, dout)[0]
+    br = _err(got, _reference(q, k, v, ql, kl, head_dim**-0.5, dout)[0])
+    tl = _err(got, _reference(q, k, v, ql, kl, head_dim**-0.5, dout, top_left=True)[0])
+    return {
+        "backend": backend,
+        "err_bottom_right": br,
+        "err_top_left": tl,
+        "aligned": "bottom-right" if br < tl else "top-left",
+        "ok": br < tl and br <= TOLERANCE[dtype][0],
+    }
+
+
+def sync_free(device, systems=("libra", "ulysses", "wlb"), context=32_768, dtype="bf16") -> dict:
+    """Each system's single-rank operator (metadata upload, forward, backward) with the CUDA
+    sync debug mode set to error: {system: "ok" | the error}."""
+    from libra_ext.attention.bench import DTYPES, ensure_single_process_group, sequence
+    from libra_ext.attention.comm import GroupCache
+    from libra_ext.attention.core import Runtime, core_attention
+    from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+    from libra_ext.workload import ModelConfig
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {s: "skipped: the sync debug mode needs CUDA" for s in systems}
+    ensure_single_process_group()
+    docs = sequence(context)
+    model = ModelConfig(heads=16, kv_heads=4, head_dim=128)
+    layout = LayoutConfig(dp=1, cp=1, pool_size=1, context=context)
+    groups = GroupCache(tp=1, cp=1, dp=1)
+    out = {}
+    for system in systems:
+        plan = Planner(layout, model, PlannerOptions(system=system)).plan([docs])
+        runtime = Runtime(groups=groups)
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = runtime.prepare(plan, device)[0]
+            t = step.program.t
+            dt = DTYPES[dtype]
+            q = torch.randn(t, 16, 128, device=device, dtype=dt, requires_grad=True)
+            k = torch.randn(t, 4, 128, device=device, dtype=dt, requires_grad=True)
+            v = torch.randn(t, 4, 128, device=device, dtype=dt, requires_grad=True)
+            o = core_attention(q, k, v, docs, system, runtime, step)
+            o.backward(torch.ones_like(o))
+            out[system] = "ok"
+        except RuntimeError as e:
+            out[system] = f"error: {str(e).splitlines()[0]}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize(device)
+    return out

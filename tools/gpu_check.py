@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""The attention runtime's device checks in one run, results in one JSON file.
+
+    python tools/gpu_check.py [--out out/gpu_check.json] [--context 262144] [--device cuda]
+
+1. kernels: every usable backend (te, flash, varlen) against the float64 reference, bf16,
+   output and gradients, on whole documents, query tiles against longer prefixes, one-row
+   tiles, GQA/MQA and several segments per call; and the causal alignment each implements;
+2. sync: the single-rank operator of libra, ulysses and wlb (metadata upload, forward,
+   backward) under torch.cuda.set_sync_debug_mode("error");
+3. overhead: the operator against one plain varlen call over the same packed sequence of
+   `--context` tokens (the libra-256k preset), forward + backward, side by side (goal <= 5%);
+4. train (only when megatron-core imports): ten steps of the tiny model on this GPU, bf16.
+
+With `--device cpu` the same script runs on the CPU with the reference kernel at a small
+size (how CI keeps it working). Exit status 1 when any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from libra_ext.attention import bench, kernels, selfcheck  # noqa: E402
+
+
+def _train(out_dir: Path) -> dict:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        return {"skipped": "megatron-core is not installed"}
+    metrics = out_dir / "gpu_train.jsonl"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+        "-m", "megatron.libra.cli", "train", "--config", "configs/train/cpu_tiny.yaml",
+        "parallel.cp=1", "parallel.pool_size=1", "data.gbs=2", "data.context=4096", "dtype=bf16",
+        "optimizer.distributed=true", "schedule.train_steps=10", "schedule.warmup_steps=2",
+        "logging.log_interval=1", f"logging.metrics_file={metrics}",
+    ]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = {"rc": p.returncode, "seconds": time.perf_counter() - t0}
+    if p.returncode:
+        res["stderr_tail"] = p.stderr[-2000:]
+        return res
+    steps = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    res["loss_first"], res["loss_last"] = steps[0]["loss"], steps[-1]["loss"]
+    res["tokens_per_s_last"] = steps[-1]["tokens_per_s"]
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="out/gpu_check.json")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--context", type=int, default=None, help="overhead run (262144 on cuda)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip-train", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device", file=sys.stderr)
+        return 2
+    cpu = dev.type == "cpu"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {
+        "device": torch.cuda.get_device_name(dev) if not cpu else "cpu",
+        "torch": torch.__version__,
+        "installed": {
+            "transformer_engine": kernels.HAVE_TE,
+            "flash_attn": kernels.FLASH_VERSION or False,
+            "varlen_attn": kernels.HAVE_VARLEN,
+        },
+    }
+    dtype = torch.float32 if cpu else torch.bfloat16
+    t0 = time.perf_counter()
+    backends = [b for b in selfcheck.usable_backends(dev, dtype, 64) if b != "reference" or cpu]
+    res["kernels"] = selfcheck.kernel_cases(dev, dtype, backends)
+    res["alignment"] = [selfcheck.alignment(dev, dtype, b) for b in backends]
+    res["sync"] = selfcheck.sync_free(dev, context=2048 if cpu else 32_768)
+    context = args.context or (4096 if cpu else 262_144)
+    heads = (8, 2, 16) if cpu else (32, 4, 128)
+    res["overhead"] = bench.run(
+        context=context,
+        heads=heads[0],
+        kv_heads=heads[1],
+        head_dim=heads[2],
+        device=args.device,
+        dtype="fp32" if cpu else "bf16",
+        reps=args.reps,
+        systems=("libra", "ulysses", "wlb"),
+    )
+    if not args.skip_train and not cpu:
+        res["train"] = _train(out.parent)
+    res["seconds"] = time.perf_counter() - t0
+    checks = {
+        "kernels": all(c["ok"] for c in res["kernels"]) and bool(res["kernels"]),
+        "alignment": all(a["ok"] for a in res["alignment"]),
+        "sync": all(v == "ok" or v.startswith("skipped") for v in res["sync"].values()),
+        "no_host_copies": all(
+            s["host_copies"] == 0 for s in res["overhead"]["systems"].values()
+        ),
+        "overhead_within_5pct": all(
+            s["ratio"] <= 1.05 for s in res["overhead"]["systems"].values()
+        )
+        if not cpu
+        else None,
+        "train": res.get("train", {}).get("rc", 0) == 0,
+    }
+    res["checks"] = checks
+    res["ok"] = all(v is not False for k, v in checks.items() if k != "overhead_within_5pct")
+    out.write_text(json.dumps(res, indent=1))
+    summary = {k: res[k] for k in ("device", "torch", "installed", "checks", "ok", "seconds")}
+    summary["overhead"] = {
+        name: round(s["ratio"], 4) for name, s in res["overhead"]["systems"].items()
+    }
+    print(json.dumps(summary))
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
