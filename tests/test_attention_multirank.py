@@ -58,7 +58,7 @@ def test_bf16_matches_the_reference_to_bf16_precision():
     "name, lengths",
     [
         # the libra-256k preset's long tail, cut to the test context
-        ("long-tail", tuple(min(512, x) for x in LengthSource(preset="libra-256k").sample(64, 0))),
+        ("long-tail", tuple(min(384, x) for x in LengthSource(preset="libra-256k").sample(64, 0))),
         ("many-short", tuple(range(2, 13))),  # tens of documents per sequence
     ],
 )
@@ -85,4 +85,7 @@ def test_kernel_calls_do_not_grow_with_tiles_and_nothing_is_copied_from_the_host
         assert case["kernel_calls_fwd"] <= 2 * blocks, case  # at most 2 per active chunk
         assert case["kernel_calls_bwd"] <= 2 * blocks, case
         assert case["host_copies"] == 0 and case["host_reads"] == 0, case
-        assert case["tiles_executed"] > 2 * blocks, case  # a per-tile loop would show
+        if case["system"] == "wlb":  # all of a rank's document chunks in one call
+            assert case["kernel_calls_fwd"] == case["kernel_calls_bwd"] == 1, case
+        elif case["system"] in ("libra", "ulysses"):  # 16-token tiles: many per rank
+            assert case["tiles_executed"] > 2 * blocks, case  # a per-tile loop would show

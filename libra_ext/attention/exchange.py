@@ -354,10 +354,9 @@ class PerDocAttention(torch.autograd.Function):
             kv = torch.cat([k, v], dim=1)  # [t, 2 hkv, d]
             if C > 1:
                 kv = all_gather_rows(kv, env.cp_group, env.counter, "wlb.kv")  # [C*t, ...]
-            pack = kv.index_select(0, prog.kv_rows)
-            ql = q.detach().requires_grad_()
-            kl = pack[:, :hkv].detach().requires_grad_()
-            vl = pack[:, hkv:].detach().requires_grad_()
+            ql = q.detach().requires_grad_()  # the local slots are the query pack as they are
+            kl = kv[:, :hkv].index_select(0, prog.kv_rows).requires_grad_()
+            vl = kv[:, hkv:].index_select(0, prog.kv_rows).requires_grad_()
             with torch.enable_grad():
                 o = env.kernel.attend(ql, kl, vl, prog.call.seg, env.scale, env.key)
             counts.kernel_calls += 1
