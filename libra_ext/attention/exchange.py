@@ -121,6 +121,16 @@ def _outputs_in_order(outs, block: Block, n: int, like: torch.Tensor, d: int) ->
     return msg
 
 
+def _cp_a2a(x: torch.Tensor, C: int, rows: int, d: int, env: ExecEnv, kind: str):
+    """Equal all-to-all over the CP group of x ([C * rows] vectors: block j to cp rank j); x
+    itself without context parallelism."""
+    if C == 1:
+        return x
+    y = torch.empty_like(x)
+    _a2a(y, x, [rows] * C, [rows] * C, d, env.cp_group, env, kind, False)
+    return y
+
+
 def _a2a(out, inp, out_vec, in_vec, d, group, env: ExecEnv, kind: str, async_op: bool):
     """all_to_all_single of flat [n, d] buffers with splits in vectors."""
     w = all_to_all(
@@ -155,11 +165,7 @@ class PlannedAttention(torch.autograd.Function):
         send[:, :, :hl].copy_(q.reshape(t, C, hl, d).transpose(0, 1))
         _put_kv(send[:, :, hl : hl + kvl], k, C, hl)
         _put_kv(send[:, :, hl + kvl :], v, C, hl)
-        if C > 1:
-            X = torch.empty_like(send)
-            _a2a(X, send, [t * W] * C, [t * W] * C, d, env.cp_group, env, "ulysses.in", False)
-        else:
-            X = send
+        X = _cp_a2a(send, C, t * W, d, env, "ulysses.in")
         xf = X.view(-1, d)
         pool, pipelined = env.pool_group, env.pipelined
         # pool exchange: every chunk's Q/K/V in flight before any compute
@@ -221,12 +227,7 @@ class PlannedAttention(torch.autograd.Function):
                     w.wait()
             out_flat.index_copy_(0, prog.o_out_idx, o_recv_all)
         # Ulysses out: [C*t*hl, d] (block j: rank j's slots) -> [t, h*d]
-        if C > 1:
-            Y = torch.empty_like(out_flat)
-            _a2a(Y, out_flat, [t * hl] * C, [t * hl] * C, d, env.cp_group, env, "ulysses.out",
-                 False)
-        else:
-            Y = out_flat
+        Y = _cp_a2a(out_flat, C, t * hl, d, env, "ulysses.out")
         ctx.prog, ctx.env, ctx.saved = prog, env, saved
         ctx.shape = (t, h, hkv, d)
         ctx.dtype = q.dtype
@@ -246,12 +247,7 @@ class PlannedAttention(torch.autograd.Function):
         dtype = ctx.dtype
         pool, pipelined = env.pool_group, env.pipelined
         dY = grad.reshape(t, C, hl, d).transpose(0, 1).contiguous()
-        if C > 1:
-            d_out = torch.empty_like(dY)
-            _a2a(d_out, dY, [t * hl] * C, [t * hl] * C, d, env.cp_group, env, "ulysses.out.bwd",
-                 False)
-        else:
-            d_out = dY
+        d_out = _cp_a2a(dY, C, t * hl, d, env, "ulysses.out.bwd")
         dof = d_out.view(-1, d)
         chunks = prog.chunks
         n_ch = len(chunks)
@@ -330,12 +326,7 @@ class PlannedAttention(torch.autograd.Function):
                     w.wait()
             dX.index_add_(0, prog.send_idx, d_send.to(buf_dtype))
         dX = dX.to(dtype).view(C, t, W, d)
-        if C > 1:
-            dsend = torch.empty_like(dX)
-            _a2a(dsend, dX, [t * W] * C, [t * W] * C, d, env.cp_group, env, "ulysses.in.bwd",
-                 False)
-        else:
-            dsend = dX
+        dsend = _cp_a2a(dX, C, t * W, d, env, "ulysses.in.bwd")
         dq = dsend[:, :, :hl].transpose(0, 1).reshape(t, h, d)
         dk = _take_kv(dsend[:, :, hl : hl + kvl], C, hl, hkv)
         dv = _take_kv(dsend[:, :, hl + kvl :], C, hl, hkv)

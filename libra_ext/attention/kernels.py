@@ -207,40 +207,41 @@ _FACTORIES = {
 }
 
 
+_REQUIREMENTS = {
+    # name: (installed?, what to install, what the messages call it, head-dim limits apply)
+    "te": (
+        lambda: HAVE_TE,
+        "Transformer Engine not installed (pip install transformer_engine[pytorch])",
+        "Transformer Engine's fused THD attention",
+        False,
+    ),
+    "flash": (lambda: HAVE_FLASH, "flash-attn not installed (pip install flash-attn)",
+              "flash-attn", True),
+    "varlen": (
+        lambda: HAVE_VARLEN,
+        f"torch.nn.attention.varlen needs PyTorch >= 2.10 (have {torch.__version__})",
+        "varlen_attn",
+        True,
+    ),
+}
+
+
 def why_not(name: str, p: KernelParams) -> str | None:
     """Why backend `name` cannot run inputs described by `p` (None: it can)."""
-    cuda_only = p.device_type != "cuda"
     if name == "reference":
         return None
-    if name == "te":
-        if not HAVE_TE:
-            return "Transformer Engine not installed (pip install transformer_engine[pytorch])"
-        if cuda_only:
-            return "Transformer Engine needs CUDA"
-        if p.dtype not in _HALF:
-            return f"Transformer Engine's fused THD attention takes fp16/bf16, not {p.dtype}"
-        return None
-    if name == "flash":
-        if not HAVE_FLASH:
-            return "flash-attn not installed (pip install flash-attn)"
-        if cuda_only:
-            return "flash-attn needs CUDA"
-        if p.dtype not in _HALF:
-            return f"flash-attn takes fp16/bf16, not {p.dtype}"
-        if p.head_dim > 256 or p.head_dim % 8:
-            return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {p.head_dim}"
-        return None
-    if name == "varlen":
-        if not HAVE_VARLEN:
-            return f"torch.nn.attention.varlen needs PyTorch >= 2.10 (have {torch.__version__})"
-        if cuda_only:
-            return "varlen_attn needs CUDA"
-        if p.dtype not in _HALF:
-            return f"varlen_attn takes fp16/bf16, not {p.dtype}"
-        if p.head_dim > 256 or p.head_dim % 8:
-            return f"varlen_attn needs head_dim <= 256 and a multiple of 8, got {p.head_dim}"
-        return None
-    raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name not in _REQUIREMENTS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    installed, missing, label, head_dims = _REQUIREMENTS[name]
+    if not installed():
+        return missing
+    if p.device_type != "cuda":
+        return f"{label} needs CUDA"
+    if p.dtype not in _HALF:
+        return f"{label} takes fp16/bf16, not {p.dtype}"
+    if head_dims and (p.head_dim > 256 or p.head_dim % 8):
+        return f"{label} needs head_dim <= 256 and a multiple of 8, got {p.head_dim}"
+    return None
 
 
 def _forced(p: KernelParams) -> str | None:

@@ -623,10 +623,8 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
     local = None
     mine_blocks = blocks_by_exec[me]
     if mine_blocks[0] is not None:
-        local, out_pieces = _block(g, mine_blocks[0], True, xrow, None, None)
-        p, _, _ = mine_blocks[0]
-        local.out = np.concatenate([g.out_index(p.take(sel), xrow) for sel in out_pieces])
-        local.out = local.out.astype(_I64)
+        local, _ = _block(g, mine_blocks[0], True, xrow, None, None)
+        local.out = g.out_index(mine_blocks[0][0], xrow).astype(_I64)  # piece order
     chunk_list, o_out = [], []
     send_off = recv_off = o_recv_off = 0
     for k in range(n_ch):
@@ -638,30 +636,23 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
             pieces = blocks_by_exec[e][k + 1]
             if pieces is None:
                 continue
-            p, cls, _ = pieces
+            p = pieces[0]
             rows = g.s_b[p.seg] - g.s_a[p.seg]
             vecs = rows * p.hc
             owners = g.s_owner[p.seg]
+            # a block's outputs come in piece order (pieces are sorted by class first); the O
+            # message to each owner holds its pieces' outputs in that order
             if e == me:
                 for o in range(px):
                     o_send[o] = int(vecs[owners == o].sum())
-                block, out_pieces = _block(g, pieces, False, None, (q_loc, qbase), kv_loc)
-                # position of each O vector (class order) in the owner-major O message
-                order_p = np.concatenate(out_pieces)
-                pv = vecs[order_p]
-                ow = owners[order_p]
-                msg_base = _excl(np.bincount(ow, weights=pv, minlength=px).astype(_I64))
-                piece_off = msg_base[ow] + _group_excl_by(pv, ow)
-                ret = thd.ranges(piece_off, pv)
+                block, _ = _block(g, pieces, False, None, (q_loc, qbase), kv_loc)
+                msg_base = _excl(np.bincount(owners, weights=vecs, minlength=px).astype(_I64))
+                ret = thd.ranges(msg_base[owners] + _group_excl_by(vecs, owners), vecs)
                 block.out = None if np.array_equal(ret, np.arange(len(ret))) else ret
             mine_p = np.flatnonzero(owners == me)
-            if len(mine_p):
-                # O vectors I get back from e, in e's (class, owner-major) order
-                _, out_pieces = _class_order(cls)
-                order_p = np.concatenate(out_pieces)
-                order_p = order_p[owners[order_p] == me]
-                o_recv[e] = int(vecs[order_p].sum())
-                o_out.append(g.out_index(p.take(order_p), xrow))
+            if len(mine_p):  # O vectors I get back from e, in e's order
+                o_recv[e] = int(vecs[mine_p].sum())
+                o_out.append(g.out_index(p.take(mine_p), xrow))
         chunk_list.append(
             Chunk(
                 qkv_send=[int(x) for x in send_sizes[k]],
@@ -699,11 +690,6 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
         local_unique=bool(unique),
         tiles_executed=int(len(executed)),
     )
-
-
-def _class_order(cls: np.ndarray):
-    """Piece ids of a block grouped by class, in the order the block's outputs are laid out."""
-    return None, [np.flatnonzero(cls == c) for c in range(int(cls.max()) + 1)]
 
 
 def _group_excl_by(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
