@@ -8,6 +8,7 @@ it. It is the readable statement of the algorithm, not a production path.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 from libra_ext.workload import ATTN_BWD_FACTOR, block_pairs, causal_pairs
@@ -101,13 +102,13 @@ def min_split_rows(context: int) -> int:
 
 
 def split_tile(t: list, doc_off: int, max_load: float, out: list, min_rows: int) -> None:
-    """Split a single-document tile heavier than max_load: heads in halves, then rows at the
-    midpoint of work (not below min_rows rows)."""
+    """Split a single-document tile heavier than max_load: rows at the midpoint of work while it
+    has at least 2 * min_rows rows, then heads in halves."""
     s, doc, cnt, q0, ql, h0, hc, kv0, kvl, pairs = t
     if max_load <= 0 or float(pairs) * float(hc) <= max_load or (hc == 1 and ql < 2 * min_rows):
         out.append(t)
         return
-    if hc > 1:
+    if ql < 2 * min_rows:
         half = hc // 2
         split_tile(
             [s, doc, cnt, q0, ql, h0, half, kv0, kvl, pairs], doc_off, max_load, out, min_rows
@@ -134,6 +135,38 @@ def split_tile(t: list, doc_off: int, max_load: float, out: list, min_rows: int)
     split_tile(
         [s, doc, cnt, doc_off + c, b - c, h0, hc, kv0, kvl, block_pairs(c, b)],
         doc_off,
+        max_load,
+        out,
+        min_rows,
+    )
+
+
+def split_run(
+    t: list, lengths: list, max_load: float, out: list, min_rows: int
+) -> None:
+    """Split a run of whole documents heavier than max_load at the document boundary that best
+    halves its work; one document becomes a one-document tile, split by split_tile."""
+    s, doc, cnt, q0, ql, h0, hc, kv0, kvl, pairs = t
+    if cnt == 1:
+        split_tile(t, q0, max_load, out, min_rows)
+        return
+    if max_load <= 0 or float(pairs) * float(hc) <= max_load:
+        out.append(t)
+        return
+    left = left_len = 0
+    best = None  # (worst side, k, left pairs, left tokens)
+    for k in range(1, cnt):
+        l = lengths[doc + k - 1]
+        left += causal_pairs(l)
+        left_len += l
+        worst = max(left, pairs - left)
+        if best is None or worst < best[0]:
+            best = (worst, k, left, left_len)
+    _, k, lp, ll = best
+    split_run([s, doc, k, q0, ll, h0, hc, q0, ll, lp], lengths, max_load, out, min_rows)
+    split_run(
+        [s, doc + k, cnt - k, q0 + ll, ql - ll, h0, hc, q0 + ll, ql - ll, pairs - lp],
+        lengths,
         max_load,
         out,
         min_rows,
@@ -171,52 +204,34 @@ def plan_libra(
         for l in seq:
             pairs += float(causal_pairs(l))
         loads.append(4.0 * head_dim * hl * pairs * bwd)
-    # VRSP: sequences -> groups of P, groups -> pools of m, then sequence swaps between the
-    # heaviest and lightest pool that balance pool totals without raising the heaviest group.
+    # VRSP: sequences -> pools of P*m (LPT + swaps on pool totals), then each pool's sequences ->
+    # m groups of P; Megatron's production grouping instead when its heaviest pool (then group)
+    # is lighter.
     n_groups = B // pool
     n_pools = dp // pool
-    seq_group = lpt(loads, n_groups, pool)
-    from_production = [((s // m) // pool) * m + s % m for s in range(B)]
 
-    def max_group_of(grouping):
+    def evaluate(seq_group, group_pool):
         gl = [0.0] * n_groups
-        for s, g in enumerate(grouping):
+        for s, g in enumerate(seq_group):
             gl[g] += loads[s]
-        return max(gl)
+        pl = [0.0] * n_pools
+        for g in range(n_groups):
+            pl[group_pool[g]] += gl[g]
+        return max(pl), max(gl)
 
-    if max_group_of(from_production) < max_group_of(seq_group):
-        seq_group = from_production
-    gload = [0.0] * n_groups
-    for s, g in enumerate(seq_group):
-        gload[g] += loads[s]
-    group_pool = lpt(gload, n_pools, m)
-    ptotal = [0.0] * n_pools
-    for g in range(n_groups):
-        ptotal[group_pool[g]] += gload[g]
-    max_group = max(gload)
-    pool_seqs = [[s for s in range(B) if group_pool[seq_group[s]] == k] for k in range(n_pools)]
-    for _ in range(4 * B if n_pools > 1 else 0):
-        hi, lo = ptotal.index(max(ptotal)), ptotal.index(min(ptotal))
-        best, best_a, best_b = ptotal[hi], -1, -1
-        for a in pool_seqs[hi]:
-            for b in pool_seqs[lo]:
-                delta = loads[a] - loads[b]
-                if not delta > 0 or gload[seq_group[b]] + delta > max_group:
-                    continue
-                pair_max = max(ptotal[hi] - delta, ptotal[lo] + delta)
-                if pair_max < best:
-                    best, best_a, best_b = pair_max, a, b
-        if best_a < 0:
-            break
-        delta = loads[best_a] - loads[best_b]
-        ga, gb = seq_group[best_a], seq_group[best_b]
-        gload[ga] -= delta
-        gload[gb] += delta
-        ptotal[hi] -= delta
-        ptotal[lo] += delta
-        seq_group[best_a], seq_group[best_b] = gb, ga
-        pool_seqs[hi][pool_seqs[hi].index(best_a)] = best_b
-        pool_seqs[lo][pool_seqs[lo].index(best_b)] = best_a
+    seq_pool = lpt(loads, n_pools, pool * m)
+    seq_group = [-1] * B
+    for k in range(n_pools):
+        in_pool = [s for s in range(B) if seq_pool[s] == k]
+        sub = lpt([loads[s] for s in in_pool], m, pool)
+        for s, g in zip(in_pool, sub):
+            seq_group[s] = k * m + g
+    group_pool = [g // m for g in range(n_groups)]
+    prod = [((s // m) // pool) * m + s % m for s in range(B)]
+    (p1, g1), (p2, g2) = evaluate(seq_group, group_pool), evaluate(prod, group_pool)
+    tol = 1e-9 * max(1.0, abs(p1))
+    if p2 < p1 - tol or (not p2 > p1 + tol and g2 < g1):
+        seq_group = prod
     gload = [0.0] * n_groups  # recomputed in sequence order, as the core does
     members = [[] for _ in range(n_groups)]
     for s, g in enumerate(seq_group):
@@ -233,6 +248,7 @@ def plan_libra(
                 replica[s], slot[s] = k * pool + i, sl
             group_seqs[k * m + sl] = ms
     # TAP inside every group.
+    all_lengths = [l for seq in sequences for l in seq]
     tiles = []
     for g in range(n_groups):
         ms = group_seqs[g]
@@ -254,9 +270,9 @@ def plan_libra(
                     if cnt == 1:
                         split_tile(t, doc_off, max_load, pieces, min_split_rows(context))
                     else:
-                        pieces.append(t)
+                        split_run(t, all_lengths, max_load, pieces, min_split_rows(context))
                     for p in pieces:
-                        gt.append((len(tiles), i, n_docs + doc - doc0, float(p[9]) * float(p[6])))
+                        gt.append((len(tiles), i, n_docs + p[1] - doc0, float(p[9]) * float(p[6])))
                         tiles.append(p[:9] + [owner, owner])
 
             run = None  # [first doc, count, start, length, pairs]
@@ -304,16 +320,53 @@ def plan_libra(
             return range(t[5] // q_per_kv, (t[5] + t[6] - 1) // q_per_kv + 1)
 
         def increment(k, j):
+            t = tiles[gt[k][0]]
+            return increment_rows(k, j, t[4], t[8])
+
+        def increment_rows(k, j, q_len, kv_len):
             ti, owner, ldoc, _ = gt[k]
             if owner == j:
                 return 0
             t = tiles[ti]
-            inc = qo(t[4], t[6])
+            inc = qo(q_len, t[6])
             for kh in kv_heads_of(t):
                 r = have[j].get((ldoc, kh), 0)
-                if t[8] > r:
-                    inc += kvb(t[8] - r)
+                if kv_len > r:
+                    inc += kvb(kv_len - r)
             return inc
+
+        def best_cut(on_hi, hi, lo, min_gain, min_rows):
+            """The tail cut [c, b) of a one-document tile on hi that best moves half the gap to
+            lo: (new max, bytes, tile, c, load) or None."""
+            want = (load[hi] - load[lo]) / 2.0
+            best = None
+            for k in on_hi:
+                t = tiles[gt[k][0]]
+                if t[2] != 1 or t[4] < 2 * min_rows:
+                    continue
+                a = t[3] - t[7]
+                b = a + t[4]
+                hc = float(t[6])
+                x = float(b) * float(b + 1) - 2.0 * want / hc
+                c = int(math.ceil((-1.0 + math.sqrt(1.0 + 4.0 * max(0.0, x))) / 2.0))
+                c = min(max(c, a + min_rows), b - min_rows)
+                while c > a + min_rows and float(block_pairs(c - 1, b)) * hc <= want:
+                    c -= 1
+                while c < b - min_rows and float(block_pairs(c, b)) * hc > want:
+                    c += 1
+                for cc in (c, c - 1):
+                    if cc < a + min_rows or cc > b - min_rows:
+                        continue
+                    w = float(block_pairs(cc, b)) * hc
+                    new_max = max(load[hi] - w, load[lo] + w)
+                    if not new_max < load[hi] - min_gain:
+                        continue
+                    if best is not None and new_max > best[0]:
+                        continue
+                    nbytes = increment_rows(k, lo, b - cc, b)
+                    if best is None or new_max < best[0] or nbytes < best[1]:
+                        best = (new_max, nbytes, k, cc, w)
+            return best
 
         def assign(k, j):
             ti, owner, ldoc, w = gt[k]
@@ -376,12 +429,28 @@ def plan_libra(
                         or (new_max == pick_max and inc < pick_inc)
                     ):
                         pick, pick_pos, pick_max, pick_inc = k, pos, new_max, inc
-                if pick is None:
+                if pick is not None:
+                    assign(pick, lo)
+                    del on[hi][pick_pos]
+                    on[lo].append(pick)
+                    on[lo].sort()
+                    continue
+                cut = best_cut(on[hi], hi, lo, min_gain, min_split_rows(context))
+                if cut is None:
                     break
-                assign(pick, lo)
-                del on[hi][pick_pos]
-                on[lo].append(pick)
-                on[lo].sort()
+                _, _, k, c, w = cut
+                ti, owner, ldoc, wk = gt[k]
+                t = tiles[ti]
+                a = t[3] - t[7]
+                b = a + t[4]
+                tiles.append([t[0], t[1], 1, t[7] + c, b - c, t[5], t[6], t[7], b, t[9], t[9]])
+                t[4], t[8] = c - a, c
+                gt[k] = (ti, owner, ldoc, wk - w)
+                load[hi] -= w
+                gt.append((len(tiles) - 1, owner, ldoc, w))
+                exe.append(-1)
+                assign(len(gt) - 1, lo)
+                on[lo].append(len(gt) - 1)
         own = [0.0] * P  # never worse than no moves
         for _, owner, _, w in gt:
             own[owner] += w

@@ -58,8 +58,9 @@ def test_core_matches_reference_planner(data):
     assert abs(plan.vrsp_lower_bound - ref.lower_bound) <= 1e-9 * max(1.0, ref.lower_bound)
 
 
-@given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=24), st.integers(1, 4))
+@given(st.lists(st.integers(0, 10**12).map(float), min_size=1, max_size=40), st.integers(1, 6))
 def test_lpt_and_lower_bound_match_reference(loads, card):
+    # loads are FLOP counts: integer-valued, exact in doubles
     n = len(loads) - len(loads) % card
     if n == 0:
         return
@@ -68,3 +69,29 @@ def test_lpt_and_lower_bound_match_reference(loads, card):
     assert list(core.exact_cardinality_lpt(loads, groups, card)) == lpt(loads, groups, card)
     bound = core.exact_cardinality_lower_bound(loads, groups, card)
     assert math.isclose(bound, lower_bound(loads, groups, card), rel_tol=1e-12, abs_tol=1e-9)
+
+
+def test_core_matches_reference_when_refinement_cuts_tiles():
+    # many 16-token documents and a few mid-length ones: the heaviest members hold tiles a bit
+    # larger than the gap, so the refinement cuts tail rows off them
+    import numpy as np
+
+    from libra_ext.planner import LayoutConfig
+    from libra_ext.workload import ModelConfig, pack_production
+
+    rng = np.random.default_rng(3)
+    lengths = np.where(rng.random(4000) < 0.01, 1500, 16).tolist()
+    seqs = [s.doc_lengths for s in pack_production(lengths, 2048, 8)]
+    layout = LayoutConfig(dp=4, cp=1, pool_size=4, context=2048)
+    model = ModelConfig(hidden=64, heads=4, kv_heads=2, head_dim=8, ffn=64, layers=1, moe_topk=0,
+                        moe_ffn=0)
+    plan = Planner(layout, model, PlannerOptions(block=512)).plan(seqs)
+    uncut = Planner(layout, model, PlannerOptions(block=512, refine=False)).plan(seqs)
+    assert plan.n_tiles > uncut.n_tiles  # the refinement cut tiles
+    ref = plan_libra(seqs, 4, 1, 1, 4, 2048, 4, 2, 8, block=512)
+    assert ref.seq_replica == plan.seq_replica.tolist()
+    got = list(zip(*(getattr(plan, "tile_" + k).tolist() for k in (
+        "seq", "doc", "doc_count", "q_start", "q_len", "head_start", "head_count", "kv_start",
+        "kv_len", "owner", "executor"))))
+    assert got == ref.tiles
+    assert plan.max_over_mean < uncut.max_over_mean

@@ -165,26 +165,30 @@ void build_exchange(StepPlan& p) {
   // Moved KV prefixes: (document, kv head, destination) -> longest prefix needed there. The
   // document fixes the sequence, so also the group and the sender.
   const i64 kvh = p.kv_heads_local;
+  const i64 q_per_kv = p.heads_local / kvh;
   std::vector<std::pair<i64, i64>> kv;  // (key, kv_len)
   double moved_tokens = 0, all_tokens = 0;
-  auto cell_of = [&](i64 t) {
+  // Exchange cell of every tile, computed once: (group, owner member, executor member).
+  const i64 n_tiles = p.n_tiles();
+  std::vector<i64> tile_cell(static_cast<std::size_t>(n_tiles));
+  for (i64 t = 0; t < n_tiles; ++t) {
     const i64 o = p.tile_owner[t], e = p.tile_executor[t];
     const i64 g = (o / Px) * p.slots + p.seq_slot[p.tile_seq[t]];
-    return (g * Px + o % Px) * Px + e % Px;
-  };
-  for (i64 t = 0; t < p.n_tiles(); ++t) {
+    tile_cell[t] = (g * Px + o % Px) * Px + e % Px;
+  }
+  for (i64 t = 0; t < n_tiles; ++t) {
     const i64 qh = p.tile_q_len[t] * p.tile_head_count[t];
     all_tokens += static_cast<double>(qh);
     const i64 o = p.tile_owner[t], e = p.tile_executor[t];
     if (o == e) continue;
     if (o / Px != e / Px) fail("internal: tile " + std::to_string(t) + " leaves its exchange pool");
     moved_tokens += static_cast<double>(qh);
-    const i64 cell = cell_of(t);
+    const i64 cell = tile_cell[t];
     const i64 g = cell / (Px * Px), src = (cell / Px) % Px, dst = cell % Px;
     p.xchg_q[cell] += qh * d;
     p.xchg_o[(g * Px + dst) * Px + src] += qh * d;
-    const i64 kv0 = kv_head_of(p, p.tile_head_start[t]);
-    const i64 kv1 = kv_head_of(p, p.tile_head_start[t] + p.tile_head_count[t] - 1);
+    const i64 kv0 = p.tile_head_start[t] / q_per_kv;
+    const i64 kv1 = (p.tile_head_start[t] + p.tile_head_count[t] - 1) / q_per_kv;
     for (i64 kh = kv0; kh <= kv1; ++kh)
       kv.push_back({(p.tile_doc[t] * kvh + kh) * Px + dst, p.tile_kv_len[t]});
   }
@@ -193,48 +197,58 @@ void build_exchange(StepPlan& p) {
   std::vector<std::pair<i64, i64>> uniq;
   for (std::size_t i = 0; i < kv.size(); ++i)
     if (i + 1 == kv.size() || kv[i + 1].first != kv[i].first) uniq.push_back(kv[i]);
-  std::vector<i64> doc_seq(p.doc_lengths.size()), doc_start(p.doc_lengths.size());
-  for (i64 s = 0; s < p.n_seq(); ++s) {
-    i64 off = 0;
-    for (i64 j = p.seq_doc_offsets[s]; j < p.seq_doc_offsets[s + 1]; ++j) {
-      doc_seq[j] = s;
-      doc_start[j] = off;
-      off += p.doc_lengths[j];
+  // Sequence and start of the documents that ship KV (looked up, not tabulated for every
+  // document of the step).
+  auto doc_seq_of = [&](i64 doc) {
+    return static_cast<i64>(std::upper_bound(p.seq_doc_offsets.begin(), p.seq_doc_offsets.end(), doc) -
+                            p.seq_doc_offsets.begin()) - 1;
+  };
+  std::vector<i64> e_seq(uniq.size()), e_start(uniq.size());
+  i64 cur_seq = -1, cur_doc = 0, cur_off = 0;  // entries come in document order
+  for (std::size_t i = 0; i < uniq.size(); ++i) {
+    const i64 doc = uniq[i].first / (kvh * Px);
+    const i64 s = doc_seq_of(doc);
+    if (s != cur_seq) {
+      cur_seq = s;
+      cur_doc = p.seq_doc_offsets[s];
+      cur_off = 0;
     }
+    for (; cur_doc < doc; ++cur_doc) cur_off += p.doc_lengths[cur_doc];
+    e_seq[i] = s;
+    e_start[i] = cur_off;
   }
-  auto kv_cell = [&](const std::pair<i64, i64>& e) {
-    const i64 doc = e.first / (kvh * Px), dst = e.first % Px;
-    const i64 s = doc_seq[doc], o = p.seq_replica[s];
+  auto kv_cell = [&](std::size_t i) {
+    const i64 dst = uniq[i].first % Px;
+    const i64 s = e_seq[i], o = p.seq_replica[s];
     return ((o / Px) * p.slots + p.seq_slot[s]) * Px * Px + (o % Px) * Px + dst;
   };
   const std::size_t cells_n = cells;
   std::vector<i64> fill(cells_n + 1, 0);
-  for (const auto& e : uniq) ++fill[kv_cell(e) + 1];
+  for (std::size_t i = 0; i < uniq.size(); ++i) ++fill[kv_cell(i) + 1];
   for (std::size_t c = 0; c < cells_n; ++c) fill[c + 1] += fill[c];
   const std::size_t nk = uniq.size();
   for (auto* v : {&p.kv_group, &p.kv_src, &p.kv_dst, &p.kv_seq, &p.kv_start, &p.kv_len, &p.kv_head})
     v->assign(nk, 0);
-  for (const auto& e : uniq) {
-    const i64 cell = kv_cell(e);
+  for (std::size_t u = 0; u < nk; ++u) {
+    const i64 cell = kv_cell(u);
     const std::size_t i = static_cast<std::size_t>(fill[cell]++);
-    const i64 doc = e.first / (kvh * Px);
     p.kv_group[i] = cell / (Px * Px);
     p.kv_src[i] = (cell / Px) % Px;
     p.kv_dst[i] = cell % Px;
-    p.kv_seq[i] = doc_seq[doc];
-    p.kv_start[i] = doc_start[doc];
-    p.kv_head[i] = (e.first / Px) % kvh;
-    p.kv_len[i] = e.second;
-    p.xchg_kv[cell] += 2 * e.second * d;
+    p.kv_seq[i] = e_seq[u];
+    p.kv_start[i] = e_start[u];
+    p.kv_head[i] = (uniq[u].first / Px) % kvh;
+    p.kv_len[i] = uniq[u].second;
+    p.xchg_kv[cell] += 2 * uniq[u].second * d;
   }
   // Send order: tiles by (group, owner member, executor member), tile index inside (counting sort).
   std::vector<i64> start(cells_n + 1, 0);
-  for (i64 t = 0; t < p.n_tiles(); ++t) ++start[cell_of(t) + 1];
+  for (i64 t = 0; t < n_tiles; ++t) ++start[tile_cell[t] + 1];
   for (std::size_t c = 0; c < cells_n; ++c) start[c + 1] += start[c];
   p.send_group_offsets.assign(static_cast<std::size_t>(G + 1), 0);
   for (i64 g = 0; g <= G; ++g) p.send_group_offsets[g] = start[g * Px * Px];
-  p.send_order.assign(static_cast<std::size_t>(p.n_tiles()), 0);
-  for (i64 t = 0; t < p.n_tiles(); ++t) p.send_order[start[cell_of(t)]++] = t;
+  p.send_order.assign(static_cast<std::size_t>(n_tiles), 0);
+  for (i64 t = 0; t < n_tiles; ++t) p.send_order[start[tile_cell[t]]++] = t;
   p.moved_token_fraction = all_tokens > 0 ? moved_tokens / all_tokens : 0.0;
 
   // Bytes each rank sends, forward + backward: as owner Q, KV (fwd) and dO (bwd); as executor
@@ -369,7 +383,8 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
     std::iota(p.doc_ids.begin(), p.doc_ids.end(), i64{0});
     const std::vector<double> loads = sequence_flops(p);
     const bool vrsp = options.system == System::Libra && options.vrsp;
-    placement = vrsp ? vrsp_place(loads, p.dp, p.pool, p.slots)
+    const bool spread = options.system == System::Libra && !options.tap;
+    placement = vrsp ? vrsp_place(loads, p.dp, p.pool, p.slots, spread)
                      : production_place(loads, p.dp, p.pool, p.slots);
     p.seq_replica = placement.replica;
     p.seq_slot = placement.slot;

@@ -22,10 +22,11 @@ void push_tile(StepPlan& p, i64 seq, i64 doc, i64 doc_off, i64 a, i64 b, i64 h0,
 
 // Cut sequence s into SH-tiles: documents of at least `block` tokens into query blocks of `block`
 // rows against their causal prefix; runs of shorter consecutive documents coalesced into tiles of
-// at most `block` tokens; every tile split into head groups of `head_group` heads. A single-
-// document tile whose load (pairs x heads) exceeds `max_load` (> 0) is split further, heads in
-// halves first, then rows at the midpoint of work, down to min_rows rows. Calls emit(tile)
-// for each, executor = owner.
+// at most `block` tokens; every tile split into head groups of `head_group` heads. A tile whose
+// load (pairs x heads) exceeds `max_load` (> 0) is split further: a run of several documents at
+// the document boundary that best halves its work (a single document becomes a one-document
+// tile); a one-document tile by rows at the midpoint of work while it has at least 2 * min_rows
+// rows, then by heads in halves. Calls emit(tile) for each, executor = owner.
 // Rows below which a tile is not split further: 128, or context / 32 for short contexts.
 inline i64 min_split_rows(i64 context) { return std::max<i64>(1, std::min<i64>(128, context / 32)); }
 constexpr double kRefineMinGain = 1e-4;
@@ -37,7 +38,7 @@ void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows, Em
     emit(t);
     return;
   }
-  if (t.head_count > 1) {
+  if (t.q_len < 2 * min_rows) {  // too few rows to cut: halve the heads
     StepPlan::Tile lo = t, hi = t;
     lo.head_count = t.head_count / 2;
     hi.head_start = t.head_start + lo.head_count;
@@ -61,6 +62,47 @@ void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows, Em
   split_tile(hi, doc_off, max_load, min_rows, emit);
 }
 
+// A run of t.doc_count whole documents (plan documents t.doc, ...): split at the document
+// boundary that best halves its work while heavier than max_load; one document is a one-document
+// tile (its own prefix), split further by split_tile.
+template <typename Emit>
+void split_run(const StepPlan& p, StepPlan::Tile t, double max_load, i64 min_rows, Emit& emit) {
+  if (t.doc_count == 1) {
+    split_tile(t, t.q_start, max_load, min_rows, emit);
+    return;
+  }
+  const double load = static_cast<double>(t.pairs) * static_cast<double>(t.head_count);
+  if (max_load <= 0 || load <= max_load) {
+    emit(t);
+    return;
+  }
+  i64 k = 1, left = 0, left_len = 0, best_k = 1, best_pairs = 0, best_len = 0;
+  i64 best_max = t.pairs + 1;
+  for (; k < t.doc_count; ++k) {
+    const i64 l = p.doc_lengths[t.doc + k - 1];
+    left += causal_pairs(l);
+    left_len += l;
+    const i64 worst = std::max(left, t.pairs - left);
+    if (worst < best_max) {
+      best_max = worst;
+      best_k = k;
+      best_pairs = left;
+      best_len = left_len;
+    }
+  }
+  StepPlan::Tile lo = t, hi = t;
+  lo.doc_count = best_k;
+  lo.q_len = lo.kv_len = best_len;
+  lo.pairs = best_pairs;
+  hi.doc = t.doc + best_k;
+  hi.doc_count = t.doc_count - best_k;
+  hi.q_start = hi.kv_start = t.q_start + best_len;
+  hi.q_len = hi.kv_len = t.q_len - best_len;
+  hi.pairs = t.pairs - best_pairs;
+  split_run(p, lo, max_load, min_rows, emit);
+  split_run(p, hi, max_load, min_rows, emit);
+}
+
 template <typename Emit>
 void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double max_load,
                     Emit&& emit) {
@@ -72,7 +114,7 @@ void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double 
       if (t.doc_count == 1) {
         split_tile(t, doc_off, max_load, min_split_rows(p.context), emit);
       } else {
-        emit(t);
+        split_run(p, t, max_load, min_split_rows(p.context), emit);
       }
     }
   };
@@ -111,12 +153,34 @@ void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double 
 
 // KV residency of one group: resident[member][local doc * kv_heads + kv head] = prefix length
 // already on that member (the owner holds every prefix of its own documents).
+// KV residency of one group: the prefix length of (local document, KV head) already shipped to
+// a member (0 if none; the owner holds every prefix of its own documents). A document gets a
+// row of [members x KV heads] entries the first time a prefix of it is shipped, so a group of
+// many short documents costs nothing here; `slot` (document -> row) is shared by all groups of
+// a plan and reset after each.
 struct Residency {
-  i64 kv_heads;
-  std::vector<std::vector<i64>> have;
-  Residency(i64 members, i64 docs, i64 kvh)
-      : kv_heads(kvh), have(static_cast<std::size_t>(members),
-                            std::vector<i64>(static_cast<std::size_t>(docs * kvh), 0)) {}
+  i64 members, kv_heads;
+  std::vector<i64>& slot;
+  std::vector<i64> touched;  // documents with a row
+  std::vector<i64> have;     // [rows][members][kv_heads]
+  Residency(i64 n_members, i64 kvh, std::vector<i64>& doc_slot)
+      : members(n_members), kv_heads(kvh), slot(doc_slot) {}
+  ~Residency() {
+    for (i64 d : touched) slot[d] = -1;
+  }
+  i64 get(i64 member, i64 local_doc, i64 kh) const {
+    const i64 s = slot[local_doc];
+    return s < 0 ? 0 : have[(s * members + member) * kv_heads + kh];
+  }
+  i64& at(i64 member, i64 local_doc, i64 kh) {
+    i64& s = slot[local_doc];
+    if (s < 0) {
+      s = static_cast<i64>(touched.size());
+      touched.push_back(local_doc);
+      have.resize(have.size() + static_cast<std::size_t>(members * kv_heads), 0);
+    }
+    return have[(s * members + member) * kv_heads + kh];
+  }
 };
 
 struct GroupTiles {
@@ -128,25 +192,37 @@ struct GroupTiles {
 
 class Placer {
  public:
-  Placer(StepPlan& plan, const TileBytes& bytes, const GroupTiles& gt, i64 members, i64 n_docs)
-      : plan_(plan), bytes_(bytes), gt_(gt), res_(members, n_docs, plan.kv_heads_local),
+  Placer(StepPlan& plan, const TileBytes& bytes, const GroupTiles& gt, i64 members,
+         std::vector<i64>& doc_slot)
+      : plan_(plan), bytes_(bytes), gt_(gt), res_(members, plan.kv_heads_local, doc_slot),
         load_(static_cast<std::size_t>(members), 0.0),
         exec_(gt.index.size(), -1) {}
 
   // Bytes that executing local tile k on member j adds, given what is resident there.
   i64 increment(std::size_t k, i64 j) const {
+    const i64 t = gt_.index[k];
+    return increment_rows(k, j, plan_.tile_q_len[t], plan_.tile_kv_len[t]);
+  }
+
+  // The same for q_len query rows of tile k's document and heads against a kv_len prefix.
+  i64 increment_rows(std::size_t k, i64 j, i64 q_len, i64 kv_len) const {
     if (gt_.owner[k] == j) return 0;
     const i64 t = gt_.index[k];
-    i64 inc = bytes_.qo_bytes(plan_.tile_q_len[t], plan_.tile_head_count[t]);
+    i64 inc = bytes_.qo_bytes(q_len, plan_.tile_head_count[t]);
     const i64 kv0 = kv_head_of(plan_, plan_.tile_head_start[t]);
     const i64 kv1 = kv_head_of(plan_, plan_.tile_head_start[t] + plan_.tile_head_count[t] - 1);
-    const auto& have = res_.have[j];
     for (i64 kh = kv0; kh <= kv1; ++kh) {
-      const i64 r = have[gt_.local_doc[k] * res_.kv_heads + kh];
-      if (plan_.tile_kv_len[t] > r) inc += bytes_.kv_bytes(plan_.tile_kv_len[t] - r);
+      const i64 r = res_.get(j, gt_.local_doc[k], kh);
+      if (kv_len > r) inc += bytes_.kv_bytes(kv_len - r);
     }
     return inc;
   }
+
+  // A tile appended to the group (a piece cut off tile `parent`, executed nowhere yet).
+  void add_tile() { exec_.push_back(-1); }
+
+  // Tile k executed where it is, `w` lighter (its tail rows were cut off).
+  void shrink(std::size_t k, double w) { load_[exec_[k]] -= w; }
 
   void assign(std::size_t k, i64 j) {
     if (exec_[k] >= 0) load_[exec_[k]] -= gt_.load[k];
@@ -157,7 +233,7 @@ class Placer {
     const i64 kv0 = kv_head_of(plan_, plan_.tile_head_start[t]);
     const i64 kv1 = kv_head_of(plan_, plan_.tile_head_start[t] + plan_.tile_head_count[t] - 1);
     for (i64 kh = kv0; kh <= kv1; ++kh) {
-      i64& r = res_.have[j][gt_.local_doc[k] * res_.kv_heads + kh];
+      i64& r = res_.at(j, gt_.local_doc[k], kh);
       r = std::max(r, plan_.tile_kv_len[t]);
     }
   }
@@ -173,6 +249,45 @@ class Placer {
   std::vector<double> load_;
   std::vector<i64> exec_;
 };
+
+struct Cut {
+  std::size_t k;  // tile (local index); == on.size() sentinel replaced by n when none
+  i64 c = 0;      // first row (in document coordinates) of the piece cut off
+  double w = 0;   // its load
+  double new_max = 0;
+  i64 bytes = 0;
+};
+
+// Best tail cut of a one-document tile on member hi towards member lo (see the refinement).
+Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
+             const std::vector<std::size_t>& on_hi, i64 hi, i64 lo, const std::vector<double>& load,
+             double min_gain, i64 min_rows) {
+  Cut best{gt.index.size()};
+  const double want = (load[hi] - load[lo]) / 2.0;
+  for (std::size_t k : on_hi) {
+    const i64 t = gt.index[k];
+    if (plan.tile_doc_count[t] != 1 || plan.tile_q_len[t] < 2 * min_rows) continue;
+    const i64 a = plan.tile_q_start[t] - plan.tile_kv_start[t], b = a + plan.tile_q_len[t];
+    const double hc = static_cast<double>(plan.tile_head_count[t]);
+    // smallest c with pairs(c, b) * hc <= want: c(c+1) >= b(b+1) - 2 want / hc
+    const double x = static_cast<double>(b) * static_cast<double>(b + 1) - 2.0 * want / hc;
+    i64 c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
+    c = std::min(std::max(c, a + min_rows), b - min_rows);
+    while (c > a + min_rows && static_cast<double>(block_pairs(c - 1, b)) * hc <= want) --c;
+    while (c < b - min_rows && static_cast<double>(block_pairs(c, b)) * hc > want) ++c;
+    for (i64 cc : {c, c - 1}) {  // just under and just over half the gap
+      if (cc < a + min_rows || cc > b - min_rows) continue;
+      const double w = static_cast<double>(block_pairs(cc, b)) * hc;
+      const double new_max = std::max(load[hi] - w, load[lo] + w);
+      if (!(new_max < load[hi] - min_gain)) continue;
+      if (best.k != gt.index.size() && new_max > best.new_max) continue;
+      const i64 bytes = placer.increment_rows(k, lo, b - cc, b);
+      if (best.k == gt.index.size() || new_max < best.new_max || bytes < best.bytes)
+        best = Cut{k, cc, w, new_max, bytes};
+    }
+  }
+  return best;
+}
 
 GroupTiles make_group_tiles(StepPlan& plan, const std::vector<i64>& members, i64 block,
                             i64 head_group, double max_tile_share, i64& n_docs) {
@@ -210,16 +325,18 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
   const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
   const i64 head_group = opt.head_group > 0 ? std::min(opt.head_group, plan.heads_local)
                                             : plan.heads_local;
+  std::vector<i64> doc_slot;  // residency rows, shared by the groups (see Residency)
   for (const auto& members : groups) {
     const i64 P = static_cast<i64>(members.size());
     i64 n_docs = 0;
-    const GroupTiles gt =
+    GroupTiles gt =
         make_group_tiles(plan, members, opt.block, head_group, opt.max_tile_share, n_docs);
-    const std::size_t n = gt.index.size();
+    std::size_t n = gt.index.size();
     if (n == 0) continue;
     const double total = std::accumulate(gt.load.begin(), gt.load.end(), 0.0);
     const double cap = (1.0 + opt.epsilon) * total / static_cast<double>(P);
-    Placer placer(plan, bytes, gt, P, n_docs);
+    if (static_cast<i64>(doc_slot.size()) < n_docs) doc_slot.resize(static_cast<std::size_t>(n_docs), -1);
+    Placer placer(plan, bytes, gt, P, doc_slot);
     auto& load = placer.load();
     // Pass 1: owners keep their own tiles while under the soft cap, least work per byte first
     // (early query blocks and short documents stay; late blocks of long documents, the cheapest
@@ -283,6 +400,7 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
     if (opt.refine && P > 1) {
       const i64 limit = opt.max_refine_moves > 0 ? opt.max_refine_moves : 64 * P;
       const double min_gain = kRefineMinGain * total / static_cast<double>(P);
+      const i64 min_rows = min_split_rows(plan.context);
       auto& exec = placer.exec();
       std::vector<std::vector<std::size_t>> on(static_cast<std::size_t>(P));
       for (std::size_t k = 0; k < n; ++k) on[exec[k]].push_back(k);  // ascending tile order
@@ -306,10 +424,38 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
             pick_inc = inc;
           }
         }
-        if (pick == n) break;
-        placer.assign(pick, lo);
-        on[hi].erase(on[hi].begin() + static_cast<std::ptrdiff_t>(pick_pos));
-        on[lo].insert(std::upper_bound(on[lo].begin(), on[lo].end(), pick), pick);
+        if (pick != n) {
+          placer.assign(pick, lo);
+          on[hi].erase(on[hi].begin() + static_cast<std::ptrdiff_t>(pick_pos));
+          on[lo].insert(std::upper_bound(on[lo].begin(), on[lo].end(), pick), pick);
+          continue;
+        }
+        // No whole tile lowers the maximum: cut the tail rows [c, b) off a one-document tile on
+        // hi so that about half the gap moves to lo (pieces keep min_rows rows); the lowest new
+        // maximum, then fewest bytes, then the earliest tile.
+        const Cut cut = best_cut(plan, gt, placer, on[hi], hi, lo, load, min_gain, min_rows);
+        if (cut.k == n) break;
+        const i64 t = gt.index[cut.k];
+        const i64 a = plan.tile_q_start[t] - plan.tile_kv_start[t], b = a + plan.tile_q_len[t];
+        const StepPlan::Tile piece{plan.tile_seq[t],        plan.tile_doc[t],    1,
+                                   plan.tile_kv_start[t] + cut.c, b - cut.c,
+                                   plan.tile_head_start[t], plan.tile_head_count[t],
+                                   plan.tile_kv_start[t],   b,                   plan.tile_owner[t],
+                                   plan.tile_owner[t],      -1,                  block_pairs(cut.c, b)};
+        plan.tile_q_len[t] = cut.c - a;
+        plan.tile_kv_len[t] = cut.c;
+        plan.tile_pairs[t] = block_pairs(a, cut.c);
+        gt.load[cut.k] -= cut.w;
+        placer.shrink(cut.k, cut.w);
+        gt.index.push_back(plan.n_tiles());
+        gt.owner.push_back(gt.owner[cut.k]);
+        gt.local_doc.push_back(gt.local_doc[cut.k]);
+        gt.load.push_back(cut.w);
+        plan.add_tile(piece);
+        placer.add_tile();
+        placer.assign(n, lo);
+        on[lo].push_back(n);  // the newest tile: the highest index
+        ++n;
       }
     }
     // Never worse than no moves: if the owners' own loads have a lighter maximum, keep them.

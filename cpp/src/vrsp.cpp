@@ -1,9 +1,11 @@
 #include "libra/vrsp.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <numeric>
 #include <queue>
+#include <tuple>
 #include <utility>
 
 namespace libra {
@@ -27,33 +29,66 @@ void check_cardinality(std::size_t n, i64 n_groups, i64 cardinality) {
 
 // Local search after LPT: swap one item of the heaviest group with a lighter item of another group
 // while that lowers the heavier of the two below the current maximum (cardinality unchanged).
+// Each round takes the swap with the lowest new pair maximum, ties to the lowest (group, item
+// position, item position) - what scanning every pair of every group in index order gives.
+// Faster, same result for integer-valued loads (FLOP counts): groups are visited lightest first
+// and the scan stops once (heaviest + group) / 2, a bound on any swap with that group, exceeds
+// the best found; inside a group, for each item of the heaviest group only the two items nearest
+// to the ideal partner load (from a copy sorted by load, then position) can be best.
 void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, i64 n_groups) {
+  using Entry = std::pair<double, std::size_t>;  // (load, position in members[g])
   std::vector<double> gl(static_cast<std::size_t>(n_groups), 0.0);
   std::vector<std::vector<i64>> members(static_cast<std::size_t>(n_groups));
   for (std::size_t i = 0; i < loads.size(); ++i) {
     gl[group[i]] += loads[i];
     members[group[i]].push_back(static_cast<i64>(i));
   }
+  std::vector<std::vector<Entry>> sorted(static_cast<std::size_t>(n_groups));
+  auto resort = [&](i64 g) {
+    auto& v = sorted[g];
+    v.clear();
+    for (std::size_t pos = 0; pos < members[g].size(); ++pos) v.push_back({loads[members[g][pos]], pos});
+    std::sort(v.begin(), v.end());
+  };
+  for (i64 g = 0; g < n_groups; ++g) resort(g);
+  std::vector<i64> by_load(static_cast<std::size_t>(n_groups));
+  std::iota(by_load.begin(), by_load.end(), 0);
   const i64 limit = 4 * static_cast<i64>(loads.size());
   for (i64 it = 0; it < limit; ++it) {
     const i64 hi = std::max_element(gl.begin(), gl.end()) - gl.begin();
+    std::stable_sort(by_load.begin(), by_load.end(), [&](i64 x, i64 y) { return gl[x] < gl[y]; });
     double best = gl[hi];
     i64 best_h = -1;
     std::size_t best_a = 0, best_b = 0;
-    for (i64 h = 0; h < n_groups; ++h) {
+    auto consider = [&](i64 h, std::size_t a, std::size_t b) {
+      const double delta = loads[members[hi][a]] - loads[members[h][b]];
+      if (!(delta > 0)) return;
+      const double pair_max = std::max(gl[hi] - delta, gl[h] + delta);
+      if (pair_max < best ||
+          (best_h >= 0 && pair_max == best &&
+           std::make_tuple(h, a, b) < std::make_tuple(best_h, best_a, best_b))) {
+        best = pair_max;
+        best_h = h;
+        best_a = a;
+        best_b = b;
+      }
+    };
+    for (i64 h : by_load) {
       if (h == hi) continue;
-      for (std::size_t a = 0; a < members[hi].size(); ++a)
-        for (std::size_t b = 0; b < members[h].size(); ++b) {
-          const double delta = loads[members[hi][a]] - loads[members[h][b]];
-          if (!(delta > 0)) continue;
-          const double pair_max = std::max(gl[hi] - delta, gl[h] + delta);
-          if (pair_max < best) {
-            best = pair_max;
-            best_h = h;
-            best_a = a;
-            best_b = b;
-          }
+      const double bound = (gl[hi] + gl[h]) / 2.0;
+      if (best_h >= 0 && bound > best + 1e-9 * std::abs(best)) break;
+      const double half = (gl[hi] - gl[h]) / 2.0;
+      const auto& v = sorted[h];
+      for (std::size_t a = 0; a < members[hi].size(); ++a) {
+        const double target = loads[members[hi][a]] - half;  // the ideal partner's load
+        // lightest item at or above the target (its lowest position), and the heaviest below
+        auto up = std::lower_bound(v.begin(), v.end(), Entry{target, 0});
+        if (up != v.end()) consider(h, a, up->second);
+        if (up != v.begin()) {
+          const double below = std::prev(up)->first;
+          consider(h, a, std::lower_bound(v.begin(), v.end(), Entry{below, 0})->second);
         }
+      }
     }
     if (best_h < 0) break;
     const i64 ia = members[hi][best_a], ib = members[best_h][best_b];
@@ -63,6 +98,8 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
     std::swap(members[hi][best_a], members[best_h][best_b]);
     group[ia] = best_h;
     group[ib] = hi;
+    resort(hi);
+    resort(best_h);
   }
 }
 
@@ -119,7 +156,8 @@ double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_gro
 namespace {
 
 VrspPlacement finish(const std::vector<double>& seq_loads, const std::vector<i64>& seq_group,
-                     const std::vector<i64>& group_pool, i64 dp, i64 pool, i64 slots) {
+                     const std::vector<i64>& group_pool, i64 dp, i64 pool, i64 slots,
+                     bool spread_members) {
   const i64 n_groups = static_cast<i64>(group_pool.size());
   std::vector<double> gload(static_cast<std::size_t>(n_groups), 0.0);
   std::vector<std::vector<i64>> members(static_cast<std::size_t>(n_groups));
@@ -135,13 +173,23 @@ VrspPlacement finish(const std::vector<double>& seq_loads, const std::vector<i64
   for (std::size_t k = 0; k < pool_groups.size(); ++k) {
     auto& gs = pool_groups[k];
     std::stable_sort(gs.begin(), gs.end(), [&](i64 a, i64 b) { return gload[a] > gload[b]; });
+    std::vector<double> member_load(static_cast<std::size_t>(pool), 0.0);
     for (i64 slot = 0; slot < slots; ++slot) {
       auto& ms = members[gs[slot]];
       std::stable_sort(ms.begin(), ms.end(),
                        [&](i64 a, i64 b) { return seq_loads[a] > seq_loads[b]; });
+      // Member i takes the i-th heaviest sequence, or - when sequences stay on their member (no
+      // TAP) - the heaviest goes to the member with the least so far, so no member collects the
+      // heaviest sequence of every slot.
+      std::vector<i64> member(static_cast<std::size_t>(pool));
+      std::iota(member.begin(), member.end(), 0);
+      if (spread_members)
+        std::stable_sort(member.begin(), member.end(),
+                         [&](i64 a, i64 b) { return member_load[a] < member_load[b]; });
       for (i64 i = 0; i < pool; ++i) {
-        out.replica[ms[i]] = static_cast<i64>(k) * pool + i;
+        out.replica[ms[i]] = static_cast<i64>(k) * pool + member[i];
         out.slot[ms[i]] = slot;
+        member_load[member[i]] += seq_loads[ms[i]];
       }
     }
   }
@@ -152,65 +200,75 @@ VrspPlacement finish(const std::vector<double>& seq_loads, const std::vector<i64
 
 }  // namespace
 
-VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots) {
-  const i64 n_groups = static_cast<i64>(seq_loads.size()) / pool;
-  const i64 n_pools = dp / pool;
-  std::vector<i64> seq_group = exact_cardinality_lpt(seq_loads, n_groups, pool);
-  // LPT is a heuristic: if Megatron's production grouping happens to have a lighter heaviest
-  // group, keep it, so VRSP never does worse than production order.
-  std::vector<i64> from_production(seq_loads.size());
-  for (std::size_t s = 0; s < seq_loads.size(); ++s) {
+namespace {
+
+// A grouping of the sequences: group of every sequence and pool of every group.
+struct Grouping {
+  std::vector<i64> seq_group;
+  std::vector<i64> group_pool;
+  double max_pool = 0;   // heaviest pool total
+  double max_group = 0;  // heaviest (pool, slot) group
+};
+
+Grouping evaluate(const std::vector<double>& loads, std::vector<i64> seq_group,
+                  std::vector<i64> group_pool, i64 n_pools) {
+  Grouping g{std::move(seq_group), std::move(group_pool)};
+  std::vector<double> gl(g.group_pool.size(), 0.0), pl(static_cast<std::size_t>(n_pools), 0.0);
+  for (std::size_t s = 0; s < loads.size(); ++s) gl[g.seq_group[s]] += loads[s];
+  for (std::size_t k = 0; k < gl.size(); ++k) pl[g.group_pool[k]] += gl[k];
+  g.max_group = *std::max_element(gl.begin(), gl.end());
+  g.max_pool = *std::max_element(pl.begin(), pl.end());
+  return g;
+}
+
+// Lighter heaviest pool (beyond rounding), then lighter heaviest group.
+bool better(const Grouping& a, const Grouping& b) {
+  const double tol = 1e-9 * std::max(1.0, std::abs(b.max_pool));
+  if (a.max_pool < b.max_pool - tol) return true;
+  if (a.max_pool > b.max_pool + tol) return false;
+  return a.max_group < b.max_group;
+}
+
+// Pools first: sequences -> D/P pools of exactly P*m (LPT + swaps on pool totals), then each
+// pool's sequences -> m groups of P (LPT + swaps on group totals).
+Grouping pools_first(const std::vector<double>& loads, i64 n_pools, i64 pool, i64 slots) {
+  const std::vector<i64> seq_pool = exact_cardinality_lpt(loads, n_pools, pool * slots);
+  std::vector<std::vector<i64>> in_pool(static_cast<std::size_t>(n_pools));
+  for (std::size_t s = 0; s < loads.size(); ++s) in_pool[seq_pool[s]].push_back(static_cast<i64>(s));
+  std::vector<i64> seq_group(loads.size(), -1), group_pool(static_cast<std::size_t>(n_pools * slots));
+  for (i64 k = 0; k < n_pools; ++k) {
+    std::vector<double> sub;
+    for (i64 s : in_pool[k]) sub.push_back(loads[s]);
+    const std::vector<i64> g = exact_cardinality_lpt(sub, slots, pool);
+    for (std::size_t i = 0; i < sub.size(); ++i) seq_group[in_pool[k][i]] = k * slots + g[i];
+    for (i64 j = 0; j < slots; ++j) group_pool[k * slots + j] = k;
+  }
+  return evaluate(loads, std::move(seq_group), std::move(group_pool), n_pools);
+}
+
+// Megatron's production order: replica r = s / m holds slot s % m.
+Grouping production_grouping(const std::vector<double>& loads, i64 n_pools, i64 pool, i64 slots) {
+  std::vector<i64> seq_group(loads.size()), group_pool(static_cast<std::size_t>(n_pools * slots));
+  for (std::size_t s = 0; s < loads.size(); ++s) {
     const i64 r = static_cast<i64>(s) / slots;
-    from_production[s] = (r / pool) * slots + static_cast<i64>(s) % slots;
+    seq_group[s] = (r / pool) * slots + static_cast<i64>(s) % slots;
   }
-  auto max_group_of = [&](const std::vector<i64>& grouping) {
-    std::vector<double> gl(static_cast<std::size_t>(n_groups), 0.0);
-    for (std::size_t s = 0; s < seq_loads.size(); ++s) gl[grouping[s]] += seq_loads[s];
-    return *std::max_element(gl.begin(), gl.end());
-  };
-  if (max_group_of(from_production) < max_group_of(seq_group)) seq_group = from_production;
-  std::vector<double> gload(static_cast<std::size_t>(n_groups), 0.0);
-  for (std::size_t s = 0; s < seq_loads.size(); ++s) gload[seq_group[s]] += seq_loads[s];
-  const std::vector<i64> group_pool = exact_cardinality_lpt(gload, n_pools, slots);
-  // A rank's attention time without PP is its pool's total / P, so balance the pool totals too:
-  // swap a sequence of the heaviest pool with a lighter one of the lightest pool while that lowers
-  // the heavier pool's total and no group grows past the current heaviest group.
-  std::vector<double> ptotal(static_cast<std::size_t>(n_pools), 0.0);
-  for (i64 g = 0; g < n_groups; ++g) ptotal[group_pool[g]] += gload[g];
-  const double max_group = *std::max_element(gload.begin(), gload.end());
-  std::vector<std::vector<i64>> pool_seqs(static_cast<std::size_t>(n_pools));
-  for (std::size_t s = 0; s < seq_loads.size(); ++s)
-    pool_seqs[group_pool[seq_group[s]]].push_back(static_cast<i64>(s));
-  const i64 limit = 4 * static_cast<i64>(seq_loads.size());
-  for (i64 it = 0; it < limit && n_pools > 1; ++it) {
-    const i64 hi = std::max_element(ptotal.begin(), ptotal.end()) - ptotal.begin();
-    const i64 lo = std::min_element(ptotal.begin(), ptotal.end()) - ptotal.begin();
-    double best = ptotal[hi];
-    i64 best_a = -1, best_b = -1;
-    for (i64 a : pool_seqs[hi])
-      for (i64 b : pool_seqs[lo]) {
-        const double delta = seq_loads[a] - seq_loads[b];
-        if (!(delta > 0) || gload[seq_group[b]] + delta > max_group) continue;
-        const double pair_max = std::max(ptotal[hi] - delta, ptotal[lo] + delta);
-        if (pair_max < best) {
-          best = pair_max;
-          best_a = a;
-          best_b = b;
-        }
-      }
-    if (best_a < 0) break;
-    const double delta = seq_loads[best_a] - seq_loads[best_b];
-    const i64 ga = seq_group[best_a], gb = seq_group[best_b];
-    gload[ga] -= delta;
-    gload[gb] += delta;
-    ptotal[hi] -= delta;
-    ptotal[lo] += delta;
-    seq_group[best_a] = gb;
-    seq_group[best_b] = ga;
-    std::replace(pool_seqs[hi].begin(), pool_seqs[hi].end(), best_a, best_b);
-    std::replace(pool_seqs[lo].begin(), pool_seqs[lo].end(), best_b, best_a);
-  }
-  return finish(seq_loads, seq_group, group_pool, dp, pool, slots);
+  for (std::size_t g = 0; g < group_pool.size(); ++g) group_pool[g] = static_cast<i64>(g) / slots;
+  return evaluate(loads, std::move(seq_group), std::move(group_pool), n_pools);
+}
+
+}  // namespace
+
+VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots,
+                         bool spread_members) {
+  const i64 n_pools = dp / pool;
+  // A rank's attention time without PP is its pool's total / P (TAP evens out each group), so
+  // the pool totals come first, the (pool, slot) groups second. Production order is kept when it
+  // is better, so VRSP is never worse than no placement.
+  Grouping best = pools_first(seq_loads, n_pools, pool, slots);
+  Grouping prod = production_grouping(seq_loads, n_pools, pool, slots);
+  if (better(prod, best)) best = std::move(prod);
+  return finish(seq_loads, best.seq_group, best.group_pool, dp, pool, slots, spread_members);
 }
 
 VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots) {

@@ -28,11 +28,13 @@ struct VrspPlacement {
   double lower_bound = 0;
 };
 
-// Sequences -> B/P groups of P (LPT + swaps), groups -> pools with exactly m groups each (LPT +
-// swaps on group totals), then sequence swaps between the heaviest and lightest pool that balance
-// pool totals without raising the heaviest group; slots inside a pool heaviest group first,
-// sequences inside a group heaviest first to member 0.
-VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots);
+// Sequences -> D/P pools of exactly P*m (LPT + swaps on pool totals), then inside each pool
+// -> m groups of P (LPT + swaps on group totals); Megatron's production grouping instead when its
+// heaviest pool (then group) is lighter. Slots inside a pool heaviest group first; inside a group
+// the heaviest sequence to member 0, or with `spread_members` to the member with the least load
+// over the earlier slots.
+VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots,
+                         bool spread_members = false);
 
 // Megatron's default order: sequence i on replica i / m, slot i % m.
 VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots);
