@@ -134,6 +134,9 @@ _METRICS = (
     "pool_total_imbalance_before",
     "vrsp_max_group",
     "vrsp_lower_bound",
+    "vrsp_max_pool",
+    "vrsp_pool_lower_bound",
+    "achievable_max_over_mean",
     "moved_token_fraction",
     "total_bytes",
     "plan_ms",
@@ -178,6 +181,13 @@ class StepPlan:
         """VRSP's max group load over the exact-cardinality lower bound."""
         return self.vrsp_max_group / self.vrsp_lower_bound if self.vrsp_lower_bound > 0 else 1.0
 
+    @property
+    def vrsp_pool_bound_ratio(self) -> float:
+        """VRSP's max pool total over the exact-cardinality lower bound of pool totals."""
+        if self.vrsp_pool_lower_bound <= 0:
+            return 1.0
+        return self.vrsp_max_pool / self.vrsp_pool_lower_bound
+
     def sequences(self) -> list[list[int]]:
         """Document lengths of every executed packed sequence."""
         off = self.seq_doc_offsets
@@ -190,6 +200,7 @@ class StepPlan:
     def metrics(self) -> dict:
         out = {k: getattr(self, k) for k in _METRICS}
         out["vrsp_lower_bound_ratio"] = self.vrsp_lower_bound_ratio
+        out["vrsp_pool_bound_ratio"] = self.vrsp_pool_bound_ratio
         out["bytes_moved_per_rank"] = float(self.rank_bytes_sent.mean())
         out["bytes_moved_max_rank"] = float(self.rank_bytes_sent.max())
         return out

@@ -90,6 +90,9 @@ def lower_bound(loads: list[float], n_groups: int, card: int) -> float:
             for q in range((k + card - 1) // card, k + 1)
         )
         bound = max(bound, least)
+    if card == 2:  # pairing the i-th heaviest with the i-th lightest is optimal
+        for i in range(n // 2):
+            bound = max(bound, x[i] + x[n - 1 - i])
     return bound
 
 

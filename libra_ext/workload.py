@@ -169,28 +169,34 @@ def pack_best_fit(lengths: Sequence[int], context: int) -> list[PackedSequence]:
 
 
 def read_lengths_file(path: str | os.PathLike) -> list[int]:
-    """Read one positive integer per line (blank lines and '#' comments skipped)."""
+    """Read one positive integer per line: plain ASCII decimal digits (blank lines and '#'
+    comments skipped); every error names the file and the line."""
     values: list[int] = []
     try:
-        fh = open(path, encoding="utf-8")
+        with open(path, "rb") as fh:
+            raw_lines = fh.read().split(b"\n")
     except OSError as e:
         raise ValueError(f"lengths file {path}: cannot open ({e.strerror})") from None
-    with fh:
-        for lineno, raw in enumerate(fh, start=1):
-            text = raw.split("#", 1)[0].strip()
-            if not text:
-                continue
-            try:
-                value = int(text)
-            except ValueError:
-                raise ValueError(
-                    f"lengths file {path} line {lineno}: {text!r} is not a positive integer"
-                ) from None
-            if value <= 0 or value > MAX_TOKENS:
-                raise ValueError(
-                    f"lengths file {path} line {lineno}: {value} is not in [1, {MAX_TOKENS}]"
-                )
-            values.append(value)
+    for lineno, raw in enumerate(raw_lines, start=1):
+        try:
+            line = raw.decode("ascii")
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"lengths file {path} line {lineno}: not ASCII text (a binary file?)"
+            ) from None
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        if not text.isdigit():  # ASCII only here: no sign, underscore, spaces or exponent
+            raise ValueError(
+                f"lengths file {path} line {lineno}: {text[:40]!r} is not a positive integer"
+            )
+        value = int(text)
+        if value <= 0 or value > MAX_TOKENS:
+            raise ValueError(
+                f"lengths file {path} line {lineno}: {value} is not in [1, {MAX_TOKENS}]"
+            )
+        values.append(value)
     if not values:
         raise ValueError(f"lengths file {path} is empty: it needs one positive integer per line")
     return values
@@ -225,11 +231,37 @@ class LengthSource:
 
     def sample(self, n: int, seed: int) -> list[int]:
         """n document lengths drawn with the given seed."""
-        return list(_core.sample_lengths(self._dist, int(n), int(seed)))
+        n = check_int(n, "n", 0)
+        return list(_core.sample_lengths(self._dist, n, check_seed(seed)))
 
     def step(self, gbs: int, context: int, seed: int, step: int) -> list[list[int]]:
         """The gbs packed sequences of one step (production packing of a seeded stream)."""
-        return _core.step_sequences(self._dist, int(gbs), int(context), int(seed), int(step))
+        return _core.step_sequences(
+            self._dist,
+            check_int(gbs, "gbs", 1),
+            check_int(context, "context", 1, MAX_TOKENS),
+            check_seed(seed),
+            check_int(step, "step", 0),
+        )
+
+
+SEED_LIMIT = 1 << 64
+"""Seeds are unsigned 64-bit integers."""
+
+
+def check_int(value, name: str, lo: int, hi: int = (1 << 63) - 1) -> int:
+    """An integer in [lo, hi], or a ValueError naming `name`."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    v = int(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """A seed in [0, 2^64)."""
+    return check_int(seed, name, 0, SEED_LIMIT - 1)
 
 
 def preset_names() -> list[str]:

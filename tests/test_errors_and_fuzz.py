@@ -106,8 +106,18 @@ def test_tiny_block_that_would_explode_is_refused():
     model = ModelConfig(
         hidden=64, heads=4, kv_heads=2, head_dim=8, ffn=64, layers=1, moe_topk=0, moe_ffn=0
     )
-    with pytest.raises(ValueError, match=r"block \(1\) and head_group \(4\) would cut"):
+    with pytest.raises(ValueError, match=r"about \d+ tiles .*raise block \(1\) or head_group \(4\)"):
         Planner(layout, model, PlannerOptions(block=1)).plan([[2**30], [2**30]])
+
+
+def test_per_document_cp_counts_its_2c_tiles_per_document_against_the_budget():
+    # 2^23 documents of 16 tokens at C = 4 would be 2^26 tiles: refused before any is made
+    layout = LayoutConfig(dp=1, cp=4, pool_size=1, context=2**27)
+    model = ModelConfig(
+        hidden=64, heads=4, kv_heads=2, head_dim=8, ffn=64, layers=1, moe_topk=0, moe_ffn=0
+    )
+    with pytest.raises(ValueError, match=r"per-document CP makes 2C tiles per document"):
+        Planner(layout, model, PlannerOptions(system="wlb")).plan([[16] * 2**23], flush=True)
 
 
 def test_planner_state_rejects_garbage():

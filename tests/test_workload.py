@@ -129,11 +129,31 @@ def test_lengths_file(tmp_path):
         ("10\n2.5\n", "line 2: '2.5' is not a positive integer"),
         ("10\nabc\n", "line 2: 'abc' is not a positive integer"),
         ("0\n", "line 1: 0 is not in"),
-        ("-3\n", "line 1: -3 is not in"),
+        ("-3\n", "line 1: '-3' is not a positive integer"),
+        # only plain ASCII decimal digits: no underscores, signs or other scripts' digits
+        ("5\n1_000\n", "line 2: '1_000' is not a positive integer"),
+        ("+7\n", "line 1: '\\+7' is not a positive integer"),
+        ("4\n\u0663\n", "line 2: not ASCII text"),
     ],
 )
 def test_lengths_file_errors_name_the_line(tmp_path, text, message):
     f = tmp_path / "bad.txt"
-    f.write_text(text)
+    f.write_text(text, encoding="utf-8")
     with pytest.raises(ValueError, match=message):
         wl.read_lengths_file(f)
+
+
+def test_binary_lengths_file_names_the_file_and_line(tmp_path):
+    f = tmp_path / "lengths.bin"
+    f.write_bytes(b"12\n\x00\xff\xfe\x89PNG")
+    with pytest.raises(ValueError, match=rf"lengths file {f} line 2: not ASCII text"):
+        wl.read_lengths_file(f)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
+def test_seeds_outside_64_bits_are_refused_by_name(seed):
+    src = wl.LengthSource(preset="libra-256k")
+    with pytest.raises(ValueError, match="seed must be"):
+        src.step(2, 1024, seed, 0)
+    with pytest.raises(ValueError, match="seed must be"):
+        src.sample(3, seed)

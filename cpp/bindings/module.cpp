@@ -56,6 +56,9 @@ py::dict plan_to_dict(StepPlan&& p) {
                       {"pool_total_imbalance_before", p.pool_total_imbalance_before},
                       {"vrsp_max_group", p.vrsp_max_group},
                       {"vrsp_lower_bound", p.vrsp_lower_bound},
+                      {"vrsp_max_pool", p.vrsp_max_pool},
+                      {"vrsp_pool_lower_bound", p.vrsp_pool_lower_bound},
+                      {"achievable_max_over_mean", p.achievable_max_over_mean},
                       {"moved_token_fraction", p.moved_token_fraction},
                       {"total_bytes", p.total_bytes}, {"plan_ms", p.plan_ms}})
     d[k] = v;

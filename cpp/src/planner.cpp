@@ -93,6 +93,11 @@ u64 StepPlan::compute_hash() const {
                         &kv_seq, &kv_start, &kv_len, &kv_head})
     h.vec(*v);
   for (const auto* v : {&rank_load, &rank_load_before, &group_load, &rank_bytes_sent}) h.vec(*v);
+  for (double v : {max_over_mean, max_over_mean_before, inter_pool_imbalance,
+                   inter_pool_imbalance_before, pool_total_imbalance, pool_total_imbalance_before,
+                   vrsp_max_group, vrsp_lower_bound, vrsp_max_pool, vrsp_pool_lower_bound,
+                   achievable_max_over_mean, moved_token_fraction, total_bytes})
+    h.value(v);
   return h.digest();
 }
 
@@ -120,6 +125,11 @@ void StepPlan::reserve_tiles(std::size_t n) {
 }
 
 namespace {
+
+// Memory budget of one plan: about this many bytes per tile (13 tile arrays, send order,
+// exchange entries), at most kMaxPlanTiles tiles (about 2 GB).
+constexpr double kBytesPerTile = 128.0;
+constexpr double kMaxPlanTiles = static_cast<double>(i64(1) << 24);
 
 double max_over_mean_of(const std::vector<double>& v) {
   if (v.empty()) return 1.0;
@@ -305,6 +315,20 @@ void compute_metrics(StepPlan& p, const std::vector<std::vector<i64>>& input) {
   p.inter_pool_imbalance_before = max_over_mean_of(group_before) - 1.0;
   p.pool_total_imbalance = max_over_mean_of(pool_totals(p.group_load, m)) - 1.0;
   p.pool_total_imbalance_before = max_over_mean_of(pool_totals(group_before, m)) - 1.0;
+  // Lowest achievable per-rank load with tiles inside layout pools: pool work / P (per cp rank),
+  // or the largest piece TAP cannot cut (the last min-split rows of the longest document, one
+  // head), whichever is larger.
+  i64 longest = 0;
+  for (i64 l : p.doc_lengths) longest = std::max(longest, l);
+  const i64 rows = std::min(longest, std::max<i64>(1, std::min<i64>(128, p.context / 32)));
+  const double unit = attn_fwd_flops(static_cast<double>(block_pairs(longest - rows, longest)), 1,
+                                     p.head_dim) * bwd;
+  const double mean_rank =
+      std::accumulate(p.rank_load.begin(), p.rank_load.end(), 0.0) / static_cast<double>(p.rank_load.size());
+  double worst = 0;
+  for (const double total : pool_totals(p.group_load, m))
+    worst = std::max(worst, std::max(total / static_cast<double>(P * C), unit));
+  p.achievable_max_over_mean = mean_rank > 0 ? worst / mean_rank : 1.0;
 }
 
 void check_heads(const ModelDims& model, const Layout& layout, System system) {
@@ -351,21 +375,33 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
 
   PlanOptions opt = options;
   if (opt.block == 0) opt.block = std::max<i64>(1024, layout.context / 16);
-  double est = 0;  // tiles before TAP's splits of heavy tiles
+  double est = 0;  // tiles the system makes (before TAP's splits and cuts of heavy tiles)
   {
-    // Refuse plans whose tile count would exhaust memory rather than failing mid-way.
+    // Refuse plans whose tiles would not fit the memory budget rather than failing mid-way.
     const i64 hl = model.heads / (layout.cp * layout.tp);
     const i64 hg = opt.head_group > 0 ? std::min(opt.head_group, hl) : hl;
-    for (const auto& seq : sequences) {
-      i64 tokens = 0;
-      for (i64 l : seq) tokens += l;
-      est += static_cast<double>(tokens / opt.block + static_cast<i64>(seq.size()) + 1);
+    if (options.system == System::Wlb) {
+      // per-document CP: up to 2C chunks of every document (queued ones included)
+      double docs = state != nullptr ? static_cast<double>(state->pending()) * 2.0 * layout.cp : 0.0;
+      for (const auto& seq : sequences)
+        for (i64 l : seq) docs += static_cast<double>(std::min<i64>(l, 2 * layout.cp));
+      est = docs;
+    } else {
+      for (const auto& seq : sequences) {
+        i64 tokens = 0;
+        for (i64 l : seq) tokens += l;
+        est += static_cast<double>(tokens / opt.block + static_cast<i64>(seq.size()) + 1);
+      }
+      est *= static_cast<double>((hl + hg - 1) / hg);
     }
-    est *= static_cast<double>((hl + hg - 1) / hg);
-    if (est > static_cast<double>(i64(1) << 26))
-      fail("block (" + std::to_string(opt.block) + ") and head_group (" + std::to_string(hg) +
-           ") would cut this step into about " + std::to_string(static_cast<i64>(est)) +
-           " tiles; raise block or head_group");
+    if (est > kMaxPlanTiles)
+      fail("this step would make about " + std::to_string(static_cast<i64>(est)) + " tiles (" +
+           std::to_string(static_cast<i64>(est * kBytesPerTile / 1e9)) +
+           " GB of plan), more than the budget of " + std::to_string(static_cast<i64>(kMaxPlanTiles)) +
+           (options.system == System::Wlb
+                ? " tiles: per-document CP makes 2C tiles per document; plan fewer documents or a smaller cp"
+                : " tiles; raise block (" + std::to_string(opt.block) + ") or head_group (" +
+                      std::to_string(hg) + ")"));
   }
   if (options.system != System::Wlb) p.reserve_tiles(static_cast<std::size_t>(est * 1.5));
   VrspPlacement placement;
@@ -400,6 +436,8 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   }
   p.vrsp_max_group = placement.max_group;
   p.vrsp_lower_bound = placement.lower_bound;
+  p.vrsp_max_pool = placement.max_pool;
+  p.vrsp_pool_lower_bound = placement.pool_lower_bound;
   build_exchange(p);
   compute_metrics(p, sequences);
   p.hash = p.compute_hash();

@@ -150,6 +150,8 @@ double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_gro
     }
     bound = std::max(bound, least);
   }
+  if (cardinality == 2)  // pairing the i-th heaviest with the i-th lightest is optimal
+    for (std::size_t i = 0; i < n / 2; ++i) bound = std::max(bound, x[i] + x[n - 1 - i]);
   return bound;
 }
 
@@ -195,6 +197,11 @@ VrspPlacement finish(const std::vector<double>& seq_loads, const std::vector<i64
   }
   out.max_group = gload.empty() ? 0.0 : *std::max_element(gload.begin(), gload.end());
   out.lower_bound = exact_cardinality_lower_bound(seq_loads, n_groups, pool);
+  std::vector<double> ptotal(pool_groups.size(), 0.0);
+  for (i64 g = 0; g < n_groups; ++g) ptotal[group_pool[g]] += gload[g];
+  out.max_pool = *std::max_element(ptotal.begin(), ptotal.end());
+  out.pool_lower_bound =
+      exact_cardinality_lower_bound(seq_loads, static_cast<i64>(ptotal.size()), pool * slots);
   return out;
 }
 
@@ -277,13 +284,18 @@ VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64
   out.replica.resize(n);
   out.slot.resize(n);
   std::vector<double> gload(static_cast<std::size_t>(dp / pool * slots), 0.0);
+  std::vector<double> ptotal(static_cast<std::size_t>(dp / pool), 0.0);
   for (std::size_t s = 0; s < n; ++s) {
     out.replica[s] = static_cast<i64>(s) / slots;
     out.slot[s] = static_cast<i64>(s) % slots;
     gload[(out.replica[s] / pool) * slots + out.slot[s]] += seq_loads[s];
+    ptotal[out.replica[s] / pool] += seq_loads[s];
   }
   out.max_group = gload.empty() ? 0.0 : *std::max_element(gload.begin(), gload.end());
   out.lower_bound = exact_cardinality_lower_bound(seq_loads, static_cast<i64>(gload.size()), pool);
+  out.max_pool = *std::max_element(ptotal.begin(), ptotal.end());
+  out.pool_lower_bound =
+      exact_cardinality_lower_bound(seq_loads, static_cast<i64>(ptotal.size()), pool * slots);
   return out;
 }
 

@@ -18,7 +18,7 @@ import yaml
 
 from libra_ext.attention.kernels import BACKENDS
 from libra_ext.planner import SYSTEMS
-from libra_ext.workload import ModelConfig, preset_names
+from libra_ext.workload import ModelConfig, check_int, preset_names
 
 
 @dataclass
@@ -82,7 +82,8 @@ class DataConfig:
     gbs: int = 8
     """Packed sequences per optimizer step (B); a multiple of the data-parallel size."""
     seed: int = 1234
-    """Seed of the document stream and of synthetic token ids."""
+    """Seed of the document stream, synthetic token ids and the model's initialisation, in
+    [0, 2^31)."""
 
 
 @dataclass
@@ -243,6 +244,7 @@ class TrainConfig:
             )
         if d.context <= 0:
             raise ValueError(f"data.context must be positive, got {d.context}")
+        check_int(d.seed, "data.seed", 0, 2**31 - 1)  # megatron-core offsets it per rank
         if d.source == "synthetic":
             if d.lengths_file is None and d.workload not in preset_names():
                 raise ValueError(

@@ -33,7 +33,7 @@ def add_verify_parser(sub) -> None:
 
 def run_verify_attention(args):
     from libra_ext.attention.verify import COUNTERS, VerifyConfig, run
-    from libra_ext.workload import read_lengths_file
+    from libra_ext.workload import check_int, read_lengths_file
 
     if args.nproc <= 0:
         raise ValueError(f"nproc must be positive, got {args.nproc}")
@@ -44,9 +44,10 @@ def run_verify_attention(args):
     pool = args.pool_size if args.pool_size is not None else dp
     if pool <= 0 or dp % pool:
         raise ValueError(f"pool_size (P={pool}) must divide dp (D={dp})")
-    for field in ("context", "block", "chunks"):
+    for field in ("context", "block", "chunks", "heads", "kv_heads"):
         if getattr(args, field) <= 0:
             raise ValueError(f"{field} must be positive, got {getattr(args, field)}")
+    check_int(args.seed, "seed", 0, 2**31 - 1)  # numpy and torch generators take it
     lengths = tuple(read_lengths_file(args.lengths_file)) if args.lengths_file else ()
     cfg = VerifyConfig(
         nproc=args.nproc,

@@ -107,6 +107,11 @@ struct StepPlan {
   double inter_pool_imbalance = 0, inter_pool_imbalance_before = 0;  // per (pool, slot) groups
   double pool_total_imbalance = 0, pool_total_imbalance_before = 0;  // per pool, all slots
   double vrsp_max_group = 0, vrsp_lower_bound = 0;
+  double vrsp_max_pool = 0, vrsp_pool_lower_bound = 0;  // pool totals (all slots)
+  // The lowest per-rank attention load reachable with tiles kept inside their layout pool:
+  // max over pools of max(pool work / P, the largest piece of work TAP cannot cut), over the
+  // mean rank load.
+  double achievable_max_over_mean = 0;
   double moved_token_fraction = 0;
   double total_bytes = 0;
   double plan_ms = 0;  // not part of the hash

@@ -17,7 +17,8 @@ std::vector<i64> exact_cardinality_lpt(const std::vector<double>& loads, i64 n_g
 // Lower bound on the max group load of any exact-cardinality placement: the mean; for each
 // j = 1..cardinality, the j smallest of the (j-1)*G+1 heaviest items (some group holds j of them)
 // plus the cardinality-j smallest items overall; and for each k <= G, the least over q of the
-// average of q groups holding the k heaviest items and the q*cardinality-k lightest items.
+// average of q groups holding the k heaviest items and the q*cardinality-k lightest items. For
+// pairs (cardinality 2) it is the optimum itself: the i-th heaviest with the i-th lightest.
 double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_groups,
                                      i64 cardinality);
 
@@ -25,7 +26,9 @@ struct VrspPlacement {
   std::vector<i64> replica;  // per sequence
   std::vector<i64> slot;     // per sequence
   double max_group = 0;
-  double lower_bound = 0;
+  double lower_bound = 0;        // on the heaviest group of any placement
+  double max_pool = 0;           // heaviest pool total (all slots)
+  double pool_lower_bound = 0;   // on the heaviest pool total of any placement
 };
 
 // Sequences -> D/P pools of exactly P*m (LPT + swaps on pool totals), then inside each pool
