@@ -326,10 +326,11 @@ def plan_libra(
             t = tiles[gt[k][0]]
             return increment_rows(k, j, t[4], t[8])
 
-        def increment_rows(k, j, q_len, kv_len):
-            ti, owner, ldoc, _ = gt[k]
+        def increment_rows(k, j, q_len, kv_len, ldoc=None):
+            ti, owner, tile_ldoc, _ = gt[k]
             if owner == j:
                 return 0
+            ldoc = tile_ldoc if ldoc is None else ldoc
             t = tiles[ti]
             inc = qo(q_len, t[6])
             for kh in kv_heads_of(t):
@@ -338,14 +339,70 @@ def plan_libra(
                     inc += kvb(kv_len - r)
             return inc
 
+        def isolate_document(k, i):
+            """Split multi-document tile k so that its document i has a tile of its own (the
+            tile keeps the documents before i, or document i when i == 0); returns the new
+            tiles' group indices, their load taken off tile k's executor."""
+            ti, owner, ldoc, wk = gt[k]
+            t = tiles[ti]
+            cnt, first, hc = t[2], t[1], float(t[6])
+
+            def span(d0, d1):
+                ls = all_lengths[first + d0 : first + d1]
+                return sum(ls), sum(causal_pairs(l) for l in ls)
+
+            out = []
+            new = ([(i, i + 1)] if i > 0 else []) + ([(i + 1, cnt)] if i + 1 < cnt else [])
+            for d0, d1 in new:
+                tokens, pairs = span(d0, d1)
+                off = t[3] + span(0, d0)[0]
+                tiles.append([t[0], first + d0, d1 - d0, off, tokens, t[5], t[6], off, tokens,
+                              t[9], t[9]])
+                gt.append((len(tiles) - 1, owner, ldoc + d0, float(pairs) * hc))
+                out.append(len(gt) - 1)
+            keep_tokens, keep_pairs = span(0, i) if i > 0 else span(0, 1)
+            t[2] = i if i > 0 else 1
+            t[4] = t[8] = keep_tokens
+            moved = wk - float(keep_pairs) * hc
+            gt[k] = (ti, owner, ldoc, wk - moved)
+            load[exe[k]] -= moved
+            return out
+
         def best_cut(on_hi, hi, lo, min_gain, min_rows):
-            """The tail cut [c, b) of a one-document tile on hi that best moves half the gap to
-            lo: (new max, bytes, tile, c, load) or None."""
+            """The tail cut of a tile on hi that best moves half the gap to lo - rows [c, b) of
+            a one-document tile, or the documents after the first c of a multi-document tile:
+            (new max, bytes, tile, c, load) or None."""
             want = (load[hi] - load[lo]) / 2.0
             best = None
+
+            def consider(k, c, w, ldoc, q_len, kv_len):
+                nonlocal best
+                new_max = max(load[hi] - w, load[lo] + w)
+                if not new_max < load[hi] - min_gain:
+                    return
+                if best is not None and new_max > best[0]:
+                    return
+                nbytes = increment_rows(k, lo, q_len, kv_len, ldoc)
+                if best is None or new_max < best[0] or nbytes < best[1]:
+                    best = (new_max, nbytes, k, c, w)
+
             for k in on_hi:
                 t = tiles[gt[k][0]]
-                if t[2] != 1 or t[4] < 2 * min_rows:
+                if t[2] > 1:
+                    hc = float(t[6])
+                    acc, tail = 0.0, 0
+                    for i in range(t[2] - 1, 0, -1):
+                        l = all_lengths[t[1] + i]
+                        prev = acc
+                        acc += float(causal_pairs(l)) * hc
+                        tail += l
+                        if acc >= want or i == 1:
+                            consider(k, i, acc, gt[k][2] + i, tail, tail)
+                            if i + 1 <= t[2] - 1:
+                                consider(k, i + 1, prev, gt[k][2] + i + 1, tail - l, tail - l)
+                            break
+                    continue
+                if t[4] < 2 * min_rows:
                     continue
                 a = t[3] - t[7]
                 b = a + t[4]
@@ -360,15 +417,7 @@ def plan_libra(
                 for cc in (c, c - 1):
                     if cc < a + min_rows or cc > b - min_rows:
                         continue
-                    w = float(block_pairs(cc, b)) * hc
-                    new_max = max(load[hi] - w, load[lo] + w)
-                    if not new_max < load[hi] - min_gain:
-                        continue
-                    if best is not None and new_max > best[0]:
-                        continue
-                    nbytes = increment_rows(k, lo, b - cc, b)
-                    if best is None or new_max < best[0] or nbytes < best[1]:
-                        best = (new_max, nbytes, k, cc, w)
+                    consider(k, cc, float(block_pairs(cc, b)) * hc, gt[k][2], b - cc, b)
             return best
 
         def assign(k, j):
@@ -438,19 +487,49 @@ def plan_libra(
                     on[lo].append(pick)
                     on[lo].sort()
                     continue
-                cut = best_cut(on[hi], hi, lo, min_gain, min_split_rows(context))
+                min_rows = min_split_rows(context)
+                cut = best_cut(on[hi], hi, lo, min_gain, min_rows)
                 if cut is None:
-                    break
+                    # whole documents too coarse: the heaviest document of a multi-document tile
+                    # on hi heavier than half the gap gets a tile of its own (cut next round)
+                    want = (load[hi] - load[lo]) / 2.0
+                    pk, pi, pw = None, 0, 0.0
+                    for k in on[hi]:
+                        t = tiles[gt[k][0]]
+                        if t[2] < 2:
+                            continue
+                        for i in range(t[2]):
+                            l = all_lengths[t[1] + i]
+                            w = float(causal_pairs(l)) * float(t[6])
+                            if l >= 2 * min_rows and w > want and w > pw:
+                                pk, pi, pw = k, i, w
+                    if pk is None:
+                        break
+                    for k in isolate_document(pk, pi):
+                        exe.append(-1)
+                        assign(k, hi)
+                        on[hi].append(k)
+                    continue
                 _, _, k, c, w = cut
                 ti, owner, ldoc, wk = gt[k]
                 t = tiles[ti]
-                a = t[3] - t[7]
-                b = a + t[4]
-                tiles.append([t[0], t[1], 1, t[7] + c, b - c, t[5], t[6], t[7], b, t[9], t[9]])
-                t[4], t[8] = c - a, c
+                if t[2] > 1:  # the documents after the first c become their own tile
+                    tail = sum(all_lengths[t[1] + i] for i in range(c, t[2]))
+                    start = t[3] + t[4] - tail
+                    tiles.append(
+                        [t[0], t[1] + c, t[2] - c, start, tail, t[5], t[6], start, tail, t[9], t[9]]
+                    )
+                    t[2], t[4], t[8] = c, t[4] - tail, t[8] - tail
+                    piece_ldoc = ldoc + c
+                else:  # the last rows [c, b) of the document
+                    a = t[3] - t[7]
+                    b = a + t[4]
+                    tiles.append([t[0], t[1], 1, t[7] + c, b - c, t[5], t[6], t[7], b, t[9], t[9]])
+                    t[4], t[8] = c - a, c
+                    piece_ldoc = ldoc
                 gt[k] = (ti, owner, ldoc, wk - w)
                 load[hi] -= w
-                gt.append((len(tiles) - 1, owner, ldoc, w))
+                gt.append((len(tiles) - 1, owner, piece_ldoc, w))
                 exe.append(-1)
                 assign(len(gt) - 1, lo)
                 on[lo].append(len(gt) - 1)

@@ -150,11 +150,15 @@ def test_libra_balances_a_skewed_step_and_ulysses_does_not():
 
 
 @given(data=st.data())
-def test_vrsp_never_raises_inter_pool_imbalance(data):
+def test_vrsp_never_raises_the_heaviest_pool_or_ties_with_a_heavier_group(data):
+    # VRSP orders placements by their heaviest pool total (what a rank's attention time is, with
+    # TAP), then by their heaviest (pool, slot) group; production order is one of the candidates
     layout, model = data.draw(layouts())
     seqs = data.draw(step_inputs(layout))
     no_vrsp = Planner(layout, model, PlannerOptions(vrsp=False, tap=False)).plan(seqs)
     vrsp = Planner(layout, model, PlannerOptions(vrsp=True, tap=False)).plan(seqs)
-    tol = 1e-12 * max(1.0, no_vrsp.inter_pool_imbalance)
-    assert vrsp.inter_pool_imbalance <= no_vrsp.inter_pool_imbalance + tol
-    assert vrsp.vrsp_max_group <= no_vrsp.vrsp_max_group * (1 + 1e-12)
+    tol = 1e-9 * max(1.0, no_vrsp.vrsp_max_pool)
+    assert vrsp.vrsp_max_pool <= no_vrsp.vrsp_max_pool + tol
+    if vrsp.vrsp_max_pool >= no_vrsp.vrsp_max_pool - tol:  # a tie on pools: groups decide
+        assert vrsp.vrsp_max_group <= no_vrsp.vrsp_max_group * (1 + 1e-12)
+    assert vrsp.vrsp_pool_lower_bound <= vrsp.vrsp_max_pool * (1 + 1e-12)

@@ -206,13 +206,18 @@ class Placer {
 
   // The same for q_len query rows of tile k's document and heads against a kv_len prefix.
   i64 increment_rows(std::size_t k, i64 j, i64 q_len, i64 kv_len) const {
+    return increment_at(k, j, gt_.local_doc[k], q_len, kv_len);
+  }
+
+  // The same with the KV of another document of tile k's owner (local index local_doc).
+  i64 increment_at(std::size_t k, i64 j, i64 local_doc, i64 q_len, i64 kv_len) const {
     if (gt_.owner[k] == j) return 0;
     const i64 t = gt_.index[k];
     i64 inc = bytes_.qo_bytes(q_len, plan_.tile_head_count[t]);
     const i64 kv0 = kv_head_of(plan_, plan_.tile_head_start[t]);
     const i64 kv1 = kv_head_of(plan_, plan_.tile_head_start[t] + plan_.tile_head_count[t] - 1);
     for (i64 kh = kv0; kh <= kv1; ++kh) {
-      const i64 r = res_.get(j, gt_.local_doc[k], kh);
+      const i64 r = res_.get(j, local_doc, kh);
       if (kv_len > r) inc += bytes_.kv_bytes(kv_len - r);
     }
     return inc;
@@ -251,22 +256,95 @@ class Placer {
 };
 
 struct Cut {
-  std::size_t k;  // tile (local index); == on.size() sentinel replaced by n when none
-  i64 c = 0;      // first row (in document coordinates) of the piece cut off
-  double w = 0;   // its load
+  std::size_t k;  // tile (local index); gt.index.size() when there is none
+  i64 c = 0;      // one document: first row (document coordinates) of the piece cut off; several
+                  // documents: how many leading documents the tile keeps
+  double w = 0;   // the piece's load
   double new_max = 0;
   i64 bytes = 0;
 };
 
-// Best tail cut of a one-document tile on member hi towards member lo (see the refinement).
+// Best tail cut of a tile on member hi towards member lo (see the refinement): the last rows of
+// a one-document tile, or the last documents of a multi-document tile.
+// Split multi-document tile k so that its document i is a tile of its own: the tile keeps the
+// documents before i (or becomes document i when i == 0), and new tiles (appended to the plan and
+// the group, executed nowhere yet) take document i and the documents after it. Returns the new
+// tiles' local indices; their load has been taken off tile k's executor.
+std::vector<std::size_t> isolate_document(StepPlan& plan, GroupTiles& gt, Placer& placer,
+                                          std::size_t k, i64 i) {
+  const i64 t = gt.index[k];
+  const i64 cnt = plan.tile_doc_count[t], first = plan.tile_doc[t];
+  const double hc = static_cast<double>(plan.tile_head_count[t]);
+  auto span = [&](i64 d0, i64 d1) {  // (tokens, pairs) of documents [d0, d1) of the tile
+    i64 tokens = 0, pairs = 0;
+    for (i64 d = d0; d < d1; ++d) {
+      tokens += plan.doc_lengths[first + d];
+      pairs += causal_pairs(plan.doc_lengths[first + d]);
+    }
+    return std::pair<i64, i64>{tokens, pairs};
+  };
+  const i64 start = plan.tile_q_start[t];
+  std::vector<std::pair<i64, i64>> ranges;  // documents [d0, d1) of each new tile
+  if (i > 0) ranges.push_back({i, i + 1});
+  if (i + 1 < cnt) ranges.push_back({i + 1, cnt});
+  std::vector<std::size_t> out;
+  for (const auto& [d0, d1] : ranges) {
+    const auto [tokens, pairs] = span(d0, d1);
+    const i64 off = start + span(0, d0).first;
+    plan.add_tile({plan.tile_seq[t], first + d0, d1 - d0, off, tokens, plan.tile_head_start[t],
+                   plan.tile_head_count[t], off, tokens, plan.tile_owner[t], plan.tile_owner[t],
+                   -1, pairs});
+    gt.index.push_back(plan.n_tiles() - 1);
+    gt.owner.push_back(gt.owner[k]);
+    gt.local_doc.push_back(gt.local_doc[k] + d0);
+    gt.load.push_back(static_cast<double>(pairs) * hc);
+    out.push_back(gt.index.size() - 1);
+  }
+  // what tile k keeps: the documents before i, or document i alone
+  const auto [keep_tokens, keep_pairs] = i > 0 ? span(0, i) : span(0, 1);
+  plan.tile_doc_count[t] = i > 0 ? i : 1;
+  plan.tile_q_len[t] = plan.tile_kv_len[t] = keep_tokens;
+  const double moved = gt.load[k] - static_cast<double>(keep_pairs) * hc;
+  plan.tile_pairs[t] = keep_pairs;
+  gt.load[k] -= moved;
+  placer.shrink(k, moved);
+  return out;
+}
+
 Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
              const std::vector<std::size_t>& on_hi, i64 hi, i64 lo, const std::vector<double>& load,
              double min_gain, i64 min_rows) {
   Cut best{gt.index.size()};
   const double want = (load[hi] - load[lo]) / 2.0;
+  auto consider = [&](std::size_t k, i64 c, double w, i64 bytes_doc, i64 q_len, i64 kv_len) {
+    const double new_max = std::max(load[hi] - w, load[lo] + w);
+    if (!(new_max < load[hi] - min_gain)) return;
+    if (best.k != gt.index.size() && new_max > best.new_max) return;
+    const i64 bytes = placer.increment_at(k, lo, bytes_doc, q_len, kv_len);
+    if (best.k == gt.index.size() || new_max < best.new_max || bytes < best.bytes)
+      best = Cut{k, c, w, new_max, bytes};
+  };
   for (std::size_t k : on_hi) {
     const i64 t = gt.index[k];
-    if (plan.tile_doc_count[t] != 1 || plan.tile_q_len[t] < 2 * min_rows) continue;
+    const i64 cnt = plan.tile_doc_count[t];
+    if (cnt > 1) {  // whole documents from the end until half the gap is reached
+      const double hc = static_cast<double>(plan.tile_head_count[t]);
+      double acc = 0;
+      i64 tail = 0;
+      for (i64 i = cnt - 1; i >= 1; --i) {
+        const i64 l = plan.doc_lengths[plan.tile_doc[t] + i];
+        const double prev = acc;
+        acc += static_cast<double>(causal_pairs(l)) * hc;
+        tail += l;
+        if (acc >= want || i == 1) {
+          consider(k, i, acc, gt.local_doc[k] + i, tail, tail);
+          if (i + 1 <= cnt - 1) consider(k, i + 1, prev, gt.local_doc[k] + i + 1, tail - l, tail - l);
+          break;
+        }
+      }
+      continue;
+    }
+    if (plan.tile_q_len[t] < 2 * min_rows) continue;
     const i64 a = plan.tile_q_start[t] - plan.tile_kv_start[t], b = a + plan.tile_q_len[t];
     const double hc = static_cast<double>(plan.tile_head_count[t]);
     // smallest c with pairs(c, b) * hc <= want: c(c+1) >= b(b+1) - 2 want / hc
@@ -277,13 +355,7 @@ Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
     while (c < b - min_rows && static_cast<double>(block_pairs(c, b)) * hc > want) ++c;
     for (i64 cc : {c, c - 1}) {  // just under and just over half the gap
       if (cc < a + min_rows || cc > b - min_rows) continue;
-      const double w = static_cast<double>(block_pairs(cc, b)) * hc;
-      const double new_max = std::max(load[hi] - w, load[lo] + w);
-      if (!(new_max < load[hi] - min_gain)) continue;
-      if (best.k != gt.index.size() && new_max > best.new_max) continue;
-      const i64 bytes = placer.increment_rows(k, lo, b - cc, b);
-      if (best.k == gt.index.size() || new_max < best.new_max || bytes < best.bytes)
-        best = Cut{k, cc, w, new_max, bytes};
+      consider(k, cc, static_cast<double>(block_pairs(cc, b)) * hc, gt.local_doc[k], b - cc, b);
     }
   }
   return best;
@@ -434,22 +506,72 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
         // hi so that about half the gap moves to lo (pieces keep min_rows rows); the lowest new
         // maximum, then fewest bytes, then the earliest tile.
         const Cut cut = best_cut(plan, gt, placer, on[hi], hi, lo, load, min_gain, min_rows);
-        if (cut.k == n) break;
+        if (cut.k == n) {
+          // Whole documents are too coarse: give the heaviest document of a multi-document tile
+          // on hi that is heavier than half the gap (and long enough to cut) a tile of its own,
+          // so that the next round can cut its rows.
+          const double want = (load[hi] - load[lo]) / 2.0;
+          std::size_t pk = n;
+          i64 pi = 0;
+          double pw = 0;
+          for (std::size_t k : on[hi]) {
+            const i64 t = gt.index[k];
+            if (plan.tile_doc_count[t] < 2) continue;
+            for (i64 i = 0; i < plan.tile_doc_count[t]; ++i) {
+              const i64 l = plan.doc_lengths[plan.tile_doc[t] + i];
+              const double w = static_cast<double>(causal_pairs(l)) *
+                               static_cast<double>(plan.tile_head_count[t]);
+              if (l >= 2 * min_rows && w > want && w > pw) {
+                pk = k;
+                pi = i;
+                pw = w;
+              }
+            }
+          }
+          if (pk == n) break;
+          for (const std::size_t k : isolate_document(plan, gt, placer, pk, pi)) {
+            placer.add_tile();
+            placer.assign(k, hi);
+            on[hi].push_back(k);
+          }
+          n = gt.index.size();
+          continue;
+        }
         const i64 t = gt.index[cut.k];
-        const i64 a = plan.tile_q_start[t] - plan.tile_kv_start[t], b = a + plan.tile_q_len[t];
-        const StepPlan::Tile piece{plan.tile_seq[t],        plan.tile_doc[t],    1,
-                                   plan.tile_kv_start[t] + cut.c, b - cut.c,
-                                   plan.tile_head_start[t], plan.tile_head_count[t],
-                                   plan.tile_kv_start[t],   b,                   plan.tile_owner[t],
-                                   plan.tile_owner[t],      -1,                  block_pairs(cut.c, b)};
-        plan.tile_q_len[t] = cut.c - a;
-        plan.tile_kv_len[t] = cut.c;
-        plan.tile_pairs[t] = block_pairs(a, cut.c);
+        StepPlan::Tile piece;
+        i64 piece_doc = gt.local_doc[cut.k];
+        if (plan.tile_doc_count[t] > 1) {  // the last documents become their own tile
+          const i64 keep = cut.c, cnt = plan.tile_doc_count[t];
+          i64 tail = 0, tail_pairs = 0;
+          for (i64 i = keep; i < cnt; ++i) {
+            tail += plan.doc_lengths[plan.tile_doc[t] + i];
+            tail_pairs += causal_pairs(plan.doc_lengths[plan.tile_doc[t] + i]);
+          }
+          const i64 start = plan.tile_q_start[t] + plan.tile_q_len[t] - tail;
+          piece = {plan.tile_seq[t], plan.tile_doc[t] + keep, cnt - keep, start, tail,
+                   plan.tile_head_start[t], plan.tile_head_count[t], start, tail,
+                   plan.tile_owner[t], plan.tile_owner[t], -1, tail_pairs};
+          plan.tile_doc_count[t] = keep;
+          plan.tile_q_len[t] -= tail;
+          plan.tile_kv_len[t] -= tail;
+          plan.tile_pairs[t] -= tail_pairs;
+          piece_doc += keep;
+        } else {  // the last rows of the document
+          const i64 a = plan.tile_q_start[t] - plan.tile_kv_start[t], b = a + plan.tile_q_len[t];
+          piece = {plan.tile_seq[t],        plan.tile_doc[t],        1,
+                   plan.tile_kv_start[t] + cut.c, b - cut.c,
+                   plan.tile_head_start[t], plan.tile_head_count[t], plan.tile_kv_start[t],
+                   b,                       plan.tile_owner[t],      plan.tile_owner[t],
+                   -1,                      block_pairs(cut.c, b)};
+          plan.tile_q_len[t] = cut.c - a;
+          plan.tile_kv_len[t] = cut.c;
+          plan.tile_pairs[t] = block_pairs(a, cut.c);
+        }
         gt.load[cut.k] -= cut.w;
         placer.shrink(cut.k, cut.w);
         gt.index.push_back(plan.n_tiles());
         gt.owner.push_back(gt.owner[cut.k]);
-        gt.local_doc.push_back(gt.local_doc[cut.k]);
+        gt.local_doc.push_back(piece_doc);
         gt.load.push_back(cut.w);
         plan.add_tile(piece);
         placer.add_tile();
