@@ -96,7 +96,7 @@ def lower_bound(loads: list[float], n_groups: int, card: int) -> float:
     return bound
 
 
-REFINE_MIN_GAIN = 1e-4
+REFINE_MIN_GAIN = 5e-4
 
 
 def min_split_rows(context: int) -> int:
@@ -387,6 +387,8 @@ def plan_libra(
                     best = (new_max, nbytes, k, c, w)
 
             for k in on_hi:
+                if not gt[k][3] > want:  # it would have moved whole: only heavier ones are cut
+                    continue
                 t = tiles[gt[k][0]]
                 if t[2] > 1:
                     hc = float(t[6])
@@ -496,7 +498,7 @@ def plan_libra(
                     pk, pi, pw = None, 0, 0.0
                     for k in on[hi]:
                         t = tiles[gt[k][0]]
-                        if t[2] < 2:
+                        if t[2] < 2 or not gt[k][3] > want:
                             continue
                         for i in range(t[2]):
                             l = all_lengths[t[1] + i]

@@ -387,10 +387,13 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
         for (i64 l : seq) docs += static_cast<double>(std::min<i64>(l, 2 * layout.cp));
       est = docs;
     } else {
+      // per sequence: a document of l >= block tokens makes at most l / block + 1 query blocks
+      // and ends a run; two consecutive runs of shorter documents hold more than a block; so at
+      // most 5 * tokens / block + 1 tiles per head group
       for (const auto& seq : sequences) {
         i64 tokens = 0;
         for (i64 l : seq) tokens += l;
-        est += static_cast<double>(tokens / opt.block + static_cast<i64>(seq.size()) + 1);
+        est += 5.0 * static_cast<double>(tokens) / static_cast<double>(opt.block) + 1.0;
       }
       est *= static_cast<double>((hl + hg - 1) / hg);
     }

@@ -29,7 +29,7 @@ void push_tile(StepPlan& p, i64 seq, i64 doc, i64 doc_off, i64 a, i64 b, i64 h0,
 // rows, then by heads in halves. Calls emit(tile) for each, executor = owner.
 // Rows below which a tile is not split further: 128, or context / 32 for short contexts.
 inline i64 min_split_rows(i64 context) { return std::max<i64>(1, std::min<i64>(128, context / 32)); }
-constexpr double kRefineMinGain = 1e-4;
+constexpr double kRefineMinGain = 5e-4;
 
 template <typename Emit>
 void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows, Emit& emit) {
@@ -325,6 +325,8 @@ Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
       best = Cut{k, c, w, new_max, bytes};
   };
   for (std::size_t k : on_hi) {
+    // a tile no heavier than half the gap would have moved whole: only heavier ones are cut
+    if (!(gt.load[k] > want)) continue;
     const i64 t = gt.index[k];
     const i64 cnt = plan.tile_doc_count[t];
     if (cnt > 1) {  // whole documents from the end until half the gap is reached
@@ -516,7 +518,7 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
           double pw = 0;
           for (std::size_t k : on[hi]) {
             const i64 t = gt.index[k];
-            if (plan.tile_doc_count[t] < 2) continue;
+            if (plan.tile_doc_count[t] < 2 || !(gt.load[k] > want)) continue;
             for (i64 i = 0; i < plan.tile_doc_count[t]; ++i) {
               const i64 l = plan.doc_lengths[plan.tile_doc[t] + i];
               const double w = static_cast<double>(causal_pairs(l)) *
