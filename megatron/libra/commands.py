@@ -13,7 +13,7 @@ import numpy as np
 from libra_ext import checks
 from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
 from libra_ext.reference import plan_libra
-from libra_ext.workload import LengthSource, ModelConfig, preset_names
+from libra_ext.workload import LengthSource, ModelConfig, check_seed, preset_names
 
 
 class _DocView:
@@ -87,8 +87,81 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--steps", type=int, default=10, help="C++ steps timed per case")
     b.add_argument("--python-steps", type=int, default=3, help="Python steps timed per case")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument(
+        "--dp",
+        help="comma-separated D values: time planning at 256K with B = 8D, C = 8, P = 8 for each "
+        "and report the growth exponent (instead of the C++ vs Python comparison)",
+    )
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=run_bench_planner)
+    bb = bsub.add_parser(
+        "balance",
+        help="every system on a sweep of length distributions against the achievable bound",
+        description="Plan steps of 42 document-length distributions (lognormal, Pareto, "
+        "lognormal with Pareto tails, bimodal) at the 256K and 1M layouts and pool sizes 2-16 "
+        "under every system; print per-rank attention max/mean beside the lowest value "
+        "reachable with tiles kept inside pools.",
+    )
+    bb.add_argument("--layouts", default="256k,1m", help="256k and/or 1m")
+    bb.add_argument("--pools", default="2,4,8,16")
+    bb.add_argument("--systems", default="libra,ulysses,distca,wlb")
+    bb.add_argument("--steps", type=int, default=2, help="steps per distribution")
+    bb.add_argument("--seed", type=int, default=0)
+    bb.add_argument("--json", action="store_true")
+    bb.set_defaults(func=run_bench_balance)
+
+
+def _int_list_arg(text: str, field: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{field} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{field} must be positive integers, got {text!r}")
+    return values
+
+
+def run_bench_balance(args) -> dict | None:
+    from libra_ext import sweep
+
+    layouts = [x for x in args.layouts.split(",") if x]
+    for name in layouts:
+        if name not in sweep.LAYOUTS:
+            raise ValueError(f"layouts: unknown layout {name!r} (256k, 1m)")
+    pools = _int_list_arg(args.pools, "pools")
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"systems: unknown system {s!r}")
+    _positive(args.steps, "steps")
+    check_seed(args.seed)
+    rows = sweep.run(
+        layouts=layouts, pools=pools, systems=systems, steps=args.steps, seed=args.seed
+    )
+    gaps = [r["libra"] - r["bound"] for r in rows if r.get("libra") is not None]
+    out = {
+        "rows": rows,
+        "distributions": len({r["distribution"] for r in rows}),
+        "libra_max_gap": max(gaps) if gaps else None,
+    }
+    if args.json:
+        return out
+    cols = [s for s in ("libra", "ulysses", "distca", "wlb") if s in systems]
+    print("libra bench balance: per-rank attention max/mean (mean over steps); bound = lowest "
+          "reachable with tiles inside pools")
+    print(f"  {'distribution':28s} {'layout':6s} {'P':>3s} " + " ".join(
+        f"{c:>8s}" for c in (["bound"] if "libra" in systems else []) + cols))
+    for r in rows:
+        vals = ([r["bound"]] if "libra" in systems else []) + [r[c] for c in cols]
+        print(f"  {r['distribution']:28s} {r['layout']:6s} {r['pool']:3d} " + " ".join(
+            f"{v:8.4f}" if v is not None else f"{'refused':>8s}" for v in vals))
+    if gaps:
+        print(f"  largest gap of libra to the bound: {max(gaps):.4f} over {len(rows)} cases")
+    refused = sorted({s for r in rows for s in r.get("refused", {})})
+    if refused:
+        print(f"  refused (over the plan's tile budget): {', '.join(refused)} in "
+              f"{sum(bool(r.get('refused')) for r in rows)} cases")
+    return None
     a = bsub.add_parser(
         "attention",
         help="core-attention operator against one plain kernel call",
@@ -272,6 +345,8 @@ def run_plan(args) -> dict | None:
         "pool_total_imbalance": mean("pool_total_imbalance"),
         "pool_total_imbalance_before": mean("pool_total_imbalance_before"),
         "vrsp_lower_bound_ratio": worst("vrsp_lower_bound_ratio"),
+        "vrsp_pool_bound_ratio": worst("vrsp_pool_bound_ratio"),
+        "achievable_max_over_mean": mean("achievable_max_over_mean"),
         "max_over_mean": mean("max_over_mean"),
         "max_over_mean_worst": worst("max_over_mean"),
         "max_over_mean_before": mean("max_over_mean_before"),
@@ -316,6 +391,8 @@ def _print_plan_table(r: dict) -> None:
     for name, before, after in rows:
         print(f"  {name:58s} {before:11.4f} {after:9.4f}")
     print(f"  worst-step max/mean                    {r['max_over_mean_worst']:.4f}")
+    print(f"  achievable max/mean (tiles in pools)   {r['achievable_max_over_mean']:.4f}")
+    print(f"  VRSP max pool / lower bound (worst)    {r['vrsp_pool_bound_ratio']:.4f}")
     print(f"  VRSP max group / lower bound (worst)   {r['vrsp_lower_bound_ratio']:.4f}")
     print(f"  moved query-token fraction             {r['moved_token_fraction']:.4f}")
     print(f"  pool bytes sent per rank (fwd+bwd)     {r['bytes_moved_per_rank'] / 2**20:.1f} MiB")
@@ -330,8 +407,58 @@ BENCH_CASES = {
 }
 
 
+def run_bench_scaling(args) -> dict | None:
+    """Planning time per step at 256K (B = 8D, C = 8, P = 8) for each D, and its growth."""
+    dps = _int_list_arg(args.dp, "dp")
+    model = ModelConfig()
+    source = LengthSource(preset="libra-256k")
+    rows = []
+    for dp in dps:
+        if dp % 8:
+            raise ValueError(f"dp values must be multiples of the pool size 8, got {dp}")
+        layout = LayoutConfig(dp=dp, cp=8, pool_size=8, context=262_144)
+        planner = Planner(layout, model, PlannerOptions(system="libra"))
+        steps = [source.step(8 * dp, 262_144, args.seed, s) for s in range(args.steps)]
+        ms, tiles, balance = [], [], []
+        for seqs in steps:
+            plan = planner.plan(seqs)
+            ms.append(plan.plan_ms)
+            tiles.append(plan.n_tiles)
+            balance.append(plan.max_over_mean)
+            del plan
+        rows.append(
+            {
+                "dp": dp,
+                "gbs": 8 * dp,
+                "documents": int(np.mean([sum(len(s) for s in st) for st in steps])),
+                "tiles": float(np.mean(tiles)),
+                "ms": statistics.median(ms),
+                "max_over_mean": float(np.mean(balance)),
+            }
+        )
+    exponent = None
+    if len(rows) > 1:
+        x = np.log([r["dp"] for r in rows])
+        y = np.log([r["ms"] for r in rows])
+        exponent = float(np.polyfit(x, y, 1)[0])
+    out = {"rows": rows, "growth_exponent": exponent}
+    if args.json:
+        return out
+    print("libra bench planner: planning time per step (median), 256K, B = 8D, C = 8, P = 8")
+    print(f"  {'D':>5s} {'B':>6s} {'documents':>10s} {'tiles':>8s} {'ms':>8s} {'max/mean':>9s}")
+    for r in rows:
+        print(f"  {r['dp']:5d} {r['gbs']:6d} {r['documents']:10d} {r['tiles']:8.0f} "
+              f"{r['ms']:8.2f} {r['max_over_mean']:9.4f}")
+    if exponent is not None:
+        print(f"  growth: time ~ D^{exponent:.2f}")
+    return None
+
+
 def run_bench_planner(args) -> dict | None:
     _positive(args.steps, "steps")
+    if args.dp:
+        check_seed(args.seed)
+        return run_bench_scaling(args)
     _positive(args.python_steps, "python_steps")
     model = ModelConfig()
     out = {"model": "qwen3-30b-a3b", "cases": {}}
