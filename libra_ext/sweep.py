@@ -67,7 +67,8 @@ def distributions() -> list[LengthDistribution]:
     out = []
     for median in (256, 1000, 4000):
         for sigma in (0.5, 1.0, 1.5, 2.0, 2.5):
-            out.append(LengthDistribution(f"lognormal m{median} s{sigma}", "lognormal", median, sigma))
+            name = f"lognormal m{median} s{sigma}"
+            out.append(LengthDistribution(name, "lognormal", median, sigma))
     for sigma in (0.5, 1.0, 1.5):
         out.append(LengthDistribution(f"lognormal m16000 s{sigma}", "lognormal", 16000, sigma))
     for xm in (64, 512, 2048):
@@ -75,7 +76,8 @@ def distributions() -> list[LengthDistribution]:
             out.append(LengthDistribution(f"pareto x{xm} a{alpha}", "pareto", xm, alpha))
     for median, sigma in ((644, 1.0), (300, 1.5)):
         for share in (0.005, 0.02, 0.08):
-            out.append(LengthDistribution(f"mix m{median} s{sigma} t{share}", "mix", median, sigma, share))
+            name = f"mix m{median} s{sigma} t{share}"
+            out.append(LengthDistribution(name, "mix", median, sigma, share))
     for short, long, share in (
         (16, 8191, 0.0005),
         (16, 8191, 0.005),

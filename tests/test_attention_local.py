@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from libra_ext.attention import thd
-from libra_ext.attention import kernels
+from libra_ext.attention import kernels, thd
 from libra_ext.attention.kernels import KernelParams, reference_attention, select_backend, why_not
 from libra_ext.attention.verify import free_port, share_cores
 

@@ -175,7 +175,8 @@ def test_calls_per_block_do_not_grow_with_tiles_or_documents(workload, chunks):
     else:  # the preset's long-tail lengths, cut to the test context
         seqs = LengthSource(preset="libra-256k").step(8, context, seed=3, step=0)
     plan = _scaled_preset_plan(seqs, context=context, block=256)
-    assert plan.n_tiles > 100 and max(len(s) for s in seqs) >= (40 if workload == "many-short" else 1)
+    assert plan.n_tiles > 100
+    assert max(len(s) for s in seqs) >= (40 if workload == "many-short" else 1)
     for replica in range(4):
         for slot in range(plan.slots):
             p = meta.compile_slot(plan, replica, slot, chunks)
@@ -214,7 +215,7 @@ def test_upload_is_one_host_to_device_copy_of_every_array():
     host = meta.compile_slot(plan, 1, 0, 2)
     dev = meta.upload(host, "cpu")
     assert isinstance(dev.send_idx, torch.Tensor) and isinstance(host.send_idx, np.ndarray)
-    storages = {dev.send_idx.untyped_storage().data_ptr(), dev.o_out_idx.untyped_storage().data_ptr()}
+    storages = {t.untyped_storage().data_ptr() for t in (dev.send_idx, dev.o_out_idx)}
     if dev.local is not None:
         storages.add(dev.local.gather.untyped_storage().data_ptr())
     assert len(storages) == 1  # views of one buffer

@@ -132,3 +132,26 @@ class _no_exit:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_bench_attention_compares_the_operator_with_one_varlen_call(capsys):
+    from megatron.libra.cli import main
+
+    argv = ["bench", "attention", "--device", "cpu", "--dtype", "fp32", "--context", "512",
+            "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--reps", "1", "--json"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["backend"] == "reference" and r["plain_ms"] > 0
+    for name in ("libra", "ulysses", "wlb"):
+        s = r["systems"][name]
+        assert s["operator_ms"] > 0 and s["host_copies"] == 0
+        assert 1 <= s["kernel_calls_fwd"] <= 2 and s["kernel_calls_bwd"] == s["kernel_calls_fwd"]
+
+
+def test_bench_planner_dp_sweep_reports_growth(capsys):
+    from megatron.libra.cli import main
+
+    assert main(["bench", "planner", "--dp", "8,16", "--steps", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [row["dp"] for row in r["rows"]] == [8, 16] and r["growth_exponent"] is not None
+    assert main(["bench", "planner", "--dp", "12"]) == 2  # not a multiple of the pool size

@@ -106,7 +106,8 @@ def test_tiny_block_that_would_explode_is_refused():
     model = ModelConfig(
         hidden=64, heads=4, kv_heads=2, head_dim=8, ffn=64, layers=1, moe_topk=0, moe_ffn=0
     )
-    with pytest.raises(ValueError, match=r"about \d+ tiles .*raise block \(1\) or head_group \(4\)"):
+    message = r"about \d+ tiles .*raise block \(1\) or head_group \(4\)"
+    with pytest.raises(ValueError, match=message):
         Planner(layout, model, PlannerOptions(block=1)).plan([[2**30], [2**30]])
 
 

@@ -822,9 +822,11 @@ def upload(prog, device: torch.device | str, pin: bool | None = None):
             cu.setdefault(id(h), {})[a] = (v, host_np[o : o + n])
         setattr(h, a, v)
         o += n
-    calls = [dev.call] if isinstance(dev, WlbProgram) else [
-        call for b in [dev.local] + [c.block for c in dev.chunks] if b is not None for call in b.calls
-    ]
+    if isinstance(dev, WlbProgram):
+        calls = [dev.call]
+    else:
+        blocks = [b for b in [dev.local] + [c.block for c in dev.chunks] if b is not None]
+        calls = [call for b in blocks for call in b.calls]
     for call in calls:
         (cq, hq), (ck, hk) = cu[id(call)]["cu_q"], cu[id(call)]["cu_k"]
         call.seg = Segments(

@@ -59,7 +59,7 @@ def zigzag_split(doc_lengths, cp: int, rank: int) -> RankTHD:
     # local slots of document j: [ch_j slots of chunk rank | ch_j slots of chunk 2C-1-rank]
     n_local = 2 * ch
     doc = np.repeat(np.arange(len(L)), n_local)
-    k = np.arange(int(n_local.sum()), dtype=np.int64) - np.repeat(np.cumsum(n_local) - n_local, n_local)
+    k = ranges(np.zeros(len(L), dtype=np.int64), n_local)  # slot inside the document
     second = k >= ch[doc]
     chunk = np.where(second, 2 * cp - 1 - rank, rank)
     pos = chunk * ch[doc] + np.where(second, k - ch[doc], k)

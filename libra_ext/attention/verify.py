@@ -27,7 +27,6 @@ from libra_ext.attention.kernels import reference_attention
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import ModelConfig
 
-
 COUNTERS = (
     "kernel_calls_fwd",
     "kernel_calls_bwd",

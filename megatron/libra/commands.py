@@ -109,6 +109,15 @@ def add_bench_parser(sub) -> None:
     bb.add_argument("--seed", type=int, default=0)
     bb.add_argument("--json", action="store_true")
     bb.set_defaults(func=run_bench_balance)
+    a = bsub.add_parser(
+        "attention",
+        help="core-attention operator against one plain kernel call",
+        description="The operator of each system (world size 1) against one plain batched "
+        "varlen call over the same packed sequence, forward + backward, side by side, with "
+        "kernel-call, tile and host-copy counters.",
+    )
+    _add_bench_attention_args(a)
+    a.set_defaults(func=run_bench_attention)
 
 
 def _int_list_arg(text: str, field: str) -> list[int]:
@@ -162,15 +171,6 @@ def run_bench_balance(args) -> dict | None:
         print(f"  refused (over the plan's tile budget): {', '.join(refused)} in "
               f"{sum(bool(r.get('refused')) for r in rows)} cases")
     return None
-    a = bsub.add_parser(
-        "attention",
-        help="core-attention operator against one plain kernel call",
-        description="The operator of each system (world size 1) against one plain batched "
-        "varlen call over the same packed sequence, forward + backward, side by side, with "
-        "kernel-call, tile and host-copy counters.",
-    )
-    _add_bench_attention_args(a)
-    a.set_defaults(func=run_bench_attention)
 
 
 def _add_bench_attention_args(a: argparse.ArgumentParser) -> None:
