@@ -20,9 +20,7 @@ D_HEAD = 4
 def _member_inputs(plan, replica, slot, gen):
     """Random q, k, v of a member's sequence and the Ulysses buffer X they give (what the
     all-to-all delivers: every cp rank's slots, rank-major, this head slice)."""
-    seq = meta._seq_at(plan, replica, slot)
-    off = plan.seq_doc_offsets
-    L = plan.doc_lengths[off[seq] : off[seq + 1]].tolist()
+    L = meta.sequence_lengths(plan, replica, slot).tolist()
     hl, kvl, C = plan.heads_local, plan.kv_heads_local, plan.cp
     S = sum(L)
     q = torch.randn(S, hl, D_HEAD, generator=gen, dtype=torch.float64)
@@ -40,13 +38,10 @@ def _member_inputs(plan, replica, slot, gen):
 
 
 def _run_block(block, source, d):
-    outs = []
-    for call in block.calls:
-        qv = source[call.q_off : call.k_off].view(call.n_q, call.hc, d)
-        kv = source[call.k_off : call.v_off].view(call.n_k, call.hk, d)
-        vv = source[call.v_off : call.v_off + call.n_k * call.hk].view(call.n_k, call.hk, d)
-        outs.append(kernels.ReferenceBackend().attend(qv, kv, vv, call.seg, 0.5))
-    return outs
+    return [
+        kernels.ReferenceBackend().attend(*call.views(source, d), call.seg, 0.5)
+        for call in block.calls
+    ]
 
 
 def run_group(plan, replica, slot, chunks, seed=0):

@@ -55,9 +55,7 @@ def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> lis
     if plan.system == "wlb":
         out = []
         for slot in range(plan.slots):
-            seq = meta._seq_at(plan, replica, slot)
-            off = plan.seq_doc_offsets
-            L = plan.doc_lengths[off[seq] : off[seq + 1]]
+            L = meta.sequence_lengths(plan, replica, slot)
             if len(L) == 0:  # an empty repacked sequence trains as one padding document
                 L = np.array([2 * plan.cp], dtype=np.int64)
             out.append(meta.compile_wlb(L, plan.cp, cp_rank))

@@ -41,24 +41,24 @@ def _device_of(args, kwargs):
 class _HostCopyMode(TorchFunctionMode):
     def __init__(self, counts: "CallCounts"):
         super().__init__()
-        self.stats = counts
+        self.counts = counts
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _FROM_HOST:
-            self.stats.host_copies += 1
+            self.counts.host_copies += 1
         elif name in _TO_HOST:
-            self.stats.host_reads += 1
+            self.counts.host_reads += 1
         elif name in _COPIES and args and isinstance(args[0], torch.Tensor):
             src = args[0]
             if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
                 if args[1].device.type == "cpu" and src.device.type != "cpu":
-                    self.stats.host_copies += 1
+                    self.counts.host_copies += 1
             elif src.device.type == "cpu":
                 dev = torch.device("cuda") if name == "cuda" else _device_of(args, kwargs)
                 if dev is not None and dev.type != "cpu":
-                    self.stats.host_copies += 1
+                    self.counts.host_copies += 1
         return func(*args, **kwargs)
 
 
@@ -105,24 +105,27 @@ class RuntimeStats:
             self._note("tiles_executed", tiles)
         if blocks is not None:
             self._note("exec_blocks", blocks)
-        if not self.count_host:
+        with _counting_host(counts) if self.count_host else contextlib.nullcontext():
             yield counts
-            self._note(f"kernel_calls_{phase}", counts.kernel_calls)
-            return
-        original = torch.from_numpy
-
-        def from_numpy(a):
-            counts.host_copies += 1
-            return original(a)
-
-        with _patch_lock:
-            torch.from_numpy = from_numpy
-        try:
-            with _HostCopyMode(counts):
-                yield counts
-        finally:
-            with _patch_lock:
-                torch.from_numpy = original
         self._note(f"kernel_calls_{phase}", counts.kernel_calls)
         self._note("host_copies", counts.host_copies)
         self._note("host_reads", counts.host_reads)
+
+
+@contextlib.contextmanager
+def _counting_host(counts: CallCounts):
+    """Count host copies and reads into `counts` inside the block."""
+    original = torch.from_numpy
+
+    def from_numpy(a):
+        counts.host_copies += 1
+        return original(a)
+
+    with _patch_lock:
+        torch.from_numpy = from_numpy
+    try:
+        with _HostCopyMode(counts):
+            yield
+    finally:
+        with _patch_lock:
+            torch.from_numpy = original

@@ -77,10 +77,7 @@ def _run_calls(pack: torch.Tensor, block: Block, env: ExecEnv, d: int, counts: C
     """Forward of a block's calls on views of its pack; returns (outputs, leaves)."""
     outs, leaves = [], []
     for call in block.calls:
-        q = pack[call.q_off : call.k_off].view(call.n_q, call.hc, d)
-        k = pack[call.k_off : call.v_off].view(call.n_k, call.hk, d)
-        v = pack[call.v_off : call.v_off + call.n_k * call.hk].view(call.n_k, call.hk, d)
-        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        q, k, v = (x.detach().requires_grad_() for x in call.views(pack, d))
         with torch.enable_grad():
             outs.append(env.kernel.attend(q, k, v, call.seg, env.scale, env.key))
         leaves.append((q, k, v))
@@ -98,26 +95,42 @@ def _backward_calls(outs, leaves, grads, counts: CallCounts):
 
 def _accumulate(buf: torch.Tensor, block: Block, calls_grads, d: int, copy: bool) -> None:
     """Add (or, when every pack vector is distinct, copy) a block's pack gradients into buf."""
-    for call, (dq, dk, dv) in zip(block.calls, calls_grads):
-        nk = call.n_k * call.hk
-        for lo, n, gr in ((call.q_off, call.n_q * call.hc, dq), (call.k_off, nk, dk),
-                          (call.v_off, nk, dv)):
+    for call, grads in zip(block.calls, calls_grads):
+        for (lo, n, _), gr in zip(call.parts(), grads):
             idx = block.gather[lo : lo + n]
-            src = gr.reshape(-1, d)
+            src = gr.reshape(-1, d).to(buf.dtype)
             if copy:
-                buf.index_copy_(0, idx, src.to(buf.dtype))
+                buf.index_copy_(0, idx, src)
             else:
-                buf.index_add_(0, idx, src.to(buf.dtype))
+                buf.index_add_(0, idx, src)
+
+
+def _place_outputs(dst: torch.Tensor, block: Block, outs, d: int) -> None:
+    """Scatter a block's call outputs to their vectors of dst (block.out)."""
+    for call, o in zip(block.calls, outs):
+        dst.index_copy_(0, block.out[call.out_off : call.out_off + call.n_out], o.reshape(-1, d))
+
+
+def _output_grads(src: torch.Tensor, block: Block, d: int) -> list:
+    """The mirror of placing a block's outputs: each call's [n_q, hc, d] gradient read from
+    src, at block.out (or in order when the outputs were in order)."""
+    out = []
+    for call in block.calls:
+        if block.out is None:
+            g = src[call.out_off : call.out_off + call.n_out]
+        else:
+            g = src.index_select(0, block.out[call.out_off : call.out_off + call.n_out])
+        out.append(g.view(call.n_q, call.hc, d))
+    return out
 
 
 def _outputs_in_order(outs, block: Block, n: int, like: torch.Tensor, d: int) -> torch.Tensor:
     """A chunk block's outputs laid out as its O message (owner-major)."""
-    flat = [o.reshape(-1, d) for o in outs]
     if block.out is None:
+        flat = [o.reshape(-1, d) for o in outs]
         return flat[0] if len(flat) == 1 else torch.cat(flat)
     msg = like.new_empty(n, d)
-    for call, o in zip(block.calls, flat):
-        msg.index_copy_(0, block.out[call.out_off : call.out_off + call.n_out], o)
+    _place_outputs(msg, block, outs, d)
     return msg
 
 
@@ -192,9 +205,7 @@ class PlannedAttention(torch.autograd.Function):
         if prog.local is not None:  # my own tiles, while the exchange is in flight
             b = prog.local
             outs, leaves = _run_calls(xf.index_select(0, b.gather), b, env, d, counts)
-            for call, o in zip(b.calls, outs):
-                out_flat.index_copy_(0, b.out[call.out_off : call.out_off + call.n_out],
-                                     o.reshape(-1, d))
+            _place_outputs(out_flat, b, outs, d)
             saved["local"] = (outs, leaves)
         o_works = []
         if prog.chunks:
@@ -255,17 +266,11 @@ class PlannedAttention(torch.autograd.Function):
         do_works = [None] * n_ch
         if n_ch:
             d_o_send = dof.index_select(0, prog.o_out_idx)
-            n_do = sum(c.n_o_send for c in chunks)
-            d_o_recv = dof.new_empty(n_do, d)
-            do_off = [0] * n_ch
-            acc = 0
-            for i, c in enumerate(chunks):
-                do_off[i] = acc
-                acc += c.n_o_send
+            d_o_recv = dof.new_empty(prog.n_o_send, d)
             for i in reversed(range(n_ch)):
                 c = chunks[i]
                 do_works[i] = _a2a(
-                    d_o_recv[do_off[i] : do_off[i] + c.n_o_send],
+                    d_o_recv[c.o_send_off : c.o_send_off + c.n_o_send],
                     d_o_send[c.o_recv_off : c.o_recv_off + c.n_o_recv],
                     c.o_send,
                     c.o_recv,
@@ -282,10 +287,7 @@ class PlannedAttention(torch.autograd.Function):
         if "local" in saved:
             b = prog.local
             outs, leaves = saved["local"]
-            grads = [
-                dof.index_select(0, b.out[c.out_off : c.out_off + c.n_out]).view(c.n_q, c.hc, d)
-                for c in b.calls
-            ]
+            grads = _output_grads(dof, b, d)
             _accumulate(dX, b, _backward_calls(outs, leaves, grads, counts), d, copy_local)
         if n_ch:
             d_recv = dof.new_zeros(prog.n_recv, d, dtype=buf_dtype)
@@ -297,16 +299,10 @@ class PlannedAttention(torch.autograd.Function):
                     do_works[i].wait()
                 if i in saved:
                     outs, leaves = saved[i]
-                    msg = d_o_recv[do_off[i] : do_off[i] + c.n_o_send]
-                    b = c.block
-                    grads = []
-                    for call in b.calls:
-                        if b.out is None:
-                            g = msg[call.out_off : call.out_off + call.n_out]
-                        else:
-                            g = msg.index_select(0, b.out[call.out_off : call.out_off + call.n_out])
-                        grads.append(g.view(call.n_q, call.hc, d))
-                    _accumulate(d_recv, b, _backward_calls(outs, leaves, grads, counts), d, False)
+                    msg = d_o_recv[c.o_send_off : c.o_send_off + c.n_o_send]
+                    grads = _output_grads(msg, c.block, d)
+                    calls_grads = _backward_calls(outs, leaves, grads, counts)
+                    _accumulate(d_recv, c.block, calls_grads, d, False)
                 ret = d_recv[c.recv_off : c.recv_off + c.n_recv].to(dtype)
                 ret_works.append(
                     _a2a(

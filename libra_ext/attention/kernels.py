@@ -90,6 +90,14 @@ class Segments:
     """[n_seg + 1] the same offsets on the host."""
     host_k: np.ndarray
 
+    @classmethod
+    def from_host(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, host_q, host_k) -> "Segments":
+        """Device offsets with their host copies; the longest segments from the host copies."""
+        hq = np.asarray(host_q, dtype=np.int64)
+        hk = np.asarray(host_k, dtype=np.int64)
+        return cls(cu_q, cu_k, int(np.diff(hq).max(initial=0)), int(np.diff(hk).max(initial=0)),
+                   hq, hk)
+
 
 @dataclass(frozen=True)
 class KernelParams:
@@ -425,15 +433,11 @@ class _ReferenceVarlen(torch.autograd.Function):
 
 def segments_on(host_q, host_k, device) -> Segments:
     """Segments from host offsets (tests and one-off calls; the runtime builds them ahead)."""
-    hq = np.asarray(host_q, dtype=np.int64)
-    hk = np.asarray(host_k, dtype=np.int64)
-    return Segments(
-        torch.as_tensor(hq, dtype=torch.int32, device=device),
-        torch.as_tensor(hk, dtype=torch.int32, device=device),
-        int(np.diff(hq).max(initial=0)),
-        int(np.diff(hk).max(initial=0)),
-        hq,
-        hk,
+    return Segments.from_host(
+        torch.as_tensor(np.asarray(host_q), dtype=torch.int32, device=device),
+        torch.as_tensor(np.asarray(host_k), dtype=torch.int32, device=device),
+        host_q,
+        host_k,
     )
 
 

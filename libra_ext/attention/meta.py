@@ -75,6 +75,16 @@ class CallSpec:
     def n_out(self) -> int:
         return self.n_q * self.hc
 
+    def parts(self) -> list:
+        """(offset, vectors, heads) of the call's Q, K and V inside its block's pack."""
+        nk = self.n_k * self.hk
+        return [(self.q_off, self.n_q * self.hc, self.hc), (self.k_off, nk, self.hk),
+                (self.v_off, nk, self.hk)]
+
+    def views(self, pack, d: int) -> tuple:
+        """The call's (q [n_q, hc, d], k, v [n_k, hk, d]) as views of its block's pack."""
+        return tuple(pack[o : o + n].view(-1, h, d) for o, n, h in self.parts())
+
 
 @dataclass
 class Block:
@@ -86,8 +96,6 @@ class Block:
     out: np.ndarray | torch.Tensor | None
     """local block: output-buffer vector of every O vector; chunk block: position of every O
     vector in the chunk's O message (None: the outputs are already in message order)."""
-    tiles: int
-    """Plan tiles executed in this block."""
 
 
 @dataclass
@@ -99,8 +107,10 @@ class Chunk:
     o_send: list
     o_recv: list
     send_off: int
-    """Offset of this chunk's messages in the send buffer."""
+    """Offset of this chunk's messages in the send buffer (recv, o_send, o_recv: the same in
+    theirs)."""
     recv_off: int
+    o_send_off: int
     o_recv_off: int
     block: Block | None
     """What this member executes for others in this chunk (None: nothing)."""
@@ -146,7 +156,6 @@ class SlotProgram:
     local_unique: bool
     """No X vector appears twice in the local pack (its gradient can be copied, not added)."""
     tiles_executed: int
-    device: torch.device | None = None
     _keep: list = field(default_factory=list, repr=False)
 
     @property
@@ -158,18 +167,29 @@ class SlotProgram:
         return sum(c.n_recv for c in self.chunks)
 
     @property
+    def n_o_send(self) -> int:
+        return sum(c.n_o_send for c in self.chunks)
+
+    @property
     def n_o_recv(self) -> int:
         return sum(c.n_o_recv for c in self.chunks)
 
     @property
-    def exec_blocks(self) -> int:
+    def blocks(self) -> list:
         """Blocks with work: local tiles, and each chunk that brings this rank tiles."""
-        return sum(b is not None for b in [self.local] + [c.block for c in self.chunks])
+        return [b for b in [self.local] + [c.block for c in self.chunks] if b is not None]
+
+    @property
+    def calls(self) -> list:
+        return [call for b in self.blocks for call in b.calls]
+
+    @property
+    def exec_blocks(self) -> int:
+        return len(self.blocks)
 
     @property
     def kernel_calls(self) -> int:
-        blocks = [self.local] + [c.block for c in self.chunks]
-        return sum(len(b.calls) for b in blocks if b is not None)
+        return len(self.calls)
 
 
 @dataclass
@@ -186,12 +206,11 @@ class WlbProgram:
     real: np.ndarray | torch.Tensor
     """[t] 1 for slots that hold a token, 0 for padding."""
     tiles_executed: int
-    device: torch.device | None = None
     _keep: list = field(default_factory=list, repr=False)
 
     @property
-    def kernel_calls(self) -> int:
-        return 1 if self.call.n_q else 0
+    def calls(self) -> list:
+        return [self.call]
 
 
 # ------------------------------------------------------------------------------------------
@@ -215,7 +234,7 @@ def _elements(rows: np.ndarray, hc: np.ndarray):
     """For pieces of `rows` rows x `hc` heads: (piece, row, head) of every vector, row-major."""
     n = rows * hc
     piece = np.repeat(np.arange(len(n)), n)
-    e = thd.ranges(np.zeros(len(n), dtype=_I64), n)
+    e = thd.within(n)
     return piece, e // hc[piece], e % hc[piece]
 
 
@@ -238,6 +257,13 @@ def _seq_at(plan: StepPlan, replica: int, slot: int) -> int:
     return int(s[0])
 
 
+def sequence_lengths(plan: StepPlan, replica: int, slot: int) -> np.ndarray:
+    """Document lengths of the sequence the plan places at (replica, slot)."""
+    seq = _seq_at(plan, replica, slot)
+    off = plan.seq_doc_offsets
+    return plan.doc_lengths[off[seq] : off[seq + 1]].astype(_I64)
+
+
 @dataclass
 class _Pieces:
     """Head pieces of segments (struct of arrays)."""
@@ -258,7 +284,7 @@ def _native_pieces(seg_h0, seg_hc, gl: int) -> _Pieces:
     aligned = (seg_h0 % gl == 0) & (seg_hc % gl == 0)
     n = np.where(aligned | (g0 == g1), 1, g1 - g0 + 1)
     seg = np.repeat(np.arange(len(seg_h0)), n)
-    i = thd.ranges(np.zeros(len(n), dtype=_I64), n)
+    i = thd.within(n)
     split = n[seg] > 1
     h0 = np.where(split, np.maximum(seg_h0[seg], (g0[seg] + i) * gl), seg_h0[seg])
     h1 = np.where(
@@ -285,7 +311,7 @@ def _two_classes(p: _Pieces, rows: np.ndarray, gl: int) -> _Pieces:
         u = math.gcd(u, gl)
     n = np.where(other, p.hc // u, 1)
     idx = np.repeat(np.arange(len(n)), n)
-    i = thd.ranges(np.zeros(len(n), dtype=_I64), n)
+    i = thd.within(n)
     cut = other[idx]
     return _Pieces(
         p.seg[idx],
@@ -318,7 +344,7 @@ class _Group:
         # -- segments: one per (tile, document); prefix segments [a, b) of their document
         cnt = plan.tile_doc_count[tiles].astype(_I64)
         st = np.repeat(np.arange(len(tiles)), cnt)  # segment -> tile (position in `tiles`)
-        doc = plan.tile_doc[tiles][st] + thd.ranges(np.zeros(len(cnt), dtype=_I64), cnt)
+        doc = plan.tile_doc[tiles][st] + thd.within(cnt)
         single = cnt[st] == 1
         ds = ds_all[doc]
         t = tiles[st]
@@ -362,7 +388,7 @@ class _Group:
         k1 = (self.s_h0[ms] + self.s_hc[ms] - 1) // gl
         nk = k1 - k0 + 1
         r_seg = np.repeat(ms, nk)
-        r_kh = np.repeat(k0, nk) + thd.ranges(np.zeros(len(nk), dtype=_I64), nk)
+        r_kh = np.repeat(k0, nk) + thd.within(nk)
         r_exec = self.s_exec[r_seg]
         r_key = (r_exec * self.n_doc + self.s_doc[r_seg]) * self.kvl + r_kh
         o = np.lexsort((self.t_rank[self.s_tile[r_seg]], r_key))
@@ -398,7 +424,7 @@ class _Group:
         c1 = np.minimum(n - 1, ((pos0 + u_size - 1) * n) // tot)
         npc = c1 - c0 + 1
         pu = np.repeat(np.arange(len(u_size)), npc)  # piece -> unit
-        pk = c0[pu] + thd.ranges(np.zeros(len(npc), dtype=_I64), npc)  # piece chunk
+        pk = c0[pu] + thd.within(npc)  # piece chunk
         cut = -(-(pk * tot[pu]) // n)  # first stream vector of chunk pk: ceil(k * total / n)
         lo = np.maximum(pos0[pu], cut) - pos0[pu]
         hi = np.minimum(pos0[pu] + u_size[pu], -(-((pk + 1) * tot[pu]) // n)) - pos0[pu]
@@ -480,35 +506,38 @@ class _Group:
         return p, cls, run
 
     # -- element-level index arrays (only for what this member needs) --------------------------
+    def _positions(self, p: _Pieces):
+        """(piece, head within the piece, token position in the owner's sequence) of every
+        element of pieces p (rows x heads, row-major), and each piece's rows."""
+        s = p.seg
+        rows = self.s_b[s] - self.s_a[s]
+        pi, r, hh = _elements(rows, p.hc)
+        return pi, hh, self.s_ds[s][pi] + self.s_a[s][pi] + r, rows
+
     def q_source(self, p: _Pieces, local: bool, xrow, qloc):
         """Source vector of every Q element of pieces p (row-major) and the pieces' rows: in X
         for local pieces, else in the receive buffer (`qloc` = (location of every received Q
         vector, offset of each tile's first one))."""
-        s = p.seg
-        rows = self.s_b[s] - self.s_a[s]
-        pi, r, hh = _elements(rows, p.hc)
-        pos = self.s_ds[s][pi] + self.s_a[s][pi] + r  # token position in the owner's sequence
+        pi, hh, pos, rows = self._positions(p)
         if local:
             return xrow[pos] * self.W + p.h0[pi] + hh, rows
-        t = self.s_tile[s][pi]
+        t = self.s_tile[p.seg][pi]
         q_loc, qbase = qloc
         at = qbase[t] + (pos - self.t_q0[t]) * self.t_hc[t] + (p.h0[pi] - self.t_h0[t]) + hh
         return q_loc[at], rows
 
     def out_index(self, p: _Pieces, xrow):
         """Output-buffer vector ([C*t*hl]) of every O element of pieces p (row-major)."""
-        s = p.seg
-        rows = self.s_b[s] - self.s_a[s]
-        pi, r, hh = _elements(rows, p.hc)
-        pos = self.s_ds[s][pi] + self.s_a[s][pi] + r
+        pi, hh, pos, _ = self._positions(p)
         return xrow[pos] * self.hl + p.h0[pi] + hh
 
 
-def _block(g: _Group, pieces, local: bool, xrow, qloc, kv_loc) -> tuple[Block, list]:
-    """Pack indices and calls of one block; returns (block, per-O-vector piece ids)."""
+def _block(g: _Group, pieces, local: bool, xrow, qloc, kv_loc) -> Block:
+    """Pack indices and calls of one block (outputs in piece order: pieces are sorted by class
+    first); `out` is left to the caller."""
     p, cls, run = pieces
     gl, W, hl, kvl = g.gl, g.W, g.hl, g.kvl
-    gathers, calls, out_pieces = [], [], []
+    gathers, calls = [], []
     off = out_off = 0
     for c in range(int(cls.max()) + 1):
         sel = np.flatnonzero(cls == c)
@@ -526,7 +555,7 @@ def _block(g: _Group, pieces, local: bool, xrow, qloc, kv_loc) -> tuple[Block, l
         # K elements: prefix positions p < b of each run, KV heads k0..k0+hk-1 (p outer)
         n_el = run_b * hk
         ri = np.repeat(np.arange(len(run_b)), n_el)
-        e = thd.ranges(np.zeros(len(n_el), dtype=_I64), n_el)
+        e = thd.within(n_el)
         pos, kh = e // hk, run_k0[ri] + e % hk
         if local:
             rowx = xrow[g.s_ds[s_last][ri] + pos] * W
@@ -543,9 +572,7 @@ def _block(g: _Group, pieces, local: bool, xrow, qloc, kv_loc) -> tuple[Block, l
         gathers += [q_idx, k_idx, v_idx]
         off += len(q_idx) + 2 * len(k_idx)
         out_off += n_q * hc
-        out_pieces.append(sel)
-    tiles = len(np.unique(g.s_tile[p.seg]))
-    return Block(np.concatenate(gathers).astype(_I64), calls, None, tiles), out_pieces
+    return Block(np.concatenate(gathers).astype(_I64), calls, None)
 
 
 def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> SlotProgram:
@@ -560,9 +587,7 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
             f"(replica, slot) = ({replica}, {slot}) outside the plan's {plan.dp} x {plan.slots}"
         )
     C = plan.cp
-    seq = _seq_at(plan, replica, slot)
-    off = plan.seq_doc_offsets
-    L = plan.doc_lengths[off[seq] : off[seq + 1]].astype(_I64)
+    L = sequence_lengths(plan, replica, slot)
     t = int(2 * (thd.padded_lengths(L, C) // (2 * C)).sum())
     xrow = thd.gather_order(L, C) if len(L) else np.zeros(0, dtype=_I64)
     g = _Group(plan, replica, slot, chunks)
@@ -578,7 +603,7 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
     qs = np.flatnonzero(g.qp_cell % cells_per_chunk // px == me)  # Q pieces I send
     if len(qs):
         pi = np.repeat(qs, g.qp_len[qs])
-        j = g.qp_start[pi] + thd.ranges(np.zeros(len(qs), dtype=_I64), g.qp_len[qs])
+        j = g.qp_start[pi] + thd.within(g.qp_len[qs])
         tm, cell = g.qp_tile[pi], g.qp_cell[pi]
         dst = send_base[cell // cells_per_chunk, cell % px] + g.qp_off[pi] + j - g.qp_start[pi]
         send_idx[dst] = xrow[g.t_q0[tm] + j // g.t_hc[tm]] * g.W + g.t_h0[tm] + j % g.t_hc[tm]
@@ -586,7 +611,7 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
     if len(ks):
         inc = g.kp_to[ks] - g.kp_from[ks]
         ri = np.repeat(ks, inc)
-        pos = g.kp_from[ri] + thd.ranges(np.zeros(len(inc), dtype=_I64), inc)
+        pos = g.kp_from[ri] + thd.within(inc)
         cell = g.kp_cell[ri]
         kdst = send_base[cell // cells_per_chunk, cell % px] + g.nq[cell] + g.kp_off[ri]
         kdst = kdst + (pos - g.kp_from[ri])
@@ -623,10 +648,10 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
     local = None
     mine_blocks = blocks_by_exec[me]
     if mine_blocks[0] is not None:
-        local, _ = _block(g, mine_blocks[0], True, xrow, None, None)
+        local = _block(g, mine_blocks[0], True, xrow, None, None)
         local.out = g.out_index(mine_blocks[0][0], xrow).astype(_I64)  # piece order
     chunk_list, o_out = [], []
-    send_off = recv_off = o_recv_off = 0
+    send_off = recv_off = o_send_off = o_recv_off = 0
     for k in range(n_ch):
         # O sizes: what each executor returns to each owner in chunk k
         o_send = [0] * px
@@ -645,7 +670,7 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
             if e == me:
                 for o in range(px):
                     o_send[o] = int(vecs[owners == o].sum())
-                block, _ = _block(g, pieces, False, None, (q_loc, qbase), kv_loc)
+                block = _block(g, pieces, False, None, (q_loc, qbase), kv_loc)
                 msg_base = _excl(np.bincount(owners, weights=vecs, minlength=px).astype(_I64))
                 ret = thd.ranges(msg_base[owners] + _group_excl_by(vecs, owners), vecs)
                 block.out = None if np.array_equal(ret, np.arange(len(ret))) else ret
@@ -661,12 +686,14 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
                 o_recv=o_recv,
                 send_off=send_off,
                 recv_off=recv_off,
+                o_send_off=o_send_off,
                 o_recv_off=o_recv_off,
                 block=block,
             )
         )
         send_off += int(send_sizes[k].sum())
         recv_off += int(recv_sizes[k].sum())
+        o_send_off += sum(o_send)
         o_recv_off += sum(o_recv)
     o_out_idx = np.concatenate(o_out).astype(_I64) if o_out else np.zeros(0, dtype=_I64)
     unique = local is None or not len(local.gather) or (
@@ -719,7 +746,7 @@ def compile_wlb(doc_lengths, cp: int, cp_rank: int) -> WlbProgram:
     k_len = (chunk + 1) * q_len
     doc = np.repeat(np.arange(n), 2)
     starts = np.cumsum(L) - L
-    pos = thd.ranges(np.zeros(len(k_len), dtype=_I64), k_len)
+    pos = thd.within(k_len)
     sd = np.repeat(doc, k_len)
     kv_rows = xrow[starts[sd] + np.minimum(pos, L[sd] - 1)] if len(pos) else pos
     cu_q = np.r_[0, np.cumsum(q_len)].astype(_I64)
@@ -742,23 +769,18 @@ def compile_wlb(doc_lengths, cp: int, cp_rank: int) -> WlbProgram:
 
 
 def _walk(prog):
-    """(holder, attribute) of every numpy array of a program, in a fixed order."""
-    out = []
-    blocks = []
+    """(holder, attribute) of every numpy array of a program, in a fixed order (a call's cu_q
+    right before its cu_k)."""
     if isinstance(prog, SlotProgram):
-        out += [(prog, "send_idx"), (prog, "o_out_idx")]
-        blocks = [prog.local] + [c.block for c in prog.chunks]
+        out = [(prog, "send_idx"), (prog, "o_out_idx")]
+        for b in prog.blocks:
+            out.append((b, "gather"))
+            if b.out is not None:
+                out.append((b, "out"))
     else:
-        out += [(prog, "kv_rows"), (prog, "real")]
-        out += [(prog.call, "cu_q"), (prog.call, "cu_k")]
-    for b in blocks:
-        if b is None:
-            continue
-        out.append((b, "gather"))
-        if b.out is not None:
-            out.append((b, "out"))
-        for call in b.calls:
-            out += [(call, "cu_q"), (call, "cu_k")]
+        out = [(prog, "kv_rows"), (prog, "real")]
+    for call in prog.calls:
+        out += [(call, "cu_q"), (call, "cu_k")]
     return out
 
 
@@ -813,25 +835,16 @@ def upload(prog, device: torch.device | str, pin: bool | None = None):
     dev, host = prog.prog, prog.host
     buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
     host_np = host.numpy()
-    cu = {}  # id(call) -> {"cu_q": (device int32, host), "cu_k": ...}
     o = 0
     for (h, a), n in zip(_walk(dev), prog.sizes):
-        v = buf[o : o + n]
-        if a in ("cu_q", "cu_k"):
-            v = v.to(torch.int32)
-            cu.setdefault(id(h), {})[a] = (v, host_np[o : o + n])
-        setattr(h, a, v)
+        v, hv = buf[o : o + n], host_np[o : o + n]
         o += n
-    if isinstance(dev, WlbProgram):
-        calls = [dev.call]
-    else:
-        blocks = [b for b in [dev.local] + [c.block for c in dev.chunks] if b is not None]
-        calls = [call for b in blocks for call in b.calls]
-    for call in calls:
-        (cq, hq), (ck, hk) = cu[id(call)]["cu_q"], cu[id(call)]["cu_k"]
-        call.seg = Segments(
-            cq, ck, int(np.diff(hq).max(initial=0)), int(np.diff(hk).max(initial=0)), hq, hk
-        )
-    dev.device = device
+        if a == "cu_q":
+            cu_q = (v.to(torch.int32), hv)
+        elif a == "cu_k":  # right after the same call's cu_q
+            h.cu_q, h.cu_k = cu_q[0], v.to(torch.int32)
+            h.seg = Segments.from_host(h.cu_q, h.cu_k, cu_q[1], hv)
+        else:
+            setattr(h, a, v)
     dev._keep = [host, buf]
     return dev

@@ -49,6 +49,12 @@ def ranges(starts, lengths) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(s - excl, n)
 
 
+def within(lengths) -> np.ndarray:
+    """Concatenation of arange(n) for every n: each element's index inside its run."""
+    n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    return ranges(np.zeros(len(n), dtype=np.int64), n)
+
+
 def zigzag_split(doc_lengths, cp: int, rank: int) -> RankTHD:
     """Rank `rank`'s slots: for every document, chunk `rank` then chunk 2C-1-rank."""
     if cp <= 0 or not 0 <= rank < cp:
@@ -59,7 +65,7 @@ def zigzag_split(doc_lengths, cp: int, rank: int) -> RankTHD:
     # local slots of document j: [ch_j slots of chunk rank | ch_j slots of chunk 2C-1-rank]
     n_local = 2 * ch
     doc = np.repeat(np.arange(len(L)), n_local)
-    k = ranges(np.zeros(len(L), dtype=np.int64), n_local)  # slot inside the document
+    k = within(n_local)  # slot inside the document
     second = k >= ch[doc]
     chunk = np.where(second, 2 * cp - 1 - rank, rank)
     pos = chunk * ch[doc] + np.where(second, k - ch[doc], k)
