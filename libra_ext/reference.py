@@ -339,34 +339,36 @@ def plan_libra(
                     inc += kvb(kv_len - r)
             return inc
 
-        def isolate_document(k, i):
-            """Split multi-document tile k so that its document i has a tile of its own (the
-            tile keeps the documents before i, or document i when i == 0); returns the new
-            tiles' group indices, their load taken off tile k's executor."""
+        def split_tail(k, at):
+            """Tile k gives up its tail - its documents from index `at` on, or rows [at, b) of
+            a one-document tile - as a new tile executed nowhere yet; tile k's executor (if any)
+            loses the tail's load. Returns the new tile's group index."""
             ti, owner, ldoc, wk = gt[k]
             t = tiles[ti]
-            cnt, first, hc = t[2], t[1], float(t[6])
-
-            def span(d0, d1):
-                ls = all_lengths[first + d0 : first + d1]
-                return sum(ls), sum(causal_pairs(l) for l in ls)
-
-            out = []
-            new = ([(i, i + 1)] if i > 0 else []) + ([(i + 1, cnt)] if i + 1 < cnt else [])
-            for d0, d1 in new:
-                tokens, pairs = span(d0, d1)
-                off = t[3] + span(0, d0)[0]
-                tiles.append([t[0], first + d0, d1 - d0, off, tokens, t[5], t[6], off, tokens,
-                              t[9], t[9]])
-                gt.append((len(tiles) - 1, owner, ldoc + d0, float(pairs) * hc))
-                out.append(len(gt) - 1)
-            keep_tokens, keep_pairs = span(0, i) if i > 0 else span(0, 1)
-            t[2] = i if i > 0 else 1
-            t[4] = t[8] = keep_tokens
-            moved = wk - float(keep_pairs) * hc
-            gt[k] = (ti, owner, ldoc, wk - moved)
-            load[exe[k]] -= moved
-            return out
+            if t[2] > 1:  # whole documents [at, count)
+                ls = all_lengths[t[1] + at : t[1] + t[2]]
+                tokens, pairs = sum(ls), sum(causal_pairs(l) for l in ls)
+                start = t[3] + t[4] - tokens
+                tiles.append(
+                    [t[0], t[1] + at, t[2] - at, start, tokens, t[5], t[6], start, tokens, t[9],
+                     t[9]]
+                )
+                t[2], t[4], t[8] = at, t[4] - tokens, t[8] - tokens
+                tail_ldoc = ldoc + at
+            else:  # rows [at, b) against the prefix [0, b)
+                a = t[3] - t[7]
+                b = a + t[4]
+                tiles.append([t[0], t[1], 1, t[7] + at, b - at, t[5], t[6], t[7], b, t[9], t[9]])
+                t[4], t[8] = at - a, at
+                pairs = block_pairs(at, b)
+                tail_ldoc = ldoc
+            w = float(pairs) * float(t[6])
+            gt[k] = (ti, owner, ldoc, wk - w)
+            if exe[k] >= 0:
+                load[exe[k]] -= w
+            gt.append((len(tiles) - 1, owner, tail_ldoc, w))
+            exe.append(-1)
+            return len(gt) - 1
 
         def best_cut(on_hi, hi, lo, min_gain, min_rows):
             """The tail cut of a tile on hi that best moves half the gap to lo - rows [c, b) of
@@ -507,34 +509,20 @@ def plan_libra(
                                 pk, pi, pw = k, i, w
                     if pk is None:
                         break
-                    for k in isolate_document(pk, pi):
-                        exe.append(-1)
+                    # tile pk keeps the documents before pi (or document pi alone); new tiles
+                    # take document pi and the documents after it, all still on hi
+                    fresh = [split_tail(pk, pi)] if pi > 0 else []
+                    single = fresh[-1] if pi > 0 else pk
+                    if tiles[gt[single][0]][2] > 1:
+                        fresh.append(split_tail(single, 1))
+                    for k in fresh:
                         assign(k, hi)
                         on[hi].append(k)
                     continue
-                _, _, k, c, w = cut
-                ti, owner, ldoc, wk = gt[k]
-                t = tiles[ti]
-                if t[2] > 1:  # the documents after the first c become their own tile
-                    tail = sum(all_lengths[t[1] + i] for i in range(c, t[2]))
-                    start = t[3] + t[4] - tail
-                    tiles.append(
-                        [t[0], t[1] + c, t[2] - c, start, tail, t[5], t[6], start, tail, t[9], t[9]]
-                    )
-                    t[2], t[4], t[8] = c, t[4] - tail, t[8] - tail
-                    piece_ldoc = ldoc + c
-                else:  # the last rows [c, b) of the document
-                    a = t[3] - t[7]
-                    b = a + t[4]
-                    tiles.append([t[0], t[1], 1, t[7] + c, b - c, t[5], t[6], t[7], b, t[9], t[9]])
-                    t[4], t[8] = c - a, c
-                    piece_ldoc = ldoc
-                gt[k] = (ti, owner, ldoc, wk - w)
-                load[hi] -= w
-                gt.append((len(tiles) - 1, owner, piece_ldoc, w))
-                exe.append(-1)
-                assign(len(gt) - 1, lo)
-                on[lo].append(len(gt) - 1)
+                _, _, k, c, _ = cut
+                piece = split_tail(k, c)
+                assign(piece, lo)
+                on[lo].append(piece)
         own = [0.0] * P  # never worse than no moves
         for _, owner, _, w in gt:
             own[owner] += w

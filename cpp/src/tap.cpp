@@ -223,11 +223,13 @@ class Placer {
     return inc;
   }
 
-  // A tile appended to the group (a piece cut off tile `parent`, executed nowhere yet).
+  // A tile appended to the group (a tail cut off another tile), executed nowhere yet.
   void add_tile() { exec_.push_back(-1); }
 
-  // Tile k executed where it is, `w` lighter (its tail rows were cut off).
-  void shrink(std::size_t k, double w) { load_[exec_[k]] -= w; }
+  // Tile k executed where it is (if anywhere), `w` lighter (its tail was cut off).
+  void shrink(std::size_t k, double w) {
+    if (exec_[k] >= 0) load_[exec_[k]] -= w;
+  }
 
   void assign(std::size_t k, i64 j) {
     if (exec_[k] >= 0) load_[exec_[k]] -= gt_.load[k];
@@ -266,49 +268,52 @@ struct Cut {
 
 // Best tail cut of a tile on member hi towards member lo (see the refinement): the last rows of
 // a one-document tile, or the last documents of a multi-document tile.
-// Split multi-document tile k so that its document i is a tile of its own: the tile keeps the
-// documents before i (or becomes document i when i == 0), and new tiles (appended to the plan and
-// the group, executed nowhere yet) take document i and the documents after it. Returns the new
-// tiles' local indices; their load has been taken off tile k's executor.
-std::vector<std::size_t> isolate_document(StepPlan& plan, GroupTiles& gt, Placer& placer,
-                                          std::size_t k, i64 i) {
+// Tile k gives up its tail - the documents from index `at` on of a multi-document tile, or the
+// rows [at, b) of a one-document tile - as a new tile appended to the plan and the group,
+// executed nowhere yet; tile k's executor (if any) loses the tail's load. Returns its index.
+std::size_t split_tail(StepPlan& plan, GroupTiles& gt, Placer& placer, std::size_t k, i64 at) {
   const i64 t = gt.index[k];
-  const i64 cnt = plan.tile_doc_count[t], first = plan.tile_doc[t];
   const double hc = static_cast<double>(plan.tile_head_count[t]);
-  auto span = [&](i64 d0, i64 d1) {  // (tokens, pairs) of documents [d0, d1) of the tile
+  StepPlan::Tile tail{plan.tile_seq[t], plan.tile_doc[t], 1, 0, 0, plan.tile_head_start[t],
+                      plan.tile_head_count[t], 0, 0, plan.tile_owner[t], plan.tile_owner[t], -1, 0};
+  i64 tail_doc = gt.local_doc[k];
+  if (plan.tile_doc_count[t] > 1) {  // whole documents [at, count), each its own prefix
     i64 tokens = 0, pairs = 0;
-    for (i64 d = d0; d < d1; ++d) {
-      tokens += plan.doc_lengths[first + d];
-      pairs += causal_pairs(plan.doc_lengths[first + d]);
+    for (i64 d = at; d < plan.tile_doc_count[t]; ++d) {
+      tokens += plan.doc_lengths[plan.tile_doc[t] + d];
+      pairs += causal_pairs(plan.doc_lengths[plan.tile_doc[t] + d]);
     }
-    return std::pair<i64, i64>{tokens, pairs};
-  };
-  const i64 start = plan.tile_q_start[t];
-  std::vector<std::pair<i64, i64>> ranges;  // documents [d0, d1) of each new tile
-  if (i > 0) ranges.push_back({i, i + 1});
-  if (i + 1 < cnt) ranges.push_back({i + 1, cnt});
-  std::vector<std::size_t> out;
-  for (const auto& [d0, d1] : ranges) {
-    const auto [tokens, pairs] = span(d0, d1);
-    const i64 off = start + span(0, d0).first;
-    plan.add_tile({plan.tile_seq[t], first + d0, d1 - d0, off, tokens, plan.tile_head_start[t],
-                   plan.tile_head_count[t], off, tokens, plan.tile_owner[t], plan.tile_owner[t],
-                   -1, pairs});
-    gt.index.push_back(plan.n_tiles() - 1);
-    gt.owner.push_back(gt.owner[k]);
-    gt.local_doc.push_back(gt.local_doc[k] + d0);
-    gt.load.push_back(static_cast<double>(pairs) * hc);
-    out.push_back(gt.index.size() - 1);
+    tail.doc += at;
+    tail.doc_count = plan.tile_doc_count[t] - at;
+    tail.q_start = tail.kv_start = plan.tile_q_start[t] + plan.tile_q_len[t] - tokens;
+    tail.q_len = tail.kv_len = tokens;
+    tail.pairs = pairs;
+    tail_doc += at;
+    plan.tile_doc_count[t] = at;
+    plan.tile_q_len[t] -= tokens;
+    plan.tile_kv_len[t] -= tokens;
+    plan.tile_pairs[t] -= pairs;
+  } else {  // rows [at, b) of the document against its prefix [0, b)
+    const i64 a = plan.tile_q_start[t] - plan.tile_kv_start[t], b = a + plan.tile_q_len[t];
+    tail.q_start = plan.tile_kv_start[t] + at;
+    tail.q_len = b - at;
+    tail.kv_start = plan.tile_kv_start[t];
+    tail.kv_len = b;
+    tail.pairs = block_pairs(at, b);
+    plan.tile_q_len[t] = at - a;
+    plan.tile_kv_len[t] = at;
+    plan.tile_pairs[t] = block_pairs(a, at);
   }
-  // what tile k keeps: the documents before i, or document i alone
-  const auto [keep_tokens, keep_pairs] = i > 0 ? span(0, i) : span(0, 1);
-  plan.tile_doc_count[t] = i > 0 ? i : 1;
-  plan.tile_q_len[t] = plan.tile_kv_len[t] = keep_tokens;
-  const double moved = gt.load[k] - static_cast<double>(keep_pairs) * hc;
-  plan.tile_pairs[t] = keep_pairs;
-  gt.load[k] -= moved;
-  placer.shrink(k, moved);
-  return out;
+  const double w = static_cast<double>(tail.pairs) * hc;
+  gt.load[k] -= w;
+  placer.shrink(k, w);
+  plan.add_tile(tail);
+  gt.index.push_back(plan.n_tiles() - 1);
+  gt.owner.push_back(gt.owner[k]);
+  gt.local_doc.push_back(tail_doc);
+  gt.load.push_back(w);
+  placer.add_tile();
+  return gt.index.size() - 1;
 }
 
 Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
@@ -531,55 +536,24 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
             }
           }
           if (pk == n) break;
-          for (const std::size_t k : isolate_document(plan, gt, placer, pk, pi)) {
-            placer.add_tile();
+          // tile pk keeps the documents before pi (or document pi alone when pi == 0); new
+          // tiles take document pi and the documents after it, all still on hi
+          std::vector<std::size_t> fresh;
+          if (pi > 0) fresh.push_back(split_tail(plan, gt, placer, pk, pi));
+          const std::size_t single = pi > 0 ? fresh.back() : pk;
+          if (plan.tile_doc_count[gt.index[single]] > 1)
+            fresh.push_back(split_tail(plan, gt, placer, single, 1));
+          for (const std::size_t k : fresh) {
             placer.assign(k, hi);
             on[hi].push_back(k);
           }
           n = gt.index.size();
           continue;
         }
-        const i64 t = gt.index[cut.k];
-        StepPlan::Tile piece;
-        i64 piece_doc = gt.local_doc[cut.k];
-        if (plan.tile_doc_count[t] > 1) {  // the last documents become their own tile
-          const i64 keep = cut.c, cnt = plan.tile_doc_count[t];
-          i64 tail = 0, tail_pairs = 0;
-          for (i64 i = keep; i < cnt; ++i) {
-            tail += plan.doc_lengths[plan.tile_doc[t] + i];
-            tail_pairs += causal_pairs(plan.doc_lengths[plan.tile_doc[t] + i]);
-          }
-          const i64 start = plan.tile_q_start[t] + plan.tile_q_len[t] - tail;
-          piece = {plan.tile_seq[t], plan.tile_doc[t] + keep, cnt - keep, start, tail,
-                   plan.tile_head_start[t], plan.tile_head_count[t], start, tail,
-                   plan.tile_owner[t], plan.tile_owner[t], -1, tail_pairs};
-          plan.tile_doc_count[t] = keep;
-          plan.tile_q_len[t] -= tail;
-          plan.tile_kv_len[t] -= tail;
-          plan.tile_pairs[t] -= tail_pairs;
-          piece_doc += keep;
-        } else {  // the last rows of the document
-          const i64 a = plan.tile_q_start[t] - plan.tile_kv_start[t], b = a + plan.tile_q_len[t];
-          piece = {plan.tile_seq[t],        plan.tile_doc[t],        1,
-                   plan.tile_kv_start[t] + cut.c, b - cut.c,
-                   plan.tile_head_start[t], plan.tile_head_count[t], plan.tile_kv_start[t],
-                   b,                       plan.tile_owner[t],      plan.tile_owner[t],
-                   -1,                      block_pairs(cut.c, b)};
-          plan.tile_q_len[t] = cut.c - a;
-          plan.tile_kv_len[t] = cut.c;
-          plan.tile_pairs[t] = block_pairs(a, cut.c);
-        }
-        gt.load[cut.k] -= cut.w;
-        placer.shrink(cut.k, cut.w);
-        gt.index.push_back(plan.n_tiles());
-        gt.owner.push_back(gt.owner[cut.k]);
-        gt.local_doc.push_back(piece_doc);
-        gt.load.push_back(cut.w);
-        plan.add_tile(piece);
-        placer.add_tile();
-        placer.assign(n, lo);
-        on[lo].push_back(n);  // the newest tile: the highest index
-        ++n;
+        const std::size_t piece = split_tail(plan, gt, placer, cut.k, cut.c);
+        placer.assign(piece, lo);
+        on[lo].push_back(piece);  // the newest tile: the highest index
+        n = gt.index.size();
       }
     }
     // Never worse than no moves: if the owners' own loads have a lighter maximum, keep them.
