@@ -320,7 +320,7 @@ void compute_metrics(StepPlan& p, const std::vector<std::vector<i64>>& input) {
   // head), whichever is larger.
   i64 longest = 0;
   for (i64 l : p.doc_lengths) longest = std::max(longest, l);
-  const i64 rows = std::min(longest, std::max<i64>(1, std::min<i64>(128, p.context / 32)));
+  const i64 rows = std::min(longest, min_split_rows(p.context));
   const double unit = attn_fwd_flops(static_cast<double>(block_pairs(longest - rows, longest)), 1,
                                      p.head_dim) * bwd;
   const double mean_rank =

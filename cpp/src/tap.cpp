@@ -27,8 +27,6 @@ void push_tile(StepPlan& p, i64 seq, i64 doc, i64 doc_off, i64 a, i64 b, i64 h0,
 // the document boundary that best halves its work (a single document becomes a one-document
 // tile); a one-document tile by rows at the midpoint of work while it has at least 2 * min_rows
 // rows, then by heads in halves. Calls emit(tile) for each, executor = owner.
-// Rows below which a tile is not split further: 128, or context / 32 for short contexts.
-inline i64 min_split_rows(i64 context) { return std::max<i64>(1, std::min<i64>(128, context / 32)); }
 constexpr double kRefineMinGain = 5e-4;
 
 template <typename Emit>

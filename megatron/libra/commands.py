@@ -130,6 +130,14 @@ def _int_list_arg(text: str, field: str) -> list[int]:
     return values
 
 
+def _systems_arg(text: str) -> tuple:
+    systems = tuple(s for s in text.split(",") if s)
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ValueError(f"systems: unknown system {s!r}")
+    return systems
+
+
 def run_bench_balance(args) -> dict | None:
     from libra_ext import sweep
 
@@ -138,10 +146,7 @@ def run_bench_balance(args) -> dict | None:
         if name not in sweep.LAYOUTS:
             raise ValueError(f"layouts: unknown layout {name!r} (256k, 1m)")
     pools = _int_list_arg(args.pools, "pools")
-    systems = [s for s in args.systems.split(",") if s]
-    for s in systems:
-        if s not in SYSTEMS:
-            raise ValueError(f"systems: unknown system {s!r}")
+    systems = _systems_arg(args.systems)
     _positive(args.steps, "steps")
     check_seed(args.seed)
     rows = sweep.run(
@@ -193,10 +198,7 @@ def _add_bench_attention_args(a: argparse.ArgumentParser) -> None:
 def run_bench_attention(args) -> dict | None:
     from libra_ext.attention import bench
 
-    systems = tuple(s for s in args.systems.split(",") if s)
-    for s in systems:
-        if s not in ("libra", "ulysses", "wlb", "distca"):
-            raise ValueError(f"systems: unknown system {s!r}")
+    systems = _systems_arg(args.systems)
     for field in ("context", "heads", "kv_heads", "head_dim", "reps"):
         _positive(getattr(args, field), field)
     if args.heads % args.kv_heads:

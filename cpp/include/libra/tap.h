@@ -1,6 +1,7 @@
 // TAP: SH-tiles and their communication-aware placement inside a pool; DistCA's token shards.
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 #include "libra/common.h"
@@ -30,5 +31,8 @@ void owner_tiles(StepPlan& plan, i64 block);
 
 // Local KV head of local query head x.
 i64 kv_head_of(const StepPlan& plan, i64 local_head);
+
+// Rows below which TAP does not cut a tile: 128, or context / 32 for short contexts.
+inline i64 min_split_rows(i64 context) { return std::max<i64>(1, std::min<i64>(128, context / 32)); }
 
 }  // namespace libra
