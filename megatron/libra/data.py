@@ -9,7 +9,10 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from libra_ext.attention.core import compile_rank
+from libra_ext.attention.meta import stage
 from libra_ext.planner import Planner, StepPlan
 from libra_ext.workload import LengthSource, pack_production
 from megatron.libra.config import TrainConfig
@@ -214,6 +217,7 @@ class StepSampler:
         cp_rank: int | None = None,
     ):
         self.cfg, self.planner, self.replica, self.cp_rank = cfg, planner, replica, cp_rank
+        self._pin = torch.cuda.is_available()  # staged programs in pinned memory on a GPU
         self.source = SyntheticSource(cfg) if cfg.data.source == "synthetic" else IndexedSource(cfg)
         self.keep_steps = held_steps(cfg)
         self._bases = dict(recent_bases or {})
@@ -250,14 +254,8 @@ class StepSampler:
             del self._bases[gone]
         programs = None
         if self.cp_rank is not None:
-            import torch
-
-            from libra_ext.attention.core import compile_rank
-            from libra_ext.attention.meta import stage
-
-            pin = torch.cuda.is_available()
             programs = [
-                stage(p, pin)
+                stage(p, self._pin)
                 for p in compile_rank(plan, self.replica, self.cp_rank, self.cfg.system.chunks)
             ]
         batch = StepBatch(
