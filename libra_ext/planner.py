@@ -84,6 +84,9 @@ class PlannerOptions:
     """wlb: most steps an outlier document may wait."""
     wlb_release_count: int = 0
     """wlb: an outlier level is released once it holds this many documents; 0 = dp."""
+    threads: int = 0
+    """Worker threads for TAP's groups; 0 = automatic: one per 16K documents of the step, at most
+    the machine's cores and 8. The plan does not depend on it."""
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -143,13 +146,20 @@ _METRICS = (
 )
 
 
+PLAN_PHASES = ("input", "placement", "tiles", "exchange", "metrics", "hash")
+"""Phases of planning a step, timed in `StepPlan.phase_ms` (they sum to `plan_ms`): reading and
+validating the input, placing sequences on replicas (VRSP; WLB-LLM's packing), making and placing
+tiles, the exchange tables, the metrics, the hash."""
+
+
 class StepPlan:
     """One step's plan: flat integer arrays plus metrics (see DESIGN.md section 5).
 
     Attributes mirror the C++ struct: `seq_doc_offsets`, `doc_lengths`, `doc_ids`, `seq_replica`,
     `seq_slot`, `tile_*`, `xchg_q|kv|o` (shape [groups, P, P], sender x receiver, elements
     per rank), `send_order`, `send_group_offsets`, `kv_*`, `rank_load` ([D, C]) and the scalar
-    metrics. `hash` is the 64-bit plan hash that ranks compare.
+    metrics. `hash` is the 64-bit plan hash that ranks compare; `plan_ms` and `phase_ms` (per
+    phase of `PLAN_PHASES`) time the planning and are not hashed.
     """
 
     def __init__(self, raw: dict):
@@ -164,9 +174,9 @@ class StepPlan:
             raw[k] = raw[k].reshape(-1, px, px)
         for k in ("rank_load", "rank_load_before", "rank_bytes_sent"):
             raw[k] = raw[k].reshape(self.dp, self.cp)
+        self.phase_ms = dict(zip(PLAN_PHASES, (float(x) for x in raw.pop("phase_ms"))))
         for k, v in raw.items():
             setattr(self, k, v)
-        self._arrays = tuple(raw)
 
     @property
     def n_seq(self) -> int:

@@ -470,7 +470,8 @@ def plan_libra(
             for _ in range(64 * P):
                 hi = load.index(max(load))
                 lo = load.index(min(load))
-                if hi == lo:
+                # no move lowers the pair's maximum by more than half the gap
+                if hi == lo or not (load[hi] - load[lo]) / 2.0 > min_gain:
                     break
                 pick, pick_pos, pick_max, pick_inc = None, 0, 0.0, 0
                 for pos, k in enumerate(on[hi]):

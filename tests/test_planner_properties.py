@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from libra_ext import checks
-from libra_ext.planner import Planner, PlannerOptions
-from libra_ext.workload import block_pairs
+from libra_ext.planner import PLAN_PHASES, LayoutConfig, Planner, PlannerOptions, plan_step
+from libra_ext.workload import LengthSource, ModelConfig, block_pairs
 
 from .strategies import layouts, step_inputs
 
@@ -162,3 +162,34 @@ def test_vrsp_never_raises_the_heaviest_pool_or_ties_with_a_heavier_group(data):
     if vrsp.vrsp_max_pool >= no_vrsp.vrsp_max_pool - tol:  # a tie on pools: groups decide
         assert vrsp.vrsp_max_group <= no_vrsp.vrsp_max_group * (1 + 1e-12)
     assert vrsp.vrsp_pool_lower_bound <= vrsp.vrsp_max_pool * (1 + 1e-12)
+
+
+def test_plan_does_not_depend_on_worker_threads():
+    """TAP's groups are placed by worker threads; the plan is the same for every count."""
+    source = LengthSource(preset="libra-256k")
+    layout = LayoutConfig(dp=16, cp=8, pool_size=4, context=262_144)
+    steps = [source.step(64, 262_144, 3, s) for s in range(2)]
+    for seqs in steps:
+        plans = [
+            Planner(layout, ModelConfig(), PlannerOptions(threads=t)).plan(seqs) for t in (1, 3, 8)
+        ]
+        assert len({p.hash for p in plans}) == 1
+        for name in ("tile_seq", "tile_q_start", "tile_q_len", "tile_executor", "send_order"):
+            for p in plans[1:]:
+                assert np.array_equal(getattr(p, name), getattr(plans[0], name)), name
+
+
+def test_phase_times_sum_to_plan_time():
+    plan = plan_step(
+        LengthSource(preset="libra-256k").step(32, 262_144, 0, 0),
+        LayoutConfig(dp=8, cp=8, pool_size=4, context=262_144),
+    )
+    assert tuple(plan.phase_ms) == PLAN_PHASES
+    assert all(v >= 0 for v in plan.phase_ms.values())
+    assert sum(plan.phase_ms.values()) == pytest.approx(plan.plan_ms, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("threads", [-1, 1025])
+def test_threads_out_of_range_is_refused(threads):
+    with pytest.raises(ValueError, match="threads"):
+        PlannerOptions(threads=threads)

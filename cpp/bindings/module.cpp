@@ -46,7 +46,7 @@ py::dict plan_to_dict(StepPlan&& p) {
   LIBRA_ARR(kv_group); LIBRA_ARR(kv_src); LIBRA_ARR(kv_dst); LIBRA_ARR(kv_seq);
   LIBRA_ARR(kv_start); LIBRA_ARR(kv_len); LIBRA_ARR(kv_head);
   LIBRA_ARR(rank_load); LIBRA_ARR(rank_load_before); LIBRA_ARR(group_load);
-  LIBRA_ARR(rank_bytes_sent);
+  LIBRA_ARR(rank_bytes_sent); LIBRA_ARR(phase_ms);
 #undef LIBRA_ARR
   for (auto [k, v] : {std::pair<const char*, double>{"max_over_mean", p.max_over_mean},
                       {"max_over_mean_before", p.max_over_mean_before},
@@ -111,6 +111,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("wlb_outlier_len", &PlanOptions::wlb_outlier_len)
       .def_readwrite("wlb_max_delay", &PlanOptions::wlb_max_delay)
       .def_readwrite("wlb_release_count", &PlanOptions::wlb_release_count)
+      .def_readwrite("threads", &PlanOptions::threads)
       .def("validate", &PlanOptions::validate);
 
   py::class_<PlannerState>(m, "PlannerState")

@@ -2,6 +2,7 @@
 #include <array>
 #include <chrono>
 #include <numeric>
+#include <thread>
 #include <tuple>
 
 #include "libra/plan.h"
@@ -11,7 +12,6 @@
 #include "libra/workload.h"
 
 namespace libra {
-
 System parse_system(const std::string& name) {
   if (name == "ulysses") return System::Ulysses;
   if (name == "libra") return System::Libra;
@@ -53,6 +53,15 @@ void PlanOptions::validate() const {
   if (wlb_outlier_len < 0) fail("wlb_outlier_len must be >= 0");
   if (wlb_max_delay < 0) fail("wlb_max_delay must be >= 0");
   if (wlb_release_count < 0) fail("wlb_release_count must be >= 0");
+  if (threads < 0 || threads > 1024)
+    fail("threads must be in [0, 1024] (0 = the machine's cores), got " + std::to_string(threads));
+}
+
+std::size_t plan_workers(const PlanOptions& options, std::size_t n_docs) {
+  if (options.threads > 0) return static_cast<std::size_t>(options.threads);
+  const std::size_t cores = std::max(1u, std::thread::hardware_concurrency());
+  return std::max<std::size_t>(
+      1, std::min({cores, static_cast<std::size_t>(kMaxPlanThreads), n_docs / kDocsPerPlanWorker}));
 }
 
 std::vector<i64> PlannerState::serialize() const {
@@ -117,11 +126,11 @@ void StepPlan::add_tile(const Tile& t) {
   tile_pairs.push_back(t.pairs);
 }
 
-void StepPlan::reserve_tiles(std::size_t n) {
+void StepPlan::resize_tiles(std::size_t n) {
   for (auto* v : {&tile_seq, &tile_doc, &tile_doc_count, &tile_q_start, &tile_q_len,
                   &tile_head_start, &tile_head_count, &tile_kv_start, &tile_kv_len, &tile_owner,
                   &tile_executor, &tile_cp, &tile_pairs})
-    v->reserve(n);
+    v->resize(n);
 }
 
 namespace {
@@ -143,14 +152,52 @@ std::vector<double> pool_totals(const std::vector<double>& group_load, i64 slots
   return out;
 }
 
-// Attention FLOPs (forward + backward) of each sequence over one rank's head slice.
-std::vector<double> sequence_flops(const StepPlan& p) {
-  std::vector<double> out(static_cast<std::size_t>(p.n_seq()), 0.0);
-  for (i64 s = 0; s < p.n_seq(); ++s)
-    for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
-      out[s] += static_cast<double>(causal_pairs(p.doc_lengths[d]));
-  for (double& f : out) f = attn_fwd_flops(f, p.heads_local, p.head_dim) * (1.0 + kAttnBwdFactor);
+// Causal pairs of each sequence: one integer sum per sequence (exact below 2^63).
+std::vector<i64> pairs_of(const std::vector<std::vector<i64>>& sequences) {
+  std::vector<i64> out(sequences.size(), 0);
+  for (std::size_t s = 0; s < sequences.size(); ++s)
+    for (i64 l : sequences[s]) out[s] += causal_pairs(l);
   return out;
+}
+
+// Attention FLOPs (forward + backward) over one rank's head slice of sequences of these pairs.
+std::vector<double> sequence_flops(const StepPlan& p, const std::vector<i64>& seq_pairs) {
+  std::vector<double> out(seq_pairs.size());
+  for (std::size_t s = 0; s < seq_pairs.size(); ++s)
+    out[s] = attn_fwd_flops(static_cast<double>(seq_pairs[s]), p.heads_local, p.head_dim) *
+             (1.0 + kAttnBwdFactor);
+  return out;
+}
+
+// The input's documents into the plan's CSR arrays, validating them in the same pass; returns
+// the causal pairs of each sequence. Any invalid entry is reported as validate_sequences words it.
+std::vector<i64> copy_sequences(StepPlan& p, const std::vector<std::vector<i64>>& sequences,
+                                i64 context, i64& total_tokens) {
+  std::size_t n_docs = 0;
+  for (const auto& seq : sequences) n_docs += seq.size();
+  p.doc_lengths.resize(n_docs);
+  p.seq_doc_offsets.assign(1, 0);
+  p.seq_doc_offsets.reserve(sequences.size() + 1);
+  std::vector<i64> seq_pairs(sequences.size());
+  i64* out = p.doc_lengths.data();
+  bool bad = false;
+  for (std::size_t s = 0; s < sequences.size(); ++s) {
+    i64 tokens = 0, pairs = 0;
+    for (const i64 l : sequences[s]) {
+      bad |= l <= 0 || l > context;
+      tokens += l;
+      pairs += causal_pairs(l);
+      *out++ = l;
+    }
+    bad |= tokens > context;
+    if (bad) validate_sequences(sequences, context);  // throws, naming the entry
+    seq_pairs[s] = pairs;
+    total_tokens += tokens;
+    p.seq_doc_offsets.push_back(out - p.doc_lengths.data());
+  }
+  p.doc_ids.resize(n_docs);
+  std::iota(p.doc_ids.begin(), p.doc_ids.end(), i64{0});
+  return seq_pairs;
 }
 
 std::vector<std::vector<i64>> groups_of(const StepPlan& p, i64 pool) {
@@ -178,23 +225,29 @@ void build_exchange(StepPlan& p) {
   const i64 q_per_kv = p.heads_local / kvh;
   std::vector<std::pair<i64, i64>> kv;  // (key, kv_len)
   double moved_tokens = 0, all_tokens = 0;
-  // Exchange cell of every tile, computed once: (group, owner member, executor member).
+  // Exchange cell of every tile, computed once: (group, owner member, executor member), from
+  // per-replica tables (no divisions per tile).
   const i64 n_tiles = p.n_tiles();
+  std::vector<i64> pool_of(static_cast<std::size_t>(p.dp)), member_of(static_cast<std::size_t>(p.dp));
+  for (i64 r = 0; r < p.dp; ++r) {
+    pool_of[r] = r / Px;
+    member_of[r] = r % Px;
+  }
   std::vector<i64> tile_cell(static_cast<std::size_t>(n_tiles));
   for (i64 t = 0; t < n_tiles; ++t) {
     const i64 o = p.tile_owner[t], e = p.tile_executor[t];
-    const i64 g = (o / Px) * p.slots + p.seq_slot[p.tile_seq[t]];
-    tile_cell[t] = (g * Px + o % Px) * Px + e % Px;
+    const i64 g = pool_of[o] * p.slots + p.seq_slot[p.tile_seq[t]];
+    tile_cell[t] = (g * Px + member_of[o]) * Px + member_of[e];
   }
   for (i64 t = 0; t < n_tiles; ++t) {
     const i64 qh = p.tile_q_len[t] * p.tile_head_count[t];
     all_tokens += static_cast<double>(qh);
     const i64 o = p.tile_owner[t], e = p.tile_executor[t];
     if (o == e) continue;
-    if (o / Px != e / Px) fail("internal: tile " + std::to_string(t) + " leaves its exchange pool");
+    if (pool_of[o] != pool_of[e]) fail("internal: tile " + std::to_string(t) + " leaves its exchange pool");
     moved_tokens += static_cast<double>(qh);
     const i64 cell = tile_cell[t];
-    const i64 g = cell / (Px * Px), src = (cell / Px) % Px, dst = cell % Px;
+    const i64 src = member_of[o], dst = member_of[e], g = (cell - src * Px - dst) / (Px * Px);
     p.xchg_q[cell] += qh * d;
     p.xchg_o[(g * Px + dst) * Px + src] += qh * d;
     const i64 kv0 = p.tile_head_start[t] / q_per_kv;
@@ -280,7 +333,7 @@ void build_exchange(StepPlan& p) {
   p.total_bytes = std::accumulate(p.rank_bytes_sent.begin(), p.rank_bytes_sent.end(), 0.0);
 }
 
-void compute_metrics(StepPlan& p, const std::vector<std::vector<i64>>& input) {
+void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs) {
   const i64 C = p.cp, m = p.slots, P = p.pool;
   p.rank_load.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   p.group_load.assign(static_cast<std::size_t>(p.dp / P * m), 0.0);
@@ -301,10 +354,8 @@ void compute_metrics(StepPlan& p, const std::vector<std::vector<i64>>& input) {
   // Before: the input in Megatron's production order under Ulysses (no balancing, no moves).
   p.rank_load_before.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   std::vector<double> group_before(p.group_load.size(), 0.0);
-  for (std::size_t s = 0; s < input.size(); ++s) {
-    double pairs = 0;
-    for (i64 l : input[s]) pairs += static_cast<double>(causal_pairs(l));
-    const double f = attn_fwd_flops(pairs, p.heads_local, p.head_dim) * bwd;
+  for (std::size_t s = 0; s < input_pairs.size(); ++s) {
+    const double f = attn_fwd_flops(static_cast<double>(input_pairs[s]), p.heads_local, p.head_dim) * bwd;
     const i64 r = static_cast<i64>(s) / m, slot = static_cast<i64>(s) % m;
     for (i64 c = 0; c < C; ++c) p.rank_load_before[r * C + c] += f;
     group_before[(r / P) * m + slot] += f * static_cast<double>(C);
@@ -350,6 +401,13 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
                    const ModelDims& model, const PlanOptions& options, PlannerState* state,
                    bool flush) {
   const auto t0 = std::chrono::steady_clock::now();
+  auto lap = t0;  // end of the previous phase
+  auto phase_done = [&](StepPlan& p, PlanPhase phase) {
+    const auto now = std::chrono::steady_clock::now();
+    p.phase_ms[static_cast<std::size_t>(phase)] =
+        std::chrono::duration<double, std::milli>(now - lap).count();
+    lap = now;
+  };
   layout.validate();
   model.validate();
   options.validate();
@@ -359,7 +417,6 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   if (B % layout.dp != 0)
     fail("gbs (B=" + std::to_string(B) + ") must be divisible by dp (D=" +
          std::to_string(layout.dp) + ")");
-  validate_sequences(sequences, layout.context);
   if (options.system == System::Wlb && state == nullptr)
     fail("state: the wlb system carries a delay queue and needs a PlannerState");
 
@@ -375,28 +432,9 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
 
   PlanOptions opt = options;
   if (opt.block == 0) opt.block = std::max<i64>(1024, layout.context / 16);
-  double est = 0;  // tiles the system makes (before TAP's splits and cuts of heavy tiles)
-  {
-    // Refuse plans whose tiles would not fit the memory budget rather than failing mid-way.
-    const i64 hl = model.heads / (layout.cp * layout.tp);
-    const i64 hg = opt.head_group > 0 ? std::min(opt.head_group, hl) : hl;
-    if (options.system == System::Wlb) {
-      // per-document CP: up to 2C chunks of every document (queued ones included)
-      double docs = state != nullptr ? static_cast<double>(state->pending()) * 2.0 * layout.cp : 0.0;
-      for (const auto& seq : sequences)
-        for (i64 l : seq) docs += static_cast<double>(std::min<i64>(l, 2 * layout.cp));
-      est = docs;
-    } else {
-      // per sequence: a document of l >= block tokens makes at most l / block + 1 query blocks
-      // and ends a run; two consecutive runs of shorter documents hold more than a block; so at
-      // most 5 * tokens / block + 1 tiles per head group
-      for (const auto& seq : sequences) {
-        i64 tokens = 0;
-        for (i64 l : seq) tokens += l;
-        est += 5.0 * static_cast<double>(tokens) / static_cast<double>(opt.block) + 1.0;
-      }
-      est *= static_cast<double>((hl + hg - 1) / hg);
-    }
+  const i64 hg = opt.head_group > 0 ? std::min(opt.head_group, p.heads_local) : p.heads_local;
+  // Refuse plans whose tiles would not fit the memory budget rather than failing mid-way.
+  auto check_budget = [&](double est) {
     if (est > kMaxPlanTiles)
       fail("this step would make about " + std::to_string(static_cast<i64>(est)) + " tiles (" +
            std::to_string(static_cast<i64>(est * kBytesPerTile / 1e9)) +
@@ -405,31 +443,47 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
                 ? " tiles: per-document CP makes 2C tiles per document; plan fewer documents or a smaller cp"
                 : " tiles; raise block (" + std::to_string(opt.block) + ") or head_group (" +
                       std::to_string(hg) + ")"));
-  }
-  if (options.system != System::Wlb) p.reserve_tiles(static_cast<std::size_t>(est * 1.5));
+  };
+  std::vector<i64> input_pairs;  // causal pairs of each input sequence
   VrspPlacement placement;
   if (options.system == System::Wlb) {
+    validate_sequences(sequences, layout.context);
+    // per-document CP: up to 2C chunks of every document (queued ones included)
+    double docs = state != nullptr ? static_cast<double>(state->pending()) * 2.0 * layout.cp : 0.0;
+    for (const auto& seq : sequences)
+      for (i64 l : seq) docs += static_cast<double>(std::min<i64>(l, 2 * layout.cp));
+    check_budget(docs);
+    input_pairs = pairs_of(sequences);
+    phase_done(p, PlanPhase::Input);
     wlb_pack(p, sequences, opt, *state, flush);
-    placement = production_place(sequence_flops(p), p.dp, p.pool, p.slots);
+    std::vector<i64> executed(static_cast<std::size_t>(p.n_seq()), 0);
+    for (i64 s = 0; s < p.n_seq(); ++s)
+      for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
+        executed[s] += causal_pairs(p.doc_lengths[d]);
+    placement = production_place(sequence_flops(p, executed), p.dp, p.pool, p.slots);
+    phase_done(p, PlanPhase::Placement);
     wlb_tiles(p);
   } else {
-    p.seq_doc_offsets.assign(1, 0);
-    for (const auto& seq : sequences) {
-      p.doc_lengths.insert(p.doc_lengths.end(), seq.begin(), seq.end());
-      p.seq_doc_offsets.push_back(static_cast<i64>(p.doc_lengths.size()));
-    }
-    p.doc_ids.resize(p.doc_lengths.size());
-    std::iota(p.doc_ids.begin(), p.doc_ids.end(), i64{0});
-    const std::vector<double> loads = sequence_flops(p);
+    i64 tokens = 0;
+    input_pairs = copy_sequences(p, sequences, layout.context, tokens);
+    // per sequence: a document of l >= block tokens makes at most l / block + 1 query blocks
+    // and ends a run; two consecutive runs of shorter documents hold more than a block; so at
+    // most 5 * tokens / block + 1 tiles per head group
+    check_budget((5.0 * static_cast<double>(tokens) / static_cast<double>(opt.block) +
+                  static_cast<double>(B)) *
+                 static_cast<double>((p.heads_local + hg - 1) / hg));
+    phase_done(p, PlanPhase::Input);
+    const std::vector<double> loads = sequence_flops(p, input_pairs);
     const bool vrsp = options.system == System::Libra && options.vrsp;
     const bool spread = options.system == System::Libra && !options.tap;
     placement = vrsp ? vrsp_place(loads, p.dp, p.pool, p.slots, spread)
                      : production_place(loads, p.dp, p.pool, p.slots);
+    phase_done(p, PlanPhase::Placement);
     p.seq_replica = placement.replica;
     p.seq_slot = placement.slot;
     if (options.system == System::Libra && options.tap) {
       p.exchange_pool = p.pool;
-      tap_place(p, opt, groups_of(p, p.pool));
+      tap_place(p, opt, groups_of(p, p.pool), input_pairs);
     } else if (options.system == System::Distca) {
       p.exchange_pool = p.dp;
       distca_place(p, opt, groups_of(p, p.dp));
@@ -437,14 +491,18 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
       owner_tiles(p, opt.block);
     }
   }
+  phase_done(p, PlanPhase::Tiles);
   p.vrsp_max_group = placement.max_group;
   p.vrsp_lower_bound = placement.lower_bound;
   p.vrsp_max_pool = placement.max_pool;
   p.vrsp_pool_lower_bound = placement.pool_lower_bound;
   build_exchange(p);
-  compute_metrics(p, sequences);
+  phase_done(p, PlanPhase::Exchange);
+  compute_metrics(p, input_pairs);
+  phase_done(p, PlanPhase::Metrics);
   p.hash = p.compute_hash();
-  p.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  phase_done(p, PlanPhase::Hash);
+  p.plan_ms = std::chrono::duration<double, std::milli>(lap - t0).count();
   return p;
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "libra/parallel.h"
 #include "libra/workload.h"
 
 namespace libra {
@@ -149,13 +150,11 @@ void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double 
   flush_run();
 }
 
-// KV residency of one group: resident[member][local doc * kv_heads + kv head] = prefix length
-// already on that member (the owner holds every prefix of its own documents).
 // KV residency of one group: the prefix length of (local document, KV head) already shipped to
 // a member (0 if none; the owner holds every prefix of its own documents). A document gets a
 // row of [members x KV heads] entries the first time a prefix of it is shipped, so a group of
-// many short documents costs nothing here; `slot` (document -> row) is shared by all groups of
-// a plan and reset after each.
+// many short documents costs nothing here; `slot` (document -> row) is shared by the groups one
+// worker places and reset after each.
 struct Residency {
   i64 members, kv_heads;
   std::vector<i64>& slot;
@@ -181,40 +180,59 @@ struct Residency {
   }
 };
 
+// The tiles of one (pool, slot) group, built and placed without touching the plan (groups are
+// independent, so workers place them concurrently); appended to the plan in group order.
 struct GroupTiles {
-  std::vector<i64> index;      // plan tile index
+  std::vector<StepPlan::Tile> tile;
   std::vector<i64> owner;      // member index
   std::vector<i64> local_doc;  // document index inside the group
   std::vector<double> load;    // pairs * heads
+  std::size_t size() const { return tile.size(); }
+  void clear() {
+    tile.clear();
+    owner.clear();
+    local_doc.clear();
+    load.clear();
+  }
+  void push(const StepPlan::Tile& t, i64 member, i64 doc) {
+    tile.push_back(t);
+    owner.push_back(member);
+    local_doc.push_back(doc);
+    load.push_back(static_cast<double>(t.pairs) * static_cast<double>(t.head_count));
+  }
 };
+
+// Local KV heads [first, last] that tile t's query heads read.
+struct KvHeads {
+  i64 first, last;
+};
+inline KvHeads kv_heads_of(const StepPlan& plan, const StepPlan::Tile& t) {
+  if (plan.kv_heads_local == 1) return {0, 0};
+  const i64 q_per_kv = plan.heads_local / plan.kv_heads_local;
+  return {t.head_start / q_per_kv, (t.head_start + t.head_count - 1) / q_per_kv};
+}
 
 class Placer {
  public:
-  Placer(StepPlan& plan, const TileBytes& bytes, const GroupTiles& gt, i64 members,
+  Placer(const StepPlan& plan, const TileBytes& bytes, const GroupTiles& gt, i64 members,
          std::vector<i64>& doc_slot)
       : plan_(plan), bytes_(bytes), gt_(gt), res_(members, plan.kv_heads_local, doc_slot),
         load_(static_cast<std::size_t>(members), 0.0),
-        exec_(gt.index.size(), -1) {}
+        exec_(gt.size(), -1) {}
 
-  // Bytes that executing local tile k on member j adds, given what is resident there.
+  // Bytes that executing tile k on member j adds, given what is resident there.
   i64 increment(std::size_t k, i64 j) const {
-    const i64 t = gt_.index[k];
-    return increment_rows(k, j, plan_.tile_q_len[t], plan_.tile_kv_len[t]);
+    return increment_at(k, j, gt_.local_doc[k], gt_.tile[k].q_len, gt_.tile[k].kv_len);
   }
 
-  // The same for q_len query rows of tile k's document and heads against a kv_len prefix.
-  i64 increment_rows(std::size_t k, i64 j, i64 q_len, i64 kv_len) const {
-    return increment_at(k, j, gt_.local_doc[k], q_len, kv_len);
-  }
-
-  // The same with the KV of another document of tile k's owner (local index local_doc).
+  // The same for q_len query rows of tile k's heads against a kv_len prefix of the owner's
+  // document local_doc.
   i64 increment_at(std::size_t k, i64 j, i64 local_doc, i64 q_len, i64 kv_len) const {
     if (gt_.owner[k] == j) return 0;
-    const i64 t = gt_.index[k];
-    i64 inc = bytes_.qo_bytes(q_len, plan_.tile_head_count[t]);
-    const i64 kv0 = kv_head_of(plan_, plan_.tile_head_start[t]);
-    const i64 kv1 = kv_head_of(plan_, plan_.tile_head_start[t] + plan_.tile_head_count[t] - 1);
-    for (i64 kh = kv0; kh <= kv1; ++kh) {
+    const StepPlan::Tile& t = gt_.tile[k];
+    i64 inc = bytes_.qo_bytes(q_len, t.head_count);
+    const KvHeads kv = kv_heads_of(plan_, t);
+    for (i64 kh = kv.first; kh <= kv.last; ++kh) {
       const i64 r = res_.get(j, local_doc, kh);
       if (kv_len > r) inc += bytes_.kv_bytes(kv_len - r);
     }
@@ -234,12 +252,11 @@ class Placer {
     exec_[k] = j;
     load_[j] += gt_.load[k];
     if (gt_.owner[k] == j) return;
-    const i64 t = gt_.index[k];
-    const i64 kv0 = kv_head_of(plan_, plan_.tile_head_start[t]);
-    const i64 kv1 = kv_head_of(plan_, plan_.tile_head_start[t] + plan_.tile_head_count[t] - 1);
-    for (i64 kh = kv0; kh <= kv1; ++kh) {
+    const StepPlan::Tile& t = gt_.tile[k];
+    const KvHeads kv = kv_heads_of(plan_, t);
+    for (i64 kh = kv.first; kh <= kv.last; ++kh) {
       i64& r = res_.at(j, gt_.local_doc[k], kh);
-      r = std::max(r, plan_.tile_kv_len[t]);
+      r = std::max(r, t.kv_len);
     }
   }
 
@@ -247,7 +264,7 @@ class Placer {
   std::vector<i64>& exec() { return exec_; }
 
  private:
-  StepPlan& plan_;
+  const StepPlan& plan_;
   TileBytes bytes_;
   const GroupTiles& gt_;
   Residency res_;
@@ -256,7 +273,7 @@ class Placer {
 };
 
 struct Cut {
-  std::size_t k;  // tile (local index); gt.index.size() when there is none
+  std::size_t k;  // tile (local index); gt.size() when there is none
   i64 c = 0;      // one document: first row (document coordinates) of the piece cut off; several
                   // documents: how many leading documents the tile keeps
   double w = 0;   // the piece's load
@@ -264,94 +281,90 @@ struct Cut {
   i64 bytes = 0;
 };
 
-// Best tail cut of a tile on member hi towards member lo (see the refinement): the last rows of
-// a one-document tile, or the last documents of a multi-document tile.
 // Tile k gives up its tail - the documents from index `at` on of a multi-document tile, or the
-// rows [at, b) of a one-document tile - as a new tile appended to the plan and the group,
-// executed nowhere yet; tile k's executor (if any) loses the tail's load. Returns its index.
-std::size_t split_tail(StepPlan& plan, GroupTiles& gt, Placer& placer, std::size_t k, i64 at) {
-  const i64 t = gt.index[k];
-  const double hc = static_cast<double>(plan.tile_head_count[t]);
-  StepPlan::Tile tail{plan.tile_seq[t], plan.tile_doc[t], 1, 0, 0, plan.tile_head_start[t],
-                      plan.tile_head_count[t], 0, 0, plan.tile_owner[t], plan.tile_owner[t], -1, 0};
+// rows [at, b) of a one-document tile - as a new tile appended to the group, executed nowhere
+// yet; tile k's executor (if any) loses the tail's load. Returns its index.
+std::size_t split_tail(const StepPlan& plan, GroupTiles& gt, Placer& placer, std::size_t k, i64 at) {
+  StepPlan::Tile& t = gt.tile[k];
+  const double hc = static_cast<double>(t.head_count);
+  StepPlan::Tile tail{t.seq, t.doc, 1, 0, 0, t.head_start, t.head_count, 0, 0, t.owner, t.owner,
+                      -1, 0};
   i64 tail_doc = gt.local_doc[k];
-  if (plan.tile_doc_count[t] > 1) {  // whole documents [at, count), each its own prefix
+  if (t.doc_count > 1) {  // whole documents [at, count), each its own prefix
     i64 tokens = 0, pairs = 0;
-    for (i64 d = at; d < plan.tile_doc_count[t]; ++d) {
-      tokens += plan.doc_lengths[plan.tile_doc[t] + d];
-      pairs += causal_pairs(plan.doc_lengths[plan.tile_doc[t] + d]);
+    for (i64 d = at; d < t.doc_count; ++d) {
+      tokens += plan.doc_lengths[t.doc + d];
+      pairs += causal_pairs(plan.doc_lengths[t.doc + d]);
     }
     tail.doc += at;
-    tail.doc_count = plan.tile_doc_count[t] - at;
-    tail.q_start = tail.kv_start = plan.tile_q_start[t] + plan.tile_q_len[t] - tokens;
+    tail.doc_count = t.doc_count - at;
+    tail.q_start = tail.kv_start = t.q_start + t.q_len - tokens;
     tail.q_len = tail.kv_len = tokens;
     tail.pairs = pairs;
     tail_doc += at;
-    plan.tile_doc_count[t] = at;
-    plan.tile_q_len[t] -= tokens;
-    plan.tile_kv_len[t] -= tokens;
-    plan.tile_pairs[t] -= pairs;
+    t.doc_count = at;
+    t.q_len -= tokens;
+    t.kv_len -= tokens;
+    t.pairs -= pairs;
   } else {  // rows [at, b) of the document against its prefix [0, b)
-    const i64 a = plan.tile_q_start[t] - plan.tile_kv_start[t], b = a + plan.tile_q_len[t];
-    tail.q_start = plan.tile_kv_start[t] + at;
+    const i64 a = t.q_start - t.kv_start, b = a + t.q_len;
+    tail.q_start = t.kv_start + at;
     tail.q_len = b - at;
-    tail.kv_start = plan.tile_kv_start[t];
+    tail.kv_start = t.kv_start;
     tail.kv_len = b;
     tail.pairs = block_pairs(at, b);
-    plan.tile_q_len[t] = at - a;
-    plan.tile_kv_len[t] = at;
-    plan.tile_pairs[t] = block_pairs(a, at);
+    t.q_len = at - a;
+    t.kv_len = at;
+    t.pairs = block_pairs(a, at);
   }
   const double w = static_cast<double>(tail.pairs) * hc;
   gt.load[k] -= w;
   placer.shrink(k, w);
-  plan.add_tile(tail);
-  gt.index.push_back(plan.n_tiles() - 1);
-  gt.owner.push_back(gt.owner[k]);
-  gt.local_doc.push_back(tail_doc);
-  gt.load.push_back(w);
+  const i64 owner = gt.owner[k];
+  gt.push(tail, owner, tail_doc);  // (t is not used after this: push may move the tiles)
   placer.add_tile();
-  return gt.index.size() - 1;
+  return gt.size() - 1;
 }
 
+// Best tail cut of a tile on member hi towards member lo (see the refinement): the last rows of
+// a one-document tile, or the last documents of a multi-document tile.
 Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
              const std::vector<std::size_t>& on_hi, i64 hi, i64 lo, const std::vector<double>& load,
              double min_gain, i64 min_rows) {
-  Cut best{gt.index.size()};
+  Cut best{gt.size()};
   const double want = (load[hi] - load[lo]) / 2.0;
   auto consider = [&](std::size_t k, i64 c, double w, i64 bytes_doc, i64 q_len, i64 kv_len) {
     const double new_max = std::max(load[hi] - w, load[lo] + w);
     if (!(new_max < load[hi] - min_gain)) return;
-    if (best.k != gt.index.size() && new_max > best.new_max) return;
+    if (best.k != gt.size() && new_max > best.new_max) return;
     const i64 bytes = placer.increment_at(k, lo, bytes_doc, q_len, kv_len);
-    if (best.k == gt.index.size() || new_max < best.new_max || bytes < best.bytes)
+    if (best.k == gt.size() || new_max < best.new_max || bytes < best.bytes)
       best = Cut{k, c, w, new_max, bytes};
   };
   for (std::size_t k : on_hi) {
     // a tile no heavier than half the gap would have moved whole: only heavier ones are cut
     if (!(gt.load[k] > want)) continue;
-    const i64 t = gt.index[k];
-    const i64 cnt = plan.tile_doc_count[t];
-    if (cnt > 1) {  // whole documents from the end until half the gap is reached
-      const double hc = static_cast<double>(plan.tile_head_count[t]);
+    const StepPlan::Tile& t = gt.tile[k];
+    const double hc = static_cast<double>(t.head_count);
+    if (t.doc_count > 1) {  // whole documents from the end until half the gap is reached
       double acc = 0;
       i64 tail = 0;
-      for (i64 i = cnt - 1; i >= 1; --i) {
-        const i64 l = plan.doc_lengths[plan.tile_doc[t] + i];
+      for (i64 i = t.doc_count - 1; i >= 1; --i) {
+        const i64 l = plan.doc_lengths[t.doc + i];
         const double prev = acc;
         acc += static_cast<double>(causal_pairs(l)) * hc;
         tail += l;
         if (acc >= want || i == 1) {
           consider(k, i, acc, gt.local_doc[k] + i, tail, tail);
-          if (i + 1 <= cnt - 1) consider(k, i + 1, prev, gt.local_doc[k] + i + 1, tail - l, tail - l);
+          if (i + 1 <= t.doc_count - 1)
+            consider(k, i + 1, prev, gt.local_doc[k] + i + 1, tail - l, tail - l);
           break;
         }
       }
       continue;
     }
-    if (plan.tile_q_len[t] < 2 * min_rows) continue;
-    const i64 a = plan.tile_q_start[t] - plan.tile_kv_start[t], b = a + plan.tile_q_len[t];
-    const double hc = static_cast<double>(plan.tile_head_count[t]);
+    if (t.q_len < 2 * min_rows) continue;
+    const i64 a = t.q_start - t.kv_start, b = a + t.q_len;
     // smallest c with pairs(c, b) * hc <= want: c(c+1) >= b(b+1) - 2 want / hc
     const double x = static_cast<double>(b) * static_cast<double>(b + 1) - 2.0 * want / hc;
     i64 c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
@@ -366,28 +379,209 @@ Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
   return best;
 }
 
-GroupTiles make_group_tiles(StepPlan& plan, const std::vector<i64>& members, i64 block,
-                            i64 head_group, double max_tile_share, i64& n_docs) {
-  GroupTiles gt;
+void make_group_tiles(const StepPlan& plan, const std::vector<i64>& members,
+                      const std::vector<i64>& seq_pairs, i64 block, i64 head_group,
+                      double max_tile_share, GroupTiles& gt, i64& n_docs) {
+  gt.clear();
   n_docs = 0;
   double total = 0;  // the group's load, to size the largest tile against the member mean
   for (i64 s : members)
-    for (i64 doc = plan.seq_doc_offsets[s]; doc < plan.seq_doc_offsets[s + 1]; ++doc)
-      total += static_cast<double>(causal_pairs(plan.doc_lengths[doc])) *
-               static_cast<double>(plan.heads_local);
+    total += static_cast<double>(seq_pairs[s]) * static_cast<double>(plan.heads_local);
   const double max_load = max_tile_share * total / static_cast<double>(members.size());
   for (std::size_t i = 0; i < members.size(); ++i) {
     const i64 first_doc = plan.seq_doc_offsets[members[i]];
     sequence_tiles(plan, members[i], block, head_group, max_load, [&](const StepPlan::Tile& t) {
-      gt.index.push_back(plan.n_tiles());
-      gt.owner.push_back(static_cast<i64>(i));
-      gt.local_doc.push_back(n_docs + t.doc - first_doc);
-      gt.load.push_back(static_cast<double>(t.pairs) * static_cast<double>(t.head_count));
-      plan.add_tile(t);
+      gt.push(t, static_cast<i64>(i), n_docs + t.doc - first_doc);
     });
     n_docs += plan.seq_doc_offsets[members[i] + 1] - first_doc;
   }
-  return gt;
+}
+
+// What one worker reuses from group to group (capacity kept, contents reset per group).
+struct GroupScratch {
+  GroupTiles gt;
+  std::vector<i64> doc_slot;  // residency rows (see Residency)
+  std::vector<std::pair<double, std::size_t>> order;
+  std::vector<std::size_t> rest;
+  std::vector<std::vector<std::size_t>> on;
+};
+
+// TAP on one group: the tiles of its members' sequences with their executors set.
+std::vector<StepPlan::Tile> place_group(const StepPlan& plan, const PlanOptions& opt,
+                                        i64 head_group, const std::vector<i64>& members,
+                                        const std::vector<i64>& seq_pairs, GroupScratch& scratch) {
+  const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
+  const i64 P = static_cast<i64>(members.size());
+  i64 n_docs = 0;
+  GroupTiles& gt = scratch.gt;
+  std::vector<i64>& doc_slot = scratch.doc_slot;
+  make_group_tiles(plan, members, seq_pairs, opt.block, head_group, opt.max_tile_share, gt, n_docs);
+  std::size_t n = gt.size();
+  if (n == 0) return {};
+  const double total = std::accumulate(gt.load.begin(), gt.load.end(), 0.0);
+  const double cap = (1.0 + opt.epsilon) * total / static_cast<double>(P);
+  if (static_cast<i64>(doc_slot.size()) < n_docs) doc_slot.resize(static_cast<std::size_t>(n_docs), -1);
+  Placer placer(plan, bytes, gt, P, doc_slot);
+  auto& load = placer.load();
+  // Pass 1: owners keep their own tiles while under the soft cap, least work per byte first
+  // (early query blocks and short documents stay; late blocks of long documents, the cheapest
+  // work to ship, are the ones left over).
+  // Only a member's own tiles count against its cap here, so each member's tiles (contiguous,
+  // as make_group_tiles emits them) are ordered on their own.
+  auto& order = scratch.order;  // (work per byte, tile)
+  order.resize(n);
+  for (std::size_t k = 0; k < n; ++k) {
+    const StepPlan::Tile& t = gt.tile[k];
+    const KvHeads kv = kv_heads_of(plan, t);
+    order[k] = {gt.load[k] / static_cast<double>(bytes.qo_bytes(t.q_len, t.head_count) +
+                                                 (kv.last - kv.first + 1) * bytes.kv_bytes(t.kv_len)),
+                k};
+  }
+  for (std::size_t first = 0; first < n;) {
+    std::size_t last = first + 1;
+    while (last < n && gt.owner[last] == gt.owner[first]) ++last;
+    std::sort(order.begin() + static_cast<std::ptrdiff_t>(first),
+              order.begin() + static_cast<std::ptrdiff_t>(last));
+    first = last;
+  }
+  auto& rest = scratch.rest;
+  rest.clear();
+  for (const auto& [per_byte, k] : order) {
+    if (load[gt.owner[k]] + gt.load[k] <= cap) {
+      placer.assign(k, gt.owner[k]);
+    } else {
+      rest.push_back(k);
+    }
+  }
+  // Pass 2, heaviest first: among members that stay under the cap, the smallest byte increment
+  // (KV prefixes already shipped there are not sent twice), then the lightest; if none stays
+  // under, the lightest member.
+  std::sort(rest.begin(), rest.end(), [&](std::size_t a, std::size_t b) {
+    return gt.load[a] != gt.load[b] ? gt.load[a] > gt.load[b] : a < b;
+  });
+  for (std::size_t k : rest) {
+    const double w = gt.load[k];
+    i64 best = -1;
+    i64 best_inc = 0;
+    for (i64 j = 0; j < P; ++j) {
+      if (load[j] + w > cap) continue;
+      const i64 inc = placer.increment(k, j);
+      if (best < 0 || inc < best_inc || (inc == best_inc && load[j] < load[best])) {
+        best = j;
+        best_inc = inc;
+      }
+    }
+    if (best < 0) {
+      for (i64 j = 0; j < P; ++j) {
+        if (best < 0 || load[j] < load[best]) {
+          best = j;
+          best_inc = placer.increment(k, j);
+        } else if (load[j] == load[best]) {
+          const i64 inc = placer.increment(k, j);
+          if (inc < best_inc) {
+            best = j;
+            best_inc = inc;
+          }
+        }
+      }
+    }
+    placer.assign(k, best);
+  }
+  // Refinement: move one tile from the most loaded member to the least loaded one while that
+  // lowers the pair's maximum by more than kRefineMinGain of the mean (a move that gains less
+  // is not worth its bytes); among such tiles the lowest new maximum, then fewest bytes.
+  if (opt.refine && P > 1) {
+    const i64 limit = opt.max_refine_moves > 0 ? opt.max_refine_moves : 64 * P;
+    const double min_gain = kRefineMinGain * total / static_cast<double>(P);
+    const i64 min_rows = min_split_rows(plan.context);
+    auto& exec = placer.exec();
+    auto& on = scratch.on;
+    on.resize(static_cast<std::size_t>(P));
+    for (auto& tiles : on) tiles.clear();
+    for (std::size_t k = 0; k < n; ++k) on[exec[k]].push_back(k);  // ascending tile order
+    for (i64 moves = 0; moves < limit; ++moves) {
+      const i64 hi = std::max_element(load.begin(), load.end()) - load.begin();
+      const i64 lo = std::min_element(load.begin(), load.end()) - load.begin();
+      // any move leaves the pair's maximum at least half the gap below load[hi]: when that is
+      // no gain worth a move, nothing (whole tile, cut or isolated document) can help
+      if (hi == lo || !((load[hi] - load[lo]) / 2.0 > min_gain)) break;
+      std::size_t pick = n, pick_pos = 0;
+      double pick_max = 0.0;
+      i64 pick_inc = 0;
+      for (std::size_t pos = 0; pos < on[hi].size(); ++pos) {
+        const std::size_t k = on[hi][pos];
+        const double w = gt.load[k];
+        const double new_max = std::max(load[hi] - w, load[lo] + w);
+        if (!(new_max < load[hi] - min_gain) || (pick != n && new_max > pick_max)) continue;
+        const i64 inc = placer.increment(k, lo);  // only for a new best or a tie
+        if (pick == n || new_max < pick_max || inc < pick_inc) {
+          pick = k;
+          pick_pos = pos;
+          pick_max = new_max;
+          pick_inc = inc;
+        }
+      }
+      if (pick != n) {
+        placer.assign(pick, lo);
+        on[hi].erase(on[hi].begin() + static_cast<std::ptrdiff_t>(pick_pos));
+        on[lo].insert(std::upper_bound(on[lo].begin(), on[lo].end(), pick), pick);
+        continue;
+      }
+      // No whole tile lowers the maximum: cut the tail rows [c, b) off a one-document tile on
+      // hi so that about half the gap moves to lo (pieces keep min_rows rows); the lowest new
+      // maximum, then fewest bytes, then the earliest tile.
+      const Cut cut = best_cut(plan, gt, placer, on[hi], hi, lo, load, min_gain, min_rows);
+      if (cut.k == n) {
+        // Whole documents are too coarse: give the heaviest document of a multi-document tile
+        // on hi that is heavier than half the gap (and long enough to cut) a tile of its own,
+        // so that the next round can cut its rows.
+        const double want = (load[hi] - load[lo]) / 2.0;
+        std::size_t pk = n;
+        i64 pi = 0;
+        double pw = 0;
+        for (std::size_t k : on[hi]) {
+          const StepPlan::Tile& t = gt.tile[k];
+          if (t.doc_count < 2 || !(gt.load[k] > want)) continue;
+          for (i64 i = 0; i < t.doc_count; ++i) {
+            const i64 l = plan.doc_lengths[t.doc + i];
+            const double w = static_cast<double>(causal_pairs(l)) * static_cast<double>(t.head_count);
+            if (l >= 2 * min_rows && w > want && w > pw) {
+              pk = k;
+              pi = i;
+              pw = w;
+            }
+          }
+        }
+        if (pk == n) break;
+        // tile pk keeps the documents before pi (or document pi alone when pi == 0); new
+        // tiles take document pi and the documents after it, all still on hi
+        std::vector<std::size_t> fresh;
+        if (pi > 0) fresh.push_back(split_tail(plan, gt, placer, pk, pi));
+        const std::size_t single = pi > 0 ? fresh.back() : pk;
+        if (gt.tile[single].doc_count > 1) fresh.push_back(split_tail(plan, gt, placer, single, 1));
+        for (const std::size_t k : fresh) {
+          placer.assign(k, hi);
+          on[hi].push_back(k);
+        }
+        n = gt.size();
+        continue;
+      }
+      const std::size_t piece = split_tail(plan, gt, placer, cut.k, cut.c);
+      placer.assign(piece, lo);
+      on[lo].push_back(piece);  // the newest tile: the highest index
+      n = gt.size();
+    }
+  }
+  // Never worse than no moves: if the owners' own loads have a lighter maximum, keep them.
+  std::vector<double> own(static_cast<std::size_t>(P), 0.0);
+  for (std::size_t k = 0; k < n; ++k) own[gt.owner[k]] += gt.load[k];
+  const bool keep_owners = *std::max_element(own.begin(), own.end()) <
+                           *std::max_element(load.begin(), load.end());
+  for (std::size_t k = 0; k < n; ++k) {
+    const i64 member = keep_owners ? gt.owner[k] : placer.exec()[k];
+    gt.tile[k].executor = plan.seq_replica[members[member]];
+  }
+  return gt.tile;  // a copy of exactly n tiles; the scratch keeps its capacity
 }
 
 }  // namespace
@@ -398,173 +592,29 @@ void owner_tiles(StepPlan& plan, i64 block) {
                    [&](const StepPlan::Tile& t) { plan.add_tile(t); });
 }
 
-void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups) {
-  const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
+void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups,
+               const std::vector<i64>& seq_pairs) {
   const i64 head_group = opt.head_group > 0 ? std::min(opt.head_group, plan.heads_local)
                                             : plan.heads_local;
-  std::vector<i64> doc_slot;  // residency rows, shared by the groups (see Residency)
-  for (const auto& members : groups) {
-    const i64 P = static_cast<i64>(members.size());
-    i64 n_docs = 0;
-    GroupTiles gt =
-        make_group_tiles(plan, members, opt.block, head_group, opt.max_tile_share, n_docs);
-    std::size_t n = gt.index.size();
-    if (n == 0) continue;
-    const double total = std::accumulate(gt.load.begin(), gt.load.end(), 0.0);
-    const double cap = (1.0 + opt.epsilon) * total / static_cast<double>(P);
-    if (static_cast<i64>(doc_slot.size()) < n_docs) doc_slot.resize(static_cast<std::size_t>(n_docs), -1);
-    Placer placer(plan, bytes, gt, P, doc_slot);
-    auto& load = placer.load();
-    // Pass 1: owners keep their own tiles while under the soft cap, least work per byte first
-    // (early query blocks and short documents stay; late blocks of long documents, the cheapest
-    // work to ship, are the ones left over).
-    std::vector<std::pair<double, std::size_t>> order(n);  // (work per byte, tile)
-    for (std::size_t k = 0; k < n; ++k) {
-      const i64 t = gt.index[k];
-      const i64 kvh = kv_head_of(plan, plan.tile_head_start[t] + plan.tile_head_count[t] - 1) -
-                      kv_head_of(plan, plan.tile_head_start[t]) + 1;
-      order[k] = {gt.load[k] / static_cast<double>(
-                                   bytes.qo_bytes(plan.tile_q_len[t], plan.tile_head_count[t]) +
-                                   kvh * bytes.kv_bytes(plan.tile_kv_len[t])),
-                  k};
+  const std::size_t G = groups.size();
+  std::vector<std::vector<StepPlan::Tile>> placed(G);
+  // Groups are independent: workers take them in turn and the tiles land in group order, so the
+  // plan does not depend on the worker count.
+  const std::size_t workers = plan_workers(opt, plan.doc_lengths.size());
+  run_workers(workers, G, [&](WorkQueue& queue) {
+    GroupScratch scratch;
+    for (std::size_t g; queue.take(g);)
+      placed[g] = place_group(plan, opt, head_group, groups[g], seq_pairs, scratch);
+  });
+  std::vector<std::size_t> first(G + 1, static_cast<std::size_t>(plan.n_tiles()));
+  for (std::size_t g = 0; g < G; ++g) first[g + 1] = first[g] + placed[g].size();
+  plan.resize_tiles(first[G]);
+  run_workers(workers, G, [&](WorkQueue& queue) {
+    for (std::size_t g; queue.take(g);) {
+      for (std::size_t i = 0; i < placed[g].size(); ++i) plan.set_tile(first[g] + i, placed[g][i]);
+      std::vector<StepPlan::Tile>().swap(placed[g]);
     }
-    std::sort(order.begin(), order.end());
-    std::vector<std::size_t> rest;
-    for (const auto& [per_byte, k] : order) {
-      if (load[gt.owner[k]] + gt.load[k] <= cap) {
-        placer.assign(k, gt.owner[k]);
-      } else {
-        rest.push_back(k);
-      }
-    }
-    // Pass 2, heaviest first: among members that stay under the cap, the smallest byte increment
-    // (KV prefixes already shipped there are not sent twice), then the lightest; if none stays
-    // under, the lightest member.
-    std::sort(rest.begin(), rest.end(), [&](std::size_t a, std::size_t b) {
-      return gt.load[a] != gt.load[b] ? gt.load[a] > gt.load[b] : a < b;
-    });
-    for (std::size_t k : rest) {
-      const double w = gt.load[k];
-      i64 best = -1;
-      i64 best_inc = 0;
-      for (i64 j = 0; j < P; ++j) {
-        if (load[j] + w > cap) continue;
-        const i64 inc = placer.increment(k, j);
-        if (best < 0 || inc < best_inc || (inc == best_inc && load[j] < load[best])) {
-          best = j;
-          best_inc = inc;
-        }
-      }
-      if (best < 0) {
-        for (i64 j = 0; j < P; ++j) {
-          if (best < 0 || load[j] < load[best]) {
-            best = j;
-            best_inc = placer.increment(k, j);
-          } else if (load[j] == load[best]) {
-            const i64 inc = placer.increment(k, j);
-            if (inc < best_inc) {
-              best = j;
-              best_inc = inc;
-            }
-          }
-        }
-      }
-      placer.assign(k, best);
-    }
-    // Refinement: move one tile from the most loaded member to the least loaded one while that
-    // lowers the pair's maximum by more than kRefineMinGain of the mean (a move that gains less
-    // is not worth its bytes); among such tiles the lowest new maximum, then fewest bytes.
-    if (opt.refine && P > 1) {
-      const i64 limit = opt.max_refine_moves > 0 ? opt.max_refine_moves : 64 * P;
-      const double min_gain = kRefineMinGain * total / static_cast<double>(P);
-      const i64 min_rows = min_split_rows(plan.context);
-      auto& exec = placer.exec();
-      std::vector<std::vector<std::size_t>> on(static_cast<std::size_t>(P));
-      for (std::size_t k = 0; k < n; ++k) on[exec[k]].push_back(k);  // ascending tile order
-      for (i64 moves = 0; moves < limit; ++moves) {
-        const i64 hi = std::max_element(load.begin(), load.end()) - load.begin();
-        const i64 lo = std::min_element(load.begin(), load.end()) - load.begin();
-        if (hi == lo) break;
-        std::size_t pick = n, pick_pos = 0;
-        double pick_max = 0.0;
-        i64 pick_inc = 0;
-        for (std::size_t pos = 0; pos < on[hi].size(); ++pos) {
-          const std::size_t k = on[hi][pos];
-          const double w = gt.load[k];
-          const double new_max = std::max(load[hi] - w, load[lo] + w);
-          if (!(new_max < load[hi] - min_gain) || (pick != n && new_max > pick_max)) continue;
-          const i64 inc = placer.increment(k, lo);  // only for a new best or a tie
-          if (pick == n || new_max < pick_max || inc < pick_inc) {
-            pick = k;
-            pick_pos = pos;
-            pick_max = new_max;
-            pick_inc = inc;
-          }
-        }
-        if (pick != n) {
-          placer.assign(pick, lo);
-          on[hi].erase(on[hi].begin() + static_cast<std::ptrdiff_t>(pick_pos));
-          on[lo].insert(std::upper_bound(on[lo].begin(), on[lo].end(), pick), pick);
-          continue;
-        }
-        // No whole tile lowers the maximum: cut the tail rows [c, b) off a one-document tile on
-        // hi so that about half the gap moves to lo (pieces keep min_rows rows); the lowest new
-        // maximum, then fewest bytes, then the earliest tile.
-        const Cut cut = best_cut(plan, gt, placer, on[hi], hi, lo, load, min_gain, min_rows);
-        if (cut.k == n) {
-          // Whole documents are too coarse: give the heaviest document of a multi-document tile
-          // on hi that is heavier than half the gap (and long enough to cut) a tile of its own,
-          // so that the next round can cut its rows.
-          const double want = (load[hi] - load[lo]) / 2.0;
-          std::size_t pk = n;
-          i64 pi = 0;
-          double pw = 0;
-          for (std::size_t k : on[hi]) {
-            const i64 t = gt.index[k];
-            if (plan.tile_doc_count[t] < 2 || !(gt.load[k] > want)) continue;
-            for (i64 i = 0; i < plan.tile_doc_count[t]; ++i) {
-              const i64 l = plan.doc_lengths[plan.tile_doc[t] + i];
-              const double w = static_cast<double>(causal_pairs(l)) *
-                               static_cast<double>(plan.tile_head_count[t]);
-              if (l >= 2 * min_rows && w > want && w > pw) {
-                pk = k;
-                pi = i;
-                pw = w;
-              }
-            }
-          }
-          if (pk == n) break;
-          // tile pk keeps the documents before pi (or document pi alone when pi == 0); new
-          // tiles take document pi and the documents after it, all still on hi
-          std::vector<std::size_t> fresh;
-          if (pi > 0) fresh.push_back(split_tail(plan, gt, placer, pk, pi));
-          const std::size_t single = pi > 0 ? fresh.back() : pk;
-          if (plan.tile_doc_count[gt.index[single]] > 1)
-            fresh.push_back(split_tail(plan, gt, placer, single, 1));
-          for (const std::size_t k : fresh) {
-            placer.assign(k, hi);
-            on[hi].push_back(k);
-          }
-          n = gt.index.size();
-          continue;
-        }
-        const std::size_t piece = split_tail(plan, gt, placer, cut.k, cut.c);
-        placer.assign(piece, lo);
-        on[lo].push_back(piece);  // the newest tile: the highest index
-        n = gt.index.size();
-      }
-    }
-    // Never worse than no moves: if the owners' own loads have a lighter maximum, keep them.
-    std::vector<double> own(static_cast<std::size_t>(P), 0.0);
-    for (std::size_t k = 0; k < n; ++k) own[gt.owner[k]] += gt.load[k];
-    const bool keep_owners = *std::max_element(own.begin(), own.end()) <
-                             *std::max_element(load.begin(), load.end());
-    for (std::size_t k = 0; k < n; ++k) {
-      const i64 t = gt.index[k];
-      const i64 member = keep_owners ? gt.owner[k] : placer.exec()[k];
-      plan.tile_executor[t] = plan.seq_replica[members[member]];
-    }
-  }
+  });
 }
 
 void distca_place(StepPlan& plan, const PlanOptions& opt,

@@ -34,7 +34,8 @@ void check_cardinality(std::size_t n, i64 n_groups, i64 cardinality) {
 // Faster, same result for integer-valued loads (FLOP counts): groups are visited lightest first
 // and the scan stops once (heaviest + group) / 2, a bound on any swap with that group, exceeds
 // the best found; inside a group, for each item of the heaviest group only the two items nearest
-// to the ideal partner load (from a copy sorted by load, then position) can be best.
+// to the ideal partner load (from a copy sorted by load, then position) can be best; taking the
+// items of the heaviest group by load, one pointer finds them for all.
 void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, i64 n_groups) {
   using Entry = std::pair<double, std::size_t>;  // (load, position in members[g])
   std::vector<double> gl(static_cast<std::size_t>(n_groups), 0.0);
@@ -44,11 +45,18 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
     members[group[i]].push_back(static_cast<i64>(i));
   }
   std::vector<std::vector<Entry>> sorted(static_cast<std::size_t>(n_groups));
+  // run_start[g][i]: index in sorted[g] of the first entry with sorted[g][i]'s load (the item
+  // of that load with the lowest position)
+  std::vector<std::vector<std::size_t>> run_start(static_cast<std::size_t>(n_groups));
   auto resort = [&](i64 g) {
     auto& v = sorted[g];
     v.clear();
     for (std::size_t pos = 0; pos < members[g].size(); ++pos) v.push_back({loads[members[g][pos]], pos});
     std::sort(v.begin(), v.end());
+    auto& rs = run_start[g];
+    rs.resize(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i)
+      rs[i] = i > 0 && v[i].first == v[i - 1].first ? rs[i - 1] : i;
   };
   for (i64 g = 0; g < n_groups; ++g) resort(g);
   std::vector<i64> by_load(static_cast<std::size_t>(n_groups));
@@ -79,15 +87,16 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
       if (best_h >= 0 && bound > best + 1e-9 * std::abs(best)) break;
       const double half = (gl[hi] - gl[h]) / 2.0;
       const auto& v = sorted[h];
-      for (std::size_t a = 0; a < members[hi].size(); ++a) {
-        const double target = loads[members[hi][a]] - half;  // the ideal partner's load
+      const auto& rs = run_start[h];
+      // items a of hi by ascending load: the ideal partner's load rises with a's, so one pointer
+      // walks v once
+      std::size_t up = 0;
+      for (const Entry& ea : sorted[hi]) {
+        const double target = ea.first - half;  // the ideal partner's load
         // lightest item at or above the target (its lowest position), and the heaviest below
-        auto up = std::lower_bound(v.begin(), v.end(), Entry{target, 0});
-        if (up != v.end()) consider(h, a, up->second);
-        if (up != v.begin()) {
-          const double below = std::prev(up)->first;
-          consider(h, a, std::lower_bound(v.begin(), v.end(), Entry{below, 0})->second);
-        }
+        while (up < v.size() && v[up].first < target) ++up;
+        if (up < v.size()) consider(h, ea.second, v[up].second);
+        if (up > 0) consider(h, ea.second, v[rs[up - 1]].second);
       }
     }
     if (best_h < 0) break;

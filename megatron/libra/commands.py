@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from libra_ext import checks
-from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
+from libra_ext.planner import PLAN_PHASES, SYSTEMS, LayoutConfig, Planner, PlannerOptions
 from libra_ext.reference import plan_libra
 from libra_ext.workload import LengthSource, ModelConfig, check_seed, preset_names
 
@@ -91,6 +91,11 @@ def add_bench_parser(sub) -> None:
         "--dp",
         help="comma-separated D values: time planning at 256K with B = 8D, C = 8, P = 8 for each "
         "and report the growth exponent (instead of the C++ vs Python comparison)",
+    )
+    b.add_argument(
+        "--threads", type=int, default=0,
+        help="planner worker threads for --dp (0: automatic, one per 16K documents up to the "
+        "machine's cores and 8)",
     )
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=run_bench_planner)
@@ -419,15 +424,19 @@ def run_bench_scaling(args) -> dict | None:
         if dp % 8:
             raise ValueError(f"dp values must be multiples of the pool size 8, got {dp}")
         layout = LayoutConfig(dp=dp, cp=8, pool_size=8, context=262_144)
-        planner = Planner(layout, model, PlannerOptions(system="libra"))
+        planner = Planner(layout, model, PlannerOptions(system="libra", threads=args.threads))
         steps = [source.step(8 * dp, 262_144, args.seed, s) for s in range(args.steps)]
-        ms, tiles, balance = [], [], []
+        ms, tiles, balance, phases = [], [], [], []
+        planner.plan(steps[0])  # warm-up: the allocator's first growth to plan-sized buffers
+        plan = None
         for seqs in steps:
+            # the previous step's plan stays alive while the next is planned, as in training
             plan = planner.plan(seqs)
             ms.append(plan.plan_ms)
             tiles.append(plan.n_tiles)
             balance.append(plan.max_over_mean)
-            del plan
+            phases.append(plan.phase_ms)
+        del plan
         rows.append(
             {
                 "dp": dp,
@@ -435,6 +444,7 @@ def run_bench_scaling(args) -> dict | None:
                 "documents": int(np.mean([sum(len(s) for s in st) for st in steps])),
                 "tiles": float(np.mean(tiles)),
                 "ms": statistics.median(ms),
+                "phase_ms": {k: statistics.median(p[k] for p in phases) for k in PLAN_PHASES},
                 "max_over_mean": float(np.mean(balance)),
             }
         )
@@ -446,11 +456,15 @@ def run_bench_scaling(args) -> dict | None:
     out = {"rows": rows, "growth_exponent": exponent}
     if args.json:
         return out
-    print("libra bench planner: planning time per step (median), 256K, B = 8D, C = 8, P = 8")
-    print(f"  {'D':>5s} {'B':>6s} {'documents':>10s} {'tiles':>8s} {'ms':>8s} {'max/mean':>9s}")
+    print("libra bench planner: planning time per step (median), 256K, B = 8D, C = 8, P = 8, "
+          f"{args.threads or 'auto'} threads; then the median ms of each phase")
+    head = "".join(f" {k:>9s}" for k in PLAN_PHASES)
+    cols = f"{'D':>5s} {'B':>6s} {'documents':>10s} {'tiles':>8s} {'ms':>8s} {'max/mean':>9s}"
+    print(f"  {cols} |{head}")
     for r in rows:
+        cells = "".join(f" {r['phase_ms'][k]:9.2f}" for k in PLAN_PHASES)
         print(f"  {r['dp']:5d} {r['gbs']:6d} {r['documents']:10d} {r['tiles']:8.0f} "
-              f"{r['ms']:8.2f} {r['max_over_mean']:9.4f}")
+              f"{r['ms']:8.2f} {r['max_over_mean']:9.4f} |{cells}")
     if exponent is not None:
         print(f"  growth: time ~ D^{exponent:.2f}")
     return None

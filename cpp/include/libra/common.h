@@ -42,7 +42,21 @@ class PlanHasher {
   void vec(const std::vector<T>& v) {
     static_assert(sizeof(T) == 8, "hash 64-bit elements");
     value(static_cast<i64>(v.size()));
-    for (const T& x : v) value(x);
+    // the same steps as value() on each element, four at a time on local copies of the lanes
+    const std::size_t n = v.size();
+    std::size_t i = 0;
+    for (; i < n && (n_ & 3) != 0; ++i) value(v[i]);
+    u64 h0 = h_[0], h1 = h_[1], h2 = h_[2], h3 = h_[3];
+    const std::size_t quads = (n - i) / 4;
+    for (std::size_t q = 0; q < quads; ++q, i += 4) {
+      h0 = (h0 ^ bits(v[i])) * kPrime;
+      h1 = (h1 ^ bits(v[i + 1])) * kPrime;
+      h2 = (h2 ^ bits(v[i + 2])) * kPrime;
+      h3 = (h3 ^ bits(v[i + 3])) * kPrime;
+    }
+    h_[0] = h0; h_[1] = h1; h_[2] = h2; h_[3] = h3;
+    n_ += 4 * quads;
+    for (; i < n; ++i) value(v[i]);
   }
   u64 digest() const {
     u64 z = 0;
@@ -55,6 +69,12 @@ class PlanHasher {
 
  private:
   static constexpr u64 kPrime = 1099511628211ULL;
+  static u64 bits(i64 v) { return static_cast<u64>(v); }
+  static u64 bits(double v) {
+    u64 w;
+    std::memcpy(&w, &v, sizeof(w));
+    return w;
+  }
   void word(u64 w) {
     u64& h = h_[n_++ & 3];
     h = (h ^ w) * kPrime;

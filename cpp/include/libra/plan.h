@@ -40,9 +40,19 @@ struct PlanOptions {
   i64 wlb_outlier_len = 0;   // wlb: documents at least this long are delayed; 0 = context / 4
   i64 wlb_max_delay = 4;     // wlb: steps an outlier may wait at most
   i64 wlb_release_count = 0; // wlb: release an outlier level when it holds this many; 0 = dp
+  i64 threads = 0;           // worker threads for TAP's groups; 0 = automatic (see plan_workers);
+                             // the plan is the same for every count
+
 
   void validate() const;
 };
+
+constexpr i64 kMaxPlanThreads = 8;
+// Worker threads for a step of n_docs documents: options.threads if set, else one per
+// kDocsPerPlanWorker documents (a thread costs tens of microseconds to start), at most the
+// machine's cores and kMaxPlanThreads.
+constexpr std::size_t kDocsPerPlanWorker = 16384;
+std::size_t plan_workers(const PlanOptions& options, std::size_t n_docs);
 
 // Carried planner state across steps (WLB-LLM's delay queue and overflow). Plain data, so it can
 // be checkpointed as a flat integer list.
@@ -61,6 +71,12 @@ struct PlannerState {
   static PlannerState deserialize(const std::vector<i64>& flat);
   i64 pending() const { return static_cast<i64>(queue.size() + spill.size()); }
 };
+
+// Phases of plan_step, timed into StepPlan::phase_ms: reading and validating the input (WLB-LLM:
+// also its checks), placing sequences on replicas (VRSP, production order, WLB-LLM's packing),
+// making and placing tiles, the exchange tables, the metrics, the hash.
+enum class PlanPhase { Input = 0, Placement, Tiles, Exchange, Metrics, Hash };
+constexpr std::size_t kPlanPhases = 6;
 
 // One step's plan, struct of arrays. Indices:
 //   sequences s in [0, n_seq); documents in CSR (seq_doc_offsets, doc_lengths) over sequences;
@@ -115,6 +131,8 @@ struct StepPlan {
   double moved_token_fraction = 0;
   double total_bytes = 0;
   double plan_ms = 0;  // not part of the hash
+  // Wall time of each PlanPhase (ms), summing to plan_ms; not part of the hash.
+  std::vector<double> phase_ms = std::vector<double>(kPlanPhases, 0.0);
   u64 hash = 0;
 
   struct Tile {
@@ -122,7 +140,14 @@ struct StepPlan {
         executor, cp, pairs;
   };
   void add_tile(const Tile& t);
-  void reserve_tiles(std::size_t n);
+  void resize_tiles(std::size_t n);
+  void set_tile(std::size_t i, const Tile& t) {
+    tile_seq[i] = t.seq; tile_doc[i] = t.doc; tile_doc_count[i] = t.doc_count;
+    tile_q_start[i] = t.q_start; tile_q_len[i] = t.q_len; tile_head_start[i] = t.head_start;
+    tile_head_count[i] = t.head_count; tile_kv_start[i] = t.kv_start; tile_kv_len[i] = t.kv_len;
+    tile_owner[i] = t.owner; tile_executor[i] = t.executor; tile_cp[i] = t.cp;
+    tile_pairs[i] = t.pairs;
+  }
   i64 n_seq() const { return static_cast<i64>(seq_doc_offsets.size()) - 1; }
   i64 n_tiles() const { return static_cast<i64>(tile_seq.size()); }
   u64 compute_hash() const;

@@ -20,8 +20,10 @@ struct TileBytes {
 };
 
 // Appends tiles for documents of the plan's sequences and places them (sets tile_executor).
-// Works group by group; `group_members[g]` lists the sequences of group g, member i = index.
-void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups);
+// Works group by group; `groups[g]` lists the sequences of group g, member i = index;
+// `seq_pairs[s]` is sequence s's causal pairs.
+void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups,
+               const std::vector<i64>& seq_pairs);
 
 // DistCA: token-level shards on a global pool, greedy on work per byte, per slot.
 void distca_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups);

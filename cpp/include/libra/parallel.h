@@ -1,0 +1,65 @@
+// Worker threads for the independent pieces of one plan (TAP's groups). Results must not depend
+// on the worker count: workers only write the slot of the piece they took.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <exception>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+namespace libra {
+
+// Hands out piece indices 0, 1, ... count - 1, each once, to whichever worker asks first.
+class WorkQueue {
+ public:
+  explicit WorkQueue(std::size_t count) : count_(count) {}
+  bool take(std::size_t& piece) {
+    piece = next_.fetch_add(1, std::memory_order_relaxed);
+    return piece < count_;
+  }
+  void stop() { next_.store(count_, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<std::size_t> next_{0};
+  std::size_t count_;
+};
+
+// Runs worker(queue) on `workers` threads, the calling one included, until the queue is empty.
+// If a thread cannot be started the others do its share; the first exception a worker throws
+// stops the queue and is rethrown here once all have returned.
+template <typename Worker>
+void run_workers(std::size_t workers, std::size_t count, Worker&& worker) {
+  WorkQueue queue(count);
+  workers = std::max<std::size_t>(1, std::min(workers, count));
+  if (workers == 1) {
+    worker(queue);
+    return;
+  }
+  std::vector<std::exception_ptr> errors(workers);
+  auto guarded = [&](std::size_t w) {
+    try {
+      worker(queue);
+    } catch (...) {
+      errors[w] = std::current_exception();
+      queue.stop();
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(workers - 1);
+  for (std::size_t w = 1; w < workers; ++w) {
+    try {
+      threads.emplace_back(guarded, w);
+    } catch (const std::system_error&) {
+      break;  // no more threads: the started ones and this one share the queue
+    }
+  }
+  guarded(0);
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace libra
