@@ -439,12 +439,21 @@ def plan_libra(
             t = tiles[gt[k][0]]
             return gt[k][3] / float(qo(t[4], t[6]) + len(kv_heads_of(t)) * kvb(t[8]))
 
+        # pass 1, owner by owner: all its tiles if they fit under the cap, else least work per
+        # byte first while they fit
         rest = []
-        for k in sorted(range(len(gt)), key=lambda k: (per_byte(k), k)):
-            if load[gt[k][1]] + gt[k][3] <= cap:
-                assign(k, gt[k][1])
-            else:
-                rest.append(k)
+        for j in range(P):
+            own = [k for k in range(len(gt)) if gt[k][1] == j]
+            own_total = 0.0
+            for k in own:
+                own_total += gt[k][3]
+            if own_total > cap:
+                own.sort(key=lambda k: (per_byte(k), k))
+            for k in own:
+                if own_total <= cap or load[j] + gt[k][3] <= cap:
+                    assign(k, j)
+                else:
+                    rest.append(k)
         rest.sort(key=lambda k: (-gt[k][3], k))
         for k in rest:
             w = gt[k][3]

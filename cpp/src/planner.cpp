@@ -220,10 +220,10 @@ void build_exchange(StepPlan& p) {
   p.xchg_o.assign(cells, 0);
   const i64 d = p.head_dim;
   // Moved KV prefixes: (document, kv head, destination) -> longest prefix needed there. The
-  // document fixes the sequence, so also the group and the sender.
+  // document fixes the sequence, so also the group and the sender: each key lies in one
+  // exchange cell, and the entries are ordered by cell, then key.
   const i64 kvh = p.kv_heads_local;
   const i64 q_per_kv = p.heads_local / kvh;
-  std::vector<std::pair<i64, i64>> kv;  // (key, kv_len)
   double moved_tokens = 0, all_tokens = 0;
   // Exchange cell of every tile, computed once: (group, owner member, executor member), from
   // per-replica tables (no divisions per tile).
@@ -239,6 +239,16 @@ void build_exchange(StepPlan& p) {
     const i64 g = pool_of[o] * p.slots + p.seq_slot[p.tile_seq[t]];
     tile_cell[t] = (g * Px + member_of[o]) * Px + member_of[e];
   }
+  auto kv_heads = [&](i64 t) {
+    return std::pair<i64, i64>{p.tile_head_start[t] / q_per_kv,
+                               (p.tile_head_start[t] + p.tile_head_count[t] - 1) / q_per_kv};
+  };
+  // KV needs per cell (counting sort): key, prefix length, and the document's sequence and
+  // start (a tile's kv_start is its first document's start).
+  struct KvNeed {
+    i64 key, len, seq, start;
+  };
+  std::vector<i64> kv_first(cells + 1, 0);
   for (i64 t = 0; t < n_tiles; ++t) {
     const i64 qh = p.tile_q_len[t] * p.tile_head_count[t];
     all_tokens += static_cast<double>(qh);
@@ -250,60 +260,51 @@ void build_exchange(StepPlan& p) {
     const i64 src = member_of[o], dst = member_of[e], g = (cell - src * Px - dst) / (Px * Px);
     p.xchg_q[cell] += qh * d;
     p.xchg_o[(g * Px + dst) * Px + src] += qh * d;
-    const i64 kv0 = p.tile_head_start[t] / q_per_kv;
-    const i64 kv1 = (p.tile_head_start[t] + p.tile_head_count[t] - 1) / q_per_kv;
-    for (i64 kh = kv0; kh <= kv1; ++kh)
-      kv.push_back({(p.tile_doc[t] * kvh + kh) * Px + dst, p.tile_kv_len[t]});
+    const auto [kv0, kv1] = kv_heads(t);
+    kv_first[cell + 1] += kv1 - kv0 + 1;
   }
-  std::sort(kv.begin(), kv.end());
-  // Keep the longest prefix per key, then order the entries by exchange cell (stable).
-  std::vector<std::pair<i64, i64>> uniq;
-  for (std::size_t i = 0; i < kv.size(); ++i)
-    if (i + 1 == kv.size() || kv[i + 1].first != kv[i].first) uniq.push_back(kv[i]);
-  // Sequence and start of the documents that ship KV (looked up, not tabulated for every
-  // document of the step).
-  auto doc_seq_of = [&](i64 doc) {
-    return static_cast<i64>(std::upper_bound(p.seq_doc_offsets.begin(), p.seq_doc_offsets.end(), doc) -
-                            p.seq_doc_offsets.begin()) - 1;
-  };
-  std::vector<i64> e_seq(uniq.size()), e_start(uniq.size());
-  i64 cur_seq = -1, cur_doc = 0, cur_off = 0;  // entries come in document order
-  for (std::size_t i = 0; i < uniq.size(); ++i) {
-    const i64 doc = uniq[i].first / (kvh * Px);
-    const i64 s = doc_seq_of(doc);
-    if (s != cur_seq) {
-      cur_seq = s;
-      cur_doc = p.seq_doc_offsets[s];
-      cur_off = 0;
+  for (std::size_t c = 0; c < cells; ++c) kv_first[c + 1] += kv_first[c];
+  std::vector<KvNeed> need(static_cast<std::size_t>(kv_first[cells]));
+  {
+    std::vector<i64> fill(kv_first.begin(), kv_first.end() - 1);
+    for (i64 t = 0; t < n_tiles; ++t) {
+      if (p.tile_owner[t] == p.tile_executor[t]) continue;
+      const i64 cell = tile_cell[t], dst = member_of[p.tile_executor[t]];
+      const auto [kv0, kv1] = kv_heads(t);
+      for (i64 kh = kv0; kh <= kv1; ++kh)
+        need[fill[cell]++] = {(p.tile_doc[t] * kvh + kh) * Px + dst, p.tile_kv_len[t],
+                              p.tile_seq[t], p.tile_kv_start[t]};
     }
-    for (; cur_doc < doc; ++cur_doc) cur_off += p.doc_lengths[cur_doc];
-    e_seq[i] = s;
-    e_start[i] = cur_off;
   }
-  auto kv_cell = [&](std::size_t i) {
-    const i64 dst = uniq[i].first % Px;
-    const i64 s = e_seq[i], o = p.seq_replica[s];
-    return ((o / Px) * p.slots + p.seq_slot[s]) * Px * Px + (o % Px) * Px + dst;
-  };
-  const std::size_t cells_n = cells;
-  std::vector<i64> fill(cells_n + 1, 0);
-  for (std::size_t i = 0; i < uniq.size(); ++i) ++fill[kv_cell(i) + 1];
-  for (std::size_t c = 0; c < cells_n; ++c) fill[c + 1] += fill[c];
-  const std::size_t nk = uniq.size();
+  // Inside each cell: by key, the longest prefix of each key kept (compacted in place).
+  std::size_t nk = 0;
+  std::vector<i64> kept_first(cells + 1, 0);
+  for (std::size_t c = 0; c < cells; ++c) {
+    const auto first = need.begin() + kv_first[c], last = need.begin() + kv_first[c + 1];
+    std::sort(first, last, [](const KvNeed& x, const KvNeed& y) {
+      return x.key != y.key ? x.key < y.key : x.len < y.len;
+    });
+    for (auto it = first; it != last; ++it)
+      if (it + 1 == last || (it + 1)->key != it->key) need[nk++] = *it;
+    kept_first[c + 1] = static_cast<i64>(nk);
+  }
   for (auto* v : {&p.kv_group, &p.kv_src, &p.kv_dst, &p.kv_seq, &p.kv_start, &p.kv_len, &p.kv_head})
-    v->assign(nk, 0);
-  for (std::size_t u = 0; u < nk; ++u) {
-    const i64 cell = kv_cell(u);
-    const std::size_t i = static_cast<std::size_t>(fill[cell]++);
-    p.kv_group[i] = cell / (Px * Px);
-    p.kv_src[i] = (cell / Px) % Px;
-    p.kv_dst[i] = cell % Px;
-    p.kv_seq[i] = e_seq[u];
-    p.kv_start[i] = e_start[u];
-    p.kv_head[i] = (uniq[u].first / Px) % kvh;
-    p.kv_len[i] = uniq[u].second;
-    p.xchg_kv[cell] += 2 * uniq[u].second * d;
+    v->resize(nk);
+  for (std::size_t c = 0; c < cells; ++c) {
+    const i64 cell = static_cast<i64>(c);
+    for (i64 i = kept_first[c]; i < kept_first[c + 1]; ++i) {
+      const KvNeed& e = need[i];
+      p.kv_group[i] = cell / (Px * Px);
+      p.kv_src[i] = (cell / Px) % Px;
+      p.kv_dst[i] = cell % Px;
+      p.kv_seq[i] = e.seq;
+      p.kv_start[i] = e.start;
+      p.kv_head[i] = (e.key / Px) % kvh;
+      p.kv_len[i] = e.len;
+      p.xchg_kv[cell] += 2 * e.len * d;
+    }
   }
+  const std::size_t cells_n = cells;
   // Send order: tiles by (group, owner member, executor member), tile index inside (counting sort).
   std::vector<i64> start(cells_n + 1, 0);
   for (i64 t = 0; t < n_tiles; ++t) ++start[tile_cell[t] + 1];

@@ -425,33 +425,39 @@ std::vector<StepPlan::Tile> place_group(const StepPlan& plan, const PlanOptions&
   auto& load = placer.load();
   // Pass 1: owners keep their own tiles while under the soft cap, least work per byte first
   // (early query blocks and short documents stay; late blocks of long documents, the cheapest
-  // work to ship, are the ones left over).
-  // Only a member's own tiles count against its cap here, so each member's tiles (contiguous,
-  // as make_group_tiles emits them) are ordered on their own.
+  // work to ship, are the ones left over). Only a member's own tiles count against its cap
+  // here, so each member's tiles (contiguous, as make_group_tiles emits them) are taken on
+  // their own; a member whose tiles all fit keeps them without ordering them.
   auto& order = scratch.order;  // (work per byte, tile)
-  order.resize(n);
-  for (std::size_t k = 0; k < n; ++k) {
-    const StepPlan::Tile& t = gt.tile[k];
-    const KvHeads kv = kv_heads_of(plan, t);
-    order[k] = {gt.load[k] / static_cast<double>(bytes.qo_bytes(t.q_len, t.head_count) +
-                                                 (kv.last - kv.first + 1) * bytes.kv_bytes(t.kv_len)),
-                k};
-  }
-  for (std::size_t first = 0; first < n;) {
-    std::size_t last = first + 1;
-    while (last < n && gt.owner[last] == gt.owner[first]) ++last;
-    std::sort(order.begin() + static_cast<std::ptrdiff_t>(first),
-              order.begin() + static_cast<std::ptrdiff_t>(last));
-    first = last;
-  }
   auto& rest = scratch.rest;
   rest.clear();
-  for (const auto& [per_byte, k] : order) {
-    if (load[gt.owner[k]] + gt.load[k] <= cap) {
-      placer.assign(k, gt.owner[k]);
-    } else {
-      rest.push_back(k);
+  for (std::size_t first = 0; first < n;) {
+    std::size_t last = first;
+    double own = 0;
+    for (; last < n && gt.owner[last] == gt.owner[first]; ++last) own += gt.load[last];
+    if (own <= cap) {
+      for (std::size_t k = first; k < last; ++k) placer.assign(k, gt.owner[k]);
+      first = last;
+      continue;
     }
+    order.clear();
+    for (std::size_t k = first; k < last; ++k) {
+      const StepPlan::Tile& t = gt.tile[k];
+      const KvHeads kv = kv_heads_of(plan, t);
+      order.push_back({gt.load[k] / static_cast<double>(
+                                        bytes.qo_bytes(t.q_len, t.head_count) +
+                                        (kv.last - kv.first + 1) * bytes.kv_bytes(t.kv_len)),
+                       k});
+    }
+    std::sort(order.begin(), order.end());
+    for (const auto& [per_byte, k] : order) {
+      if (load[gt.owner[k]] + gt.load[k] <= cap) {
+        placer.assign(k, gt.owner[k]);
+      } else {
+        rest.push_back(k);
+      }
+    }
+    first = last;
   }
   // Pass 2, heaviest first: among members that stay under the cap, the smallest byte increment
   // (KV prefixes already shipped there are not sent twice), then the lightest; if none stays
