@@ -477,7 +477,8 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
     const std::vector<double> loads = sequence_flops(p, input_pairs);
     const bool vrsp = options.system == System::Libra && options.vrsp;
     const bool spread = options.system == System::Libra && !options.tap;
-    placement = vrsp ? vrsp_place(loads, p.dp, p.pool, p.slots, spread)
+    placement = vrsp ? vrsp_place(loads, p.dp, p.pool, p.slots, spread,
+                                  plan_workers(options, p.doc_lengths.size()))
                      : production_place(loads, p.dp, p.pool, p.slots);
     phase_done(p, PlanPhase::Placement);
     p.seq_replica = placement.replica;

@@ -8,6 +8,8 @@
 #include <tuple>
 #include <utility>
 
+#include "libra/parallel.h"
+
 namespace libra {
 namespace {
 
@@ -247,18 +249,24 @@ bool better(const Grouping& a, const Grouping& b) {
 
 // Pools first: sequences -> D/P pools of exactly P*m (LPT + swaps on pool totals), then each
 // pool's sequences -> m groups of P (LPT + swaps on group totals).
-Grouping pools_first(const std::vector<double>& loads, i64 n_pools, i64 pool, i64 slots) {
+Grouping pools_first(const std::vector<double>& loads, i64 n_pools, i64 pool, i64 slots,
+                     std::size_t workers) {
   const std::vector<i64> seq_pool = exact_cardinality_lpt(loads, n_pools, pool * slots);
   std::vector<std::vector<i64>> in_pool(static_cast<std::size_t>(n_pools));
   for (std::size_t s = 0; s < loads.size(); ++s) in_pool[seq_pool[s]].push_back(static_cast<i64>(s));
   std::vector<i64> seq_group(loads.size(), -1), group_pool(static_cast<std::size_t>(n_pools * slots));
-  for (i64 k = 0; k < n_pools; ++k) {
+  // pools are independent: workers take them in turn, each writing its own pool's entries
+  run_workers(workers, static_cast<std::size_t>(n_pools), [&](WorkQueue& queue) {
     std::vector<double> sub;
-    for (i64 s : in_pool[k]) sub.push_back(loads[s]);
-    const std::vector<i64> g = exact_cardinality_lpt(sub, slots, pool);
-    for (std::size_t i = 0; i < sub.size(); ++i) seq_group[in_pool[k][i]] = k * slots + g[i];
-    for (i64 j = 0; j < slots; ++j) group_pool[k * slots + j] = k;
-  }
+    for (std::size_t k; queue.take(k);) {
+      sub.clear();
+      for (i64 s : in_pool[k]) sub.push_back(loads[s]);
+      const std::vector<i64> g = exact_cardinality_lpt(sub, slots, pool);
+      for (std::size_t i = 0; i < sub.size(); ++i)
+        seq_group[in_pool[k][i]] = static_cast<i64>(k) * slots + g[i];
+      for (i64 j = 0; j < slots; ++j) group_pool[static_cast<i64>(k) * slots + j] = static_cast<i64>(k);
+    }
+  });
   return evaluate(loads, std::move(seq_group), std::move(group_pool), n_pools);
 }
 
@@ -276,12 +284,12 @@ Grouping production_grouping(const std::vector<double>& loads, i64 n_pools, i64 
 }  // namespace
 
 VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots,
-                         bool spread_members) {
+                         bool spread_members, std::size_t workers) {
   const i64 n_pools = dp / pool;
   // A rank's attention time without PP is its pool's total / P (TAP evens out each group), so
   // the pool totals come first, the (pool, slot) groups second. Production order is kept when it
   // is better, so VRSP is never worse than no placement.
-  Grouping best = pools_first(seq_loads, n_pools, pool, slots);
+  Grouping best = pools_first(seq_loads, n_pools, pool, slots, workers);
   Grouping prod = production_grouping(seq_loads, n_pools, pool, slots);
   if (better(prod, best)) best = std::move(prod);
   return finish(seq_loads, best.seq_group, best.group_pool, dp, pool, slots, spread_members);

@@ -35,9 +35,9 @@ struct VrspPlacement {
 // -> m groups of P (LPT + swaps on group totals); Megatron's production grouping instead when its
 // heaviest pool (then group) is lighter. Slots inside a pool heaviest group first; inside a group
 // the heaviest sequence to member 0, or with `spread_members` to the member with the least load
-// over the earlier slots.
+// over the earlier slots. `workers` threads split the pools' second stage (same result).
 VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots,
-                         bool spread_members = false);
+                         bool spread_members = false, std::size_t workers = 1);
 
 // Megatron's default order: sequence i on replica i / m, slot i % m.
 VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots);
