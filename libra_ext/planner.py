@@ -16,6 +16,8 @@ from libra_ext import _planner as _core
 from libra_ext.workload import ModelConfig
 
 SYSTEMS = ("libra", "ulysses", "wlb", "distca")
+ORDERS = ("megatron", "contiguous")
+"""Production orders of a step's input sequences (see PlannerOptions.order)."""
 """Systems the planner serves behind one switch."""
 
 
@@ -84,6 +86,13 @@ class PlannerOptions:
     """wlb: most steps an outlier document may wait."""
     wlb_release_count: int = 0
     """wlb: an outlier level is released once it holds this many documents; 0 = dp."""
+    order: str = "megatron"
+    """Production order of the step's input sequences, used where nothing balances them (ulysses,
+    distca, the `_before` figures, VRSP's fallback): megatron (Megatron-LM's pretraining sampler:
+    each micro-batch round hands micro_batch_size samples to each data-parallel rank in turn;
+    with 1, sample q to replica q mod D, slot q // D) or contiguous (replica q // m)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch and replica in Megatron order; divides gbs / dp."""
     threads: int = 0
     """Worker threads for TAP's groups; 0 = automatic: one per 16K documents of the step, at most
     the machine's cores and 8. The plan does not depend on it."""

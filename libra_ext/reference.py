@@ -176,6 +176,18 @@ def split_run(
     )
 
 
+def production_slot(q: int, dp: int, m: int, order: str, micro_batch_size: int) -> tuple[int, int]:
+    """(replica, slot) of input sequence q in production order: Megatron-LM's pretraining
+    sampler hands each micro-batch round's samples to data-parallel ranks in turn,
+    micro_batch_size at a time; contiguous gives replica q // m the slots q % m."""
+    if order == "contiguous":
+        return q // m, q % m
+    per_round = micro_batch_size * dp
+    within = q % per_round
+    slot = (q // per_round) * micro_batch_size + within % micro_batch_size
+    return within // micro_batch_size, slot
+
+
 def plan_libra(
     sequences,
     dp,
@@ -192,6 +204,8 @@ def plan_libra(
     dtype_bytes=2,
     refine=True,
     max_tile_share=0.1,
+    order="megatron",
+    micro_batch_size=1,
 ) -> ReferencePlan:
     B = len(sequences)
     m = B // dp
@@ -203,9 +217,7 @@ def plan_libra(
     bwd = 1.0 + ATTN_BWD_FACTOR
     loads = []
     for seq in sequences:
-        pairs = 0.0
-        for l in seq:
-            pairs += float(causal_pairs(l))
+        pairs = float(sum(causal_pairs(l) for l in seq))  # one integer sum per sequence
         loads.append(4.0 * head_dim * hl * pairs * bwd)
     # VRSP: sequences -> pools of P*m (LPT + swaps on pool totals), then each pool's sequences ->
     # m groups of P; Megatron's production grouping instead when its heaviest pool (then group)
@@ -230,7 +242,10 @@ def plan_libra(
         for s, g in zip(in_pool, sub):
             seq_group[s] = k * m + g
     group_pool = [g // m for g in range(n_groups)]
-    prod = [((s // m) // pool) * m + s % m for s in range(B)]
+    prod = []
+    for q in range(B):
+        r, sl = production_slot(q, dp, m, order, micro_batch_size)
+        prod.append((r // pool) * m + sl)
     (p1, g1), (p2, g2) = evaluate(seq_group, group_pool), evaluate(prod, group_pool)
     tol = 1e-9 * max(1.0, abs(p1))
     if p2 < p1 - tol or (not p2 > p1 + tol and g2 < g1):

@@ -112,6 +112,10 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("wlb_max_delay", &PlanOptions::wlb_max_delay)
       .def_readwrite("wlb_release_count", &PlanOptions::wlb_release_count)
       .def_readwrite("threads", &PlanOptions::threads)
+      .def_property(
+          "order", [](const PlanOptions& o) { return order_name(o.order); },
+          [](PlanOptions& o, const std::string& s) { o.order = parse_order(s); })
+      .def_readwrite("micro_batch_size", &PlanOptions::micro_batch)
       .def("validate", &PlanOptions::validate);
 
   py::class_<PlannerState>(m, "PlannerState")

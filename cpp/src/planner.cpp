@@ -20,6 +20,16 @@ System parse_system(const std::string& name) {
   fail("system must be one of libra, ulysses, wlb, distca; got '" + name + "'");
 }
 
+SampleOrder parse_order(const std::string& name) {
+  if (name == "megatron") return SampleOrder::Megatron;
+  if (name == "contiguous") return SampleOrder::Contiguous;
+  fail("order must be megatron or contiguous; got '" + name + "'");
+}
+
+std::string order_name(SampleOrder o) {
+  return o == SampleOrder::Megatron ? "megatron" : "contiguous";
+}
+
 std::string system_name(System s) {
   switch (s) {
     case System::Ulysses: return "ulysses";
@@ -53,6 +63,7 @@ void PlanOptions::validate() const {
   if (wlb_outlier_len < 0) fail("wlb_outlier_len must be >= 0");
   if (wlb_max_delay < 0) fail("wlb_max_delay must be >= 0");
   if (wlb_release_count < 0) fail("wlb_release_count must be >= 0");
+  require_positive(micro_batch, "micro_batch_size");
   if (threads < 0 || threads > 1024)
     fail("threads must be in [0, 1024] (0 = the machine's cores), got " + std::to_string(threads));
 }
@@ -334,7 +345,8 @@ void build_exchange(StepPlan& p) {
   p.total_bytes = std::accumulate(p.rank_bytes_sent.begin(), p.rank_bytes_sent.end(), 0.0);
 }
 
-void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs) {
+void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrder order,
+                     i64 micro_batch) {
   const i64 C = p.cp, m = p.slots, P = p.pool;
   p.rank_load.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   p.group_load.assign(static_cast<std::size_t>(p.dp / P * m), 0.0);
@@ -357,7 +369,7 @@ void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs) {
   std::vector<double> group_before(p.group_load.size(), 0.0);
   for (std::size_t s = 0; s < input_pairs.size(); ++s) {
     const double f = attn_fwd_flops(static_cast<double>(input_pairs[s]), p.heads_local, p.head_dim) * bwd;
-    const i64 r = static_cast<i64>(s) / m, slot = static_cast<i64>(s) % m;
+    const auto [r, slot] = production_slot(static_cast<i64>(s), p.dp, m, order, micro_batch);
     for (i64 c = 0; c < C; ++c) p.rank_load_before[r * C + c] += f;
     group_before[(r / P) * m + slot] += f * static_cast<double>(C);
   }
@@ -418,6 +430,10 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   if (B % layout.dp != 0)
     fail("gbs (B=" + std::to_string(B) + ") must be divisible by dp (D=" +
          std::to_string(layout.dp) + ")");
+  if ((B / layout.dp) % options.micro_batch != 0)
+    fail("micro_batch_size (" + std::to_string(options.micro_batch) +
+         ") must divide the sequences per replica (m = gbs / dp = " + std::to_string(B / layout.dp) +
+         ")");
   if (options.system == System::Wlb && state == nullptr)
     fail("state: the wlb system carries a delay queue and needs a PlannerState");
 
@@ -461,7 +477,8 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
     for (i64 s = 0; s < p.n_seq(); ++s)
       for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
         executed[s] += causal_pairs(p.doc_lengths[d]);
-    placement = production_place(sequence_flops(p, executed), p.dp, p.pool, p.slots);
+    placement = production_place(sequence_flops(p, executed), p.dp, p.pool, p.slots,
+                                 SampleOrder::Megatron, 1);  // wlb_pack's round robin
     phase_done(p, PlanPhase::Placement);
     wlb_tiles(p);
   } else {
@@ -477,9 +494,11 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
     const std::vector<double> loads = sequence_flops(p, input_pairs);
     const bool vrsp = options.system == System::Libra && options.vrsp;
     const bool spread = options.system == System::Libra && !options.tap;
-    placement = vrsp ? vrsp_place(loads, p.dp, p.pool, p.slots, spread,
+    placement = vrsp ? vrsp_place(loads, p.dp, p.pool, p.slots, options.order,
+                                  options.micro_batch, spread,
                                   plan_workers(options, p.doc_lengths.size()))
-                     : production_place(loads, p.dp, p.pool, p.slots);
+                     : production_place(loads, p.dp, p.pool, p.slots, options.order,
+                                        options.micro_batch);
     phase_done(p, PlanPhase::Placement);
     p.seq_replica = placement.replica;
     p.seq_slot = placement.slot;
@@ -500,7 +519,7 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   p.vrsp_pool_lower_bound = placement.pool_lower_bound;
   build_exchange(p);
   phase_done(p, PlanPhase::Exchange);
-  compute_metrics(p, input_pairs);
+  compute_metrics(p, input_pairs, options.order, options.micro_batch);
   phase_done(p, PlanPhase::Metrics);
   p.hash = p.compute_hash();
   phase_done(p, PlanPhase::Hash);

@@ -270,12 +270,14 @@ Grouping pools_first(const std::vector<double>& loads, i64 n_pools, i64 pool, i6
   return evaluate(loads, std::move(seq_group), std::move(group_pool), n_pools);
 }
 
-// Megatron's production order: replica r = s / m holds slot s % m.
-Grouping production_grouping(const std::vector<double>& loads, i64 n_pools, i64 pool, i64 slots) {
+// The production order's groups (see production_slot).
+Grouping production_grouping(const std::vector<double>& loads, i64 n_pools, i64 pool, i64 slots,
+                             SampleOrder order, i64 micro_batch) {
   std::vector<i64> seq_group(loads.size()), group_pool(static_cast<std::size_t>(n_pools * slots));
   for (std::size_t s = 0; s < loads.size(); ++s) {
-    const i64 r = static_cast<i64>(s) / slots;
-    seq_group[s] = (r / pool) * slots + static_cast<i64>(s) % slots;
+    const auto [r, slot] =
+        production_slot(static_cast<i64>(s), n_pools * pool, slots, order, micro_batch);
+    seq_group[s] = (r / pool) * slots + slot;
   }
   for (std::size_t g = 0; g < group_pool.size(); ++g) group_pool[g] = static_cast<i64>(g) / slots;
   return evaluate(loads, std::move(seq_group), std::move(group_pool), n_pools);
@@ -284,18 +286,20 @@ Grouping production_grouping(const std::vector<double>& loads, i64 n_pools, i64 
 }  // namespace
 
 VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots,
-                         bool spread_members, std::size_t workers) {
+                         SampleOrder order, i64 micro_batch, bool spread_members,
+                         std::size_t workers) {
   const i64 n_pools = dp / pool;
   // A rank's attention time without PP is its pool's total / P (TAP evens out each group), so
   // the pool totals come first, the (pool, slot) groups second. Production order is kept when it
   // is better, so VRSP is never worse than no placement.
   Grouping best = pools_first(seq_loads, n_pools, pool, slots, workers);
-  Grouping prod = production_grouping(seq_loads, n_pools, pool, slots);
+  Grouping prod = production_grouping(seq_loads, n_pools, pool, slots, order, micro_batch);
   if (better(prod, best)) best = std::move(prod);
   return finish(seq_loads, best.seq_group, best.group_pool, dp, pool, slots, spread_members);
 }
 
-VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots) {
+VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots,
+                               SampleOrder order, i64 micro_batch) {
   VrspPlacement out;
   const std::size_t n = seq_loads.size();
   out.replica.resize(n);
@@ -303,8 +307,9 @@ VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64
   std::vector<double> gload(static_cast<std::size_t>(dp / pool * slots), 0.0);
   std::vector<double> ptotal(static_cast<std::size_t>(dp / pool), 0.0);
   for (std::size_t s = 0; s < n; ++s) {
-    out.replica[s] = static_cast<i64>(s) / slots;
-    out.slot[s] = static_cast<i64>(s) % slots;
+    const auto [r, slot] = production_slot(static_cast<i64>(s), dp, slots, order, micro_batch);
+    out.replica[s] = r;
+    out.slot[s] = slot;
     gload[(out.replica[s] / pool) * slots + out.slot[s]] += seq_loads[s];
     ptotal[out.replica[s] / pool] += seq_loads[s];
   }

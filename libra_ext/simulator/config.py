@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from libra_ext.planner import ORDERS
 from libra_ext.workload import ModelConfig, preset_names
 
 SYSTEMS = ("ulysses", "wlb", "distca", "libra-tap", "libra-tap-vrsp", "libra", "megatron-dcp")
@@ -60,6 +61,8 @@ class SimConfig:
     scenarios: list[Scenario]
     reference: dict = field(default_factory=dict)
     path: str = ""
+    order: str = "megatron"
+    """Production order of each step's sequences (megatron | contiguous; see PlannerOptions)."""
 
     @classmethod
     def load(cls, path: str | Path) -> "SimConfig":
@@ -87,6 +90,7 @@ class SimConfig:
             "systems",
             "reference",
             "scenarios",
+            "order",
         }
         for k in d:
             if k not in known:
@@ -162,7 +166,11 @@ class SimConfig:
                     reference = yaml.safe_load(fh) or {}
             except OSError as e:
                 raise ValueError(f"reference {rp}: cannot open ({e.strerror})") from None
+        order = d.get("order", "megatron")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
         return cls(
+            order=order,
             hardware=str(d.get("hardware", "h100-sxm")),
             model=model,
             steps=_int(d, "steps", "config", 6),

@@ -74,7 +74,7 @@ def run_point(
     if system == "megatron-dcp":
         return _run_dcp(scenario, dp, steps_data[: cfg.dcp_steps], cfg, hw)
     opts, pipelined = SYSTEM_SPECS[system]
-    planner = Planner(layout, model, PlannerOptions(**opts))
+    planner = Planner(layout, model, PlannerOptions(**opts, order=cfg.order))
     times, tokens, plan_ms, before, after, stats = [], [], [], [], [], []
     last: StepTimes | None = None
     for seqs in steps_data:

@@ -11,7 +11,14 @@ from pathlib import Path
 import numpy as np
 
 from libra_ext import checks
-from libra_ext.planner import PLAN_PHASES, SYSTEMS, LayoutConfig, Planner, PlannerOptions
+from libra_ext.planner import (
+    ORDERS,
+    PLAN_PHASES,
+    SYSTEMS,
+    LayoutConfig,
+    Planner,
+    PlannerOptions,
+)
 from libra_ext.reference import plan_libra
 from libra_ext.workload import LengthSource, ModelConfig, check_seed, preset_names
 
@@ -69,6 +76,15 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--epsilon", type=float, default=0.02, help="TAP soft-cap slack")
     p.add_argument("--no-vrsp", action="store_true", help="libra: keep production placement")
     p.add_argument("--no-tap", action="store_true", help="libra: no tile moves")
+    p.add_argument(
+        "--order", choices=ORDERS, default="megatron",
+        help="production order of each step's sequences: megatron (Megatron-LM's pretraining "
+        "sampler, the default) or contiguous (replica q // m)",
+    )
+    p.add_argument(
+        "--micro-batch-size", type=int, default=1,
+        help="sequences per micro-batch and replica in Megatron order (divides gbs / dp)",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -289,6 +305,8 @@ def run_plan(args) -> dict | None:
         epsilon=args.epsilon,
         vrsp=not args.no_vrsp,
         tap=not args.no_tap,
+        order=args.order,
+        micro_batch_size=args.micro_batch_size,
     )
     if args.gbs <= 0 or args.gbs % args.dp:
         raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from libra_ext.attention.kernels import BACKENDS
-from libra_ext.planner import SYSTEMS
+from libra_ext.planner import ORDERS, SYSTEMS
 from libra_ext.workload import ModelConfig, check_int, preset_names
 
 
@@ -81,6 +81,10 @@ class DataConfig:
     """Tokens per packed sequence (S)."""
     gbs: int = 8
     """Packed sequences per optimizer step (B); a multiple of the data-parallel size."""
+    order: str = "megatron"
+    """Production order of a step's packed sequences over data-parallel replicas, where nothing
+    balances them (ulysses, distca, the `before` figures): megatron (Megatron-LM's pretraining
+    sampler: sequence q to replica q mod D, micro-batch q // D) or contiguous (replica q // m)."""
     seed: int = 1234
     """Seed of the document stream, synthetic token ids and the model's initialisation, in
     [0, 2^31)."""
@@ -244,6 +248,8 @@ class TrainConfig:
             )
         if d.context <= 0:
             raise ValueError(f"data.context must be positive, got {d.context}")
+        if d.order not in ORDERS:
+            raise ValueError(f"data.order must be one of {', '.join(ORDERS)}, got {d.order!r}")
         check_int(d.seed, "data.seed", 0, 2**31 - 1)  # megatron-core offsets it per rank
         if d.source == "synthetic":
             if d.lengths_file is None and d.workload not in preset_names():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from libra_ext.planner import ORDERS
 from libra_ext.simulator.config import SimConfig
 from libra_ext.simulator.hardware import HardwareProfile
 from libra_ext.simulator.report import write_report
@@ -19,6 +20,11 @@ def _add_common(p) -> None:
     )
     src.add_argument("--lengths-file", help="document lengths, one positive integer a line")
     p.add_argument("--steps", type=int, help="sampled steps per number (overrides the config)")
+    p.add_argument(
+        "--order", choices=ORDERS,
+        help="production order of each step's sequences (overrides the config's order; "
+        "default megatron: Megatron-LM's pretraining sampler)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -53,6 +59,8 @@ def _config(args) -> SimConfig:
             raise ValueError(f"steps must be positive, got {args.steps}")
         cfg.steps = args.steps
         cfg.dcp_steps = min(cfg.dcp_steps, args.steps)
+    if args.order is not None:
+        cfg.order = args.order
     return cfg
 
 

@@ -171,6 +171,7 @@ def run(
             tap=cfg.system.tap,
             wlb_outlier_len=cfg.system.wlb_outlier_len,
             wlb_max_delay=cfg.system.wlb_max_delay,
+            order=cfg.data.order,
             dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
         ),
     )

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "libra/common.h"
+#include "libra/order.h"
 #include "libra/workload.h"
 
 namespace libra {
@@ -13,6 +14,7 @@ enum class System { Ulysses = 0, Libra = 1, Wlb = 2, Distca = 3 };
 
 System parse_system(const std::string& name);
 std::string system_name(System s);
+
 
 // Parallel layout of one optimizer step.
 struct Layout {
@@ -40,6 +42,8 @@ struct PlanOptions {
   i64 wlb_outlier_len = 0;   // wlb: documents at least this long are delayed; 0 = context / 4
   i64 wlb_max_delay = 4;     // wlb: steps an outlier may wait at most
   i64 wlb_release_count = 0; // wlb: release an outlier level when it holds this many; 0 = dp
+  SampleOrder order = SampleOrder::Megatron;  // production order of the input sequences
+  i64 micro_batch = 1;       // sequences per micro-batch and replica (Megatron order); divides m
   i64 threads = 0;           // worker threads for TAP's groups; 0 = automatic (see plan_workers);
                              // the plan is the same for every count
 

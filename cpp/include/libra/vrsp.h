@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "libra/common.h"
+#include "libra/order.h"
 
 namespace libra {
 
@@ -35,11 +36,14 @@ struct VrspPlacement {
 // -> m groups of P (LPT + swaps on group totals); Megatron's production grouping instead when its
 // heaviest pool (then group) is lighter. Slots inside a pool heaviest group first; inside a group
 // the heaviest sequence to member 0, or with `spread_members` to the member with the least load
-// over the earlier slots. `workers` threads split the pools' second stage (same result).
+// over the earlier slots. The production grouping follows `order` (see production_slot).
+// `workers` threads split the pools' second stage (same result).
 VrspPlacement vrsp_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots,
-                         bool spread_members = false, std::size_t workers = 1);
+                         SampleOrder order, i64 micro_batch, bool spread_members = false,
+                         std::size_t workers = 1);
 
-// Megatron's default order: sequence i on replica i / m, slot i % m.
-VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots);
+// The production order: sequence q on production_slot(q, ...).
+VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots,
+                               SampleOrder order, i64 micro_batch);
 
 }  // namespace libra
