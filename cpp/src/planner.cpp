@@ -76,25 +76,29 @@ std::size_t plan_workers(const PlanOptions& options, std::size_t n_docs) {
 }
 
 std::vector<i64> PlannerState::serialize() const {
-  std::vector<i64> out{1, next_doc_id, steps, static_cast<i64>(queue.size()),
+  std::vector<i64> out{2, next_doc_id, steps, static_cast<i64>(queue.size()),
                        static_cast<i64>(spill.size())};
   for (const auto* list : {&queue, &spill})
-    for (const Doc& d : *list) out.insert(out.end(), {d.id, d.len, d.age});
+    for (const Doc& d : *list) out.insert(out.end(), {d.id, d.len, d.age, d.origin});
   return out;
 }
 
 PlannerState PlannerState::deserialize(const std::vector<i64>& flat) {
-  if (flat.size() < 5 || flat[0] != 1) fail("planner state: unknown format (version field)");
+  // version 1: (id, len, age) per document; version 2 adds the origin sequence
+  if (flat.size() < 5 || (flat[0] != 1 && flat[0] != 2))
+    fail("planner state: unknown format (version field)");
+  const i64 width = flat[0] == 1 ? 3 : 4;
   PlannerState st;
   st.next_doc_id = flat[1];
   st.steps = flat[2];
   const i64 nq = flat[3], ns = flat[4];
-  if (nq < 0 || ns < 0 || static_cast<i64>(flat.size()) != 5 + 3 * (nq + ns))
+  if (nq < 0 || ns < 0 || static_cast<i64>(flat.size()) != 5 + width * (nq + ns))
     fail("planner state: length does not match its queue and spill counts");
   std::size_t k = 5;
-  for (i64 i = 0; i < nq + ns; ++i, k += 3) {
-    const Doc d{flat[k], flat[k + 1], flat[k + 2]};
-    if (d.len <= 0 || d.id < 0 || d.age < 0) fail(field_at("planner state entry", i) + " is invalid");
+  for (i64 i = 0; i < nq + ns; ++i, k += static_cast<std::size_t>(width)) {
+    const Doc d{flat[k], flat[k + 1], flat[k + 2], width == 4 ? flat[k + 3] : -1};
+    if (d.len <= 0 || d.id < 0 || d.age < 0 || d.origin < -1)
+      fail(field_at("planner state entry", i) + " is invalid");
     (i < nq ? st.queue : st.spill).push_back(d);
   }
   return st;

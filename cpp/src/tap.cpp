@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
+#include <unordered_map>
 
 #include "libra/parallel.h"
 #include "libra/workload.h"
@@ -647,69 +649,90 @@ void distca_place(StepPlan& plan, const PlanOptions& opt,
       }
     }
     const double mean = std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(P);
-    // Residency of KV prefixes shipped to each member: key (document, member) -> longest prefix.
-    std::vector<std::vector<i64>> resident(static_cast<std::size_t>(P));
-    const i64 n_doc_total = static_cast<i64>(plan.doc_lengths.size());
-    auto kv_have = [&](i64 member, i64 doc) -> i64& {
-      auto& v = resident[member];
-      if (v.empty()) v.assign(static_cast<std::size_t>(n_doc_total), 0);
-      return v[doc];
+    // Residency of KV prefixes shipped to each member: document -> longest prefix (only the
+    // documents shipped there have an entry).
+    std::vector<std::unordered_map<i64, i64>> resident(static_cast<std::size_t>(P));
+    auto kv_have = [&](i64 member, i64 doc) -> i64 {
+      const auto it = resident[member].find(doc);
+      return it == resident[member].end() ? 0 : it->second;
     };
-    auto shard_bytes = [&](const Shard& sh, i64 dst) -> i64 {
+    // Rows [c, b) of a shard hold at most `amount` of work: the smallest such c (b if not even
+    // the last row fits).
+    auto cut_for = [&](const Shard& sh, double amount) {
+      const double x = static_cast<double>(sh.b) * static_cast<double>(sh.b + 1) - 2.0 * amount / hl;
+      i64 c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
+      c = std::min(std::max(c, sh.a), sh.b);
+      while (c < sh.b && static_cast<double>(block_pairs(c, sh.b)) * hl > amount) ++c;
+      while (c > sh.a && static_cast<double>(block_pairs(c - 1, sh.b)) * hl <= amount) --c;
+      return c;
+    };
+    // Bytes of sending rows [c, b) of a shard to dst: Q/O of the rows, K/V of the prefix [0, b)
+    // not yet resident there.
+    auto move_bytes = [&](const Shard& sh, i64 c, i64 dst) -> i64 {
       if (dst == sh.owner) return 0;
-      const i64 kv_have_len = kv_have(dst, sh.doc);
-      const i64 kv_missing = std::max<i64>(0, sh.b - kv_have_len);
-      return bytes.qo_bytes(sh.b - sh.a, plan.heads_local) +
+      const i64 kv_missing = std::max<i64>(0, sh.b - kv_have(dst, sh.doc));
+      return bytes.qo_bytes(sh.b - c, plan.heads_local) +
              bytes.kv_bytes(kv_missing) * plan.kv_heads_local;
     };
-    const i64 limit = 8 * P + 4 * static_cast<i64>(shards.size());
-    for (i64 it = 0; it < limit && mean > 0; ++it) {
-      const i64 lo = std::min_element(load.begin(), load.end()) - load.begin();
-      const double need = mean - load[lo];
-      if (need <= opt.distca_tolerance * mean) break;
-      // Candidate: highest work per byte among shards on members above the mean.
-      std::size_t pick = shards.size();
-      double pick_e = -1.0;
-      for (std::size_t k = 0; k < shards.size(); ++k) {
-        const Shard& sh = shards[k];
-        if (load[sh.exec] <= mean || sh.exec == lo) continue;
-        const double f = static_cast<double>(block_pairs(sh.a, sh.b)) * hl;
-        const i64 v = shard_bytes(sh, lo);
-        const double e = v == 0 ? 1e300 : f / static_cast<double>(v);
-        if (e > pick_e) {
-          pick = k;
-          pick_e = e;
+    // DistCA's communication-aware greedy: recipients in order of deficit (largest first); each
+    // takes work while its deficit exceeds tolerance * mean, from the shard on a member with
+    // surplus whose move costs the fewest bytes per unit of work, split to exactly what the
+    // recipient still needs and the donor can spare (whole rows). When the best candidate
+    // cannot give even one row, that recipient is done and the next one is served.
+    std::vector<double> surplus(static_cast<std::size_t>(P));
+    for (i64 i = 0; i < P; ++i) surplus[i] = load[i] - mean;
+    std::vector<i64> recipients;
+    for (i64 i = 0; i < P; ++i)
+      if (surplus[i] < 0) recipients.push_back(i);
+    std::stable_sort(recipients.begin(), recipients.end(),
+                     [&](i64 x, i64 y) { return surplus[x] < surplus[y]; });
+    const double threshold = opt.distca_tolerance * mean;
+    for (const i64 lo : recipients) {
+      double need = -surplus[lo];
+      for (i64 guard = 0; need > threshold && guard < 4 * static_cast<i64>(shards.size()) + 8 * P;
+           ++guard) {
+        std::size_t pick = shards.size();
+        double pick_cost = 0, pick_amount = 0;
+        i64 pick_cut = 0;
+        for (std::size_t k = 0; k < shards.size(); ++k) {
+          const Shard& sh = shards[k];
+          if (sh.a >= sh.b || !(surplus[sh.exec] > 0)) continue;
+          const double work = static_cast<double>(block_pairs(sh.a, sh.b)) * hl;
+          const double amount = std::min({surplus[sh.exec], need, work});
+          const i64 c = cut_for(sh, amount);
+          const double moved = static_cast<double>(block_pairs(c, sh.b)) * hl;
+          // bytes per unit of work the recipient can get (a shard that cannot give a row
+          // ranks last: the greedy stops for this recipient if it is the best there is)
+          const double cost = moved > 0 ? static_cast<double>(move_bytes(sh, c, lo)) / moved
+                                        : std::numeric_limits<double>::infinity();
+          if (pick == shards.size() || cost < pick_cost) {
+            pick = k;
+            pick_cost = cost;
+            pick_amount = moved;
+            pick_cut = c;
+          }
         }
-      }
-      if (pick == shards.size()) break;
-      Shard sh = shards[pick];
-      const double f = static_cast<double>(block_pairs(sh.a, sh.b)) * hl;
-      const double amount = std::min({need, load[sh.exec] - mean, f});
-      i64 cut = sh.a;  // move rows [cut, b)
-      if (amount < f) {
-        // Smallest cut with pairs(cut, b) * hl <= amount: cut(cut+1) >= b(b+1) - 2*amount/hl.
-        const double x = static_cast<double>(sh.b) * static_cast<double>(sh.b + 1) - 2.0 * amount / hl;
-        i64 c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
-        c = std::max(c, sh.a);
-        while (c < sh.b && static_cast<double>(block_pairs(c, sh.b)) * hl > amount) ++c;
-        while (c > sh.a && static_cast<double>(block_pairs(c - 1, sh.b)) * hl <= amount) --c;
-        if (c >= sh.b) break;  // not even one row fits the need: within the model's resolution
-        cut = c;
-      }
-      const double moved = static_cast<double>(block_pairs(cut, sh.b)) * hl;
-      const i64 from = sh.exec;
-      load[from] -= moved;
-      load[lo] += moved;
-      i64& have = kv_have(lo, sh.doc);
-      if (lo != sh.owner) have = std::max(have, sh.b);
-      if (cut == sh.a) {
-        shards[pick].exec = lo;
-      } else {
-        shards[pick].b = cut;
-        Shard tail = sh;
-        tail.a = cut;
-        tail.exec = lo;
-        shards.push_back(tail);
+        if (pick == shards.size() || !(pick_amount > 0)) break;
+        const Shard sh = shards[pick];
+        const i64 from = sh.exec;
+        load[from] -= pick_amount;
+        load[lo] += pick_amount;
+        surplus[from] -= pick_amount;
+        surplus[lo] += pick_amount;
+        need -= pick_amount;
+        if (lo != sh.owner) {
+          i64& have = resident[lo][sh.doc];
+          have = std::max(have, sh.b);
+        }
+        if (pick_cut == sh.a) {
+          shards[pick].exec = lo;
+        } else {
+          shards[pick].b = pick_cut;
+          Shard tail = sh;
+          tail.a = pick_cut;
+          tail.exec = lo;
+          shards.push_back(tail);
+        }
       }
     }
     std::stable_sort(shards.begin(), shards.end(), [](const Shard& x, const Shard& y) {

@@ -17,9 +17,9 @@ void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
   const i64 release_count = opt.wlb_release_count > 0 ? opt.wlb_release_count : plan.dp;
 
   std::vector<Doc> regular;
-  for (const auto& seq : sequences)
-    for (i64 len : seq) {
-      const Doc doc{state.next_doc_id++, len, 0};
+  for (std::size_t q = 0; q < sequences.size(); ++q)
+    for (i64 len : sequences[q]) {
+      const Doc doc{state.next_doc_id++, len, 0, static_cast<i64>(q)};
       if (len >= threshold) {
         state.queue.push_back(doc);
       } else {
@@ -28,7 +28,8 @@ void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
     }
 
   // Outlier levels: floor(log2(len / threshold)). A level is released once it holds
-  // release_count documents; any document that waited wlb_max_delay steps is released too.
+  // release_count documents. Documents that waited wlb_max_delay steps (queued outliers and
+  // documents that did not fit an earlier step) are due: they are packed before anything else.
   std::map<i64, i64> level_count;
   auto level_of = [&](i64 len) {
     i64 lvl = 0;
@@ -36,11 +37,14 @@ void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
     return lvl;
   };
   for (const Doc& d : state.queue) ++level_count[level_of(d.len)];
-  std::vector<Doc> candidates = std::move(state.spill);
+  auto is_due = [&](const Doc& d) { return flush || d.age >= opt.wlb_max_delay; };
+  std::vector<Doc> due, candidates, kept;
+  for (const Doc& d : state.spill) (is_due(d) ? due : candidates).push_back(d);
   state.spill.clear();
-  std::vector<Doc> kept;
   for (const Doc& d : state.queue) {
-    if (flush || d.age >= opt.wlb_max_delay || level_count[level_of(d.len)] >= release_count) {
+    if (is_due(d)) {
+      due.push_back(d);
+    } else if (level_count[level_of(d.len)] >= release_count) {
       candidates.push_back(d);
     } else {
       kept.push_back(d);
@@ -50,27 +54,73 @@ void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
   candidates.insert(candidates.end(), regular.begin(), regular.end());
 
   // Workload-aware packing: heaviest document first, into the bucket with the least attention
-  // work that still has token room; documents that fit nowhere wait for the next step.
-  std::stable_sort(candidates.begin(), candidates.end(), [](const Doc& a, const Doc& b) {
-    return a.len != b.len ? a.len > b.len : a.id < b.id;
-  });
+  // work that still has token room.
   std::vector<std::vector<Doc>> buckets(static_cast<std::size_t>(n_buckets));
   std::vector<i64> tokens(static_cast<std::size_t>(n_buckets), 0);
   std::vector<double> work(static_cast<std::size_t>(n_buckets), 0.0);
-  for (const Doc& d : candidates) {
-    i64 best = -1;
-    for (i64 b = 0; b < n_buckets; ++b) {
-      if (tokens[b] + d.len > S) continue;
-      if (best < 0 || work[b] < work[best]) best = b;
+  auto heaviest_first = [](std::vector<Doc>& docs) {
+    std::stable_sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) {
+      return a.len != b.len ? a.len > b.len : a.id < b.id;
+    });
+  };
+  auto put = [&](i64 b, const Doc& d) {
+    buckets[b].push_back(d);
+    tokens[b] += d.len;
+    work[b] += static_cast<double>(causal_pairs(d.len));
+  };
+  auto pack = [&](const std::vector<Doc>& docs, std::vector<Doc>& left) {
+    for (const Doc& d : docs) {
+      i64 best = -1;
+      for (i64 b = 0; b < n_buckets; ++b) {
+        if (tokens[b] + d.len > S) continue;
+        if (best < 0 || work[b] < work[best]) best = b;
+      }
+      if (best < 0) {
+        left.push_back(d);
+      } else {
+        put(best, d);
+      }
     }
-    if (best < 0) {
-      state.spill.push_back({d.id, d.len, d.age + 1});
-      continue;
+  };
+  heaviest_first(due);
+  std::vector<Doc> due_left;
+  pack(due, due_left);
+  if (!due_left.empty() && !flush) {
+    // Due documents that arrived in one step fit by the way that step's input held them: each
+    // (arrival, input sequence) group into a bucket of its own, heaviest group first.
+    for (auto& b : buckets) b.clear();
+    std::fill(tokens.begin(), tokens.end(), 0);
+    std::fill(work.begin(), work.end(), 0.0);
+    due_left.clear();
+    std::map<std::pair<i64, i64>, std::vector<Doc>> groups;  // (age, origin) -> documents
+    for (const Doc& d : due) groups[{d.age, d.origin}].push_back(d);
+    std::vector<const std::vector<Doc>*> order;
+    for (const auto& [key, docs] : groups) order.push_back(&docs);
+    std::stable_sort(order.begin(), order.end(), [](const auto* x, const auto* y) {
+      double wx = 0, wy = 0;
+      for (const Doc& d : *x) wx += static_cast<double>(causal_pairs(d.len));
+      for (const Doc& d : *y) wy += static_cast<double>(causal_pairs(d.len));
+      return wx > wy;
+    });
+    i64 next = 0;
+    for (const auto* docs : order) {
+      i64 sum = 0;
+      for (const Doc& d : *docs) sum += d.len;
+      if (next < n_buckets && sum <= S && docs->front().origin >= 0) {
+        for (const Doc& d : *docs) put(next, d);
+        ++next;
+      } else {
+        pack(*docs, due_left);  // unknown origin (a version-1 state): wherever it fits
+      }
     }
-    buckets[best].push_back(d);
-    tokens[best] += d.len;
-    work[best] += static_cast<double>(causal_pairs(d.len));
   }
+  heaviest_first(candidates);
+  std::vector<Doc> left;
+  pack(candidates, left);
+  // What did not fit waits (a due document only if even its input's packing did not fit, which
+  // a state carried between steps of one run cannot produce).
+  for (const auto* list : {&due_left, &left})
+    for (const Doc& d : *list) state.spill.push_back({d.id, d.len, d.age + 1, d.origin});
   for (Doc& d : state.queue) ++d.age;
   ++state.steps;
 

@@ -315,6 +315,9 @@ def run_plan(args) -> dict | None:
     metrics, hashes, tiles = [], [], []
     inexact, unpreserved = [], []  # why pairs_exact / samples_preserved failed, if they did
     inputs_docs, executed = [], []  # wlb: documents over the whole run
+    arrival: list[int] = []  # wlb: the step that brought each document (ids in input order)
+    wlb_backlog: list[int] = []  # wlb: documents held back after each step
+    wlb_delay = 0  # wlb: most steps a document waited before it trained
 
     def check(plan, seqs=None):
         ok, why = checks.pairs_exact(plan)
@@ -336,6 +339,10 @@ def run_plan(args) -> dict | None:
         check(plan, seqs)
         if args.system == "wlb":
             inputs_docs.extend(l for q in seqs for l in q)
+            arrival.extend([step] * sum(len(q) for q in seqs))
+            waited = step - np.asarray(arrival, dtype=np.int64)[plan.doc_ids]
+            wlb_delay = max(wlb_delay, int(waited.max(initial=0)))
+            wlb_backlog.append(planner.pending_documents)
         del plan
     if args.system == "wlb":  # release what the delay queue still holds
         empty = [[] for _ in range(args.gbs)]
@@ -384,6 +391,11 @@ def run_plan(args) -> dict | None:
         "samples_preserved": not unpreserved,
         "hashes": hashes,
     }
+    if args.system == "wlb":
+        # over the planned steps (the final flush that drains the queue is not counted)
+        result["wlb_backlog_max"] = max(wlb_backlog)
+        result["wlb_backlog_final"] = wlb_backlog[-1]
+        result["wlb_max_delay_steps"] = wlb_delay
     if inexact or unpreserved:
         result["problems"] = sorted(set(inexact + unpreserved))
     if args.json:
@@ -423,6 +435,10 @@ def _print_plan_table(r: dict) -> None:
     print(f"  pool bytes sent per rank (fwd+bwd)     {r['bytes_moved_per_rank'] / 2**20:.1f} MiB")
     print(f"  plan time per step (median)            {r['plan_ms']:.3f} ms")
     print(f"  pairs exact / samples preserved        {r['pairs_exact']} / {r['samples_preserved']}")
+    if "wlb_backlog_max" in r:
+        print(f"  wlb held documents max / final         {r['wlb_backlog_max']} / "
+              f"{r['wlb_backlog_final']}")
+        print(f"  wlb most steps a document waited       {r['wlb_max_delay_steps']}")
 
 
 BENCH_CASES = {

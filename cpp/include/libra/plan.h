@@ -64,7 +64,8 @@ struct PlannerState {
   struct Doc {
     i64 id;
     i64 len;
-    i64 age;
+    i64 age;         // steps waited since the step that brought it
+    i64 origin = -1; // index of its input sequence in that step (-1: unknown, v1 state)
   };
   i64 next_doc_id = 0;
   i64 steps = 0;
