@@ -53,7 +53,8 @@ def test_before_figures_follow_the_order():
     seqs = LengthSource(preset="libra-256k").step(128, 262_144, 0, 0)
     layout = LayoutConfig(dp=16, cp=8, pool_size=8, context=262_144)
     for order in ("megatron", "contiguous"):
-        uly = Planner(layout, ModelConfig(), PlannerOptions(system="ulysses", order=order)).plan(seqs)
+        uly_options = PlannerOptions(system="ulysses", order=order)
+        uly = Planner(layout, ModelConfig(), uly_options).plan(seqs)
         lib = Planner(layout, ModelConfig(), PlannerOptions(order=order)).plan(seqs)
         assert uly.max_over_mean == pytest.approx(uly.max_over_mean_before)
         assert lib.max_over_mean_before == pytest.approx(uly.max_over_mean)
