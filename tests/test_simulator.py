@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+from libra_ext.simulator import dcp
 from libra_ext.simulator.config import SimConfig
 from libra_ext.simulator.cost import exposed_pool_comm, simulate_plan
 from libra_ext.simulator.hardware import HardwareProfile
@@ -103,6 +104,7 @@ def _cfg(tmp_path, **over):
             "libra-tap-vrsp",
             "libra",
             "megatron-dcp",
+            "megatron-dyncp",
         ],
         "reference": "ref.yaml",
         "scenarios": {
@@ -169,6 +171,8 @@ def test_simulate_writes_report_results_and_figures(tmp_path, capsys):
         assert 0 < s["scaling_efficiency_dp16"][system] <= 1.0 + 1e-9
         assert s["attention_latency"][system]["max"] >= s["attention_latency"][system]["mean"]
     assert "megatron-dcp" in s["dp_scaling"] or "megatron-dcp" in s["errors"]
+    assert set(s["dp_scaling"]["megatron-dyncp"]) == {"1", "2", "4", "8"}
+    assert "| megatron-dyncp |" in (out / "report.md").read_text()
     assert set(s["pool_sweep"]) == {"2", "4", "8"}
     for v in s["pool_sweep"].values():
         assert {"imbalance_before", "imbalance_after", "exchange_cost"} <= set(v)
@@ -253,3 +257,27 @@ def test_hardware_profile_errors():
         hw = HardwareProfile.load(name)
         assert hw.attn_efficiency(np.array([512]))[0] == pytest.approx(0.47, abs=0.05)
         assert hw.attn_efficiency(np.array([65536]))[0] == 1.0
+
+
+def test_dynamic_cp_schedule_places_every_document_once_on_power_of_two_groups():
+    lengths = [9000, 300, 4100, 8192, 12, 700, 16000, 2048, 1, 5000, 64, 3000]
+    cap, gpus = 2048, 8
+    rounds = dcp.dynamic_cp_schedule(lengths, gpus, cap)
+    seen = []
+    for per_gpu in rounds:
+        assert len(per_gpu) == gpus
+        holders = {}
+        for g, ids in enumerate(per_gpu):
+            for i in ids:
+                holders.setdefault(i, []).append(g)
+        for i, gs in holders.items():
+            k = len(gs)
+            # the smallest power of two whose GPUs hold the document under the cap
+            want = next(p for p in (1, 2, 4, 8) if lengths[i] <= p * cap)
+            assert k >= want and k & (k - 1) == 0
+            assert gs == list(range(gs[0], gs[0] + k)) and gs[0] % k == 0  # aligned block
+            # every GPU of the group holds the same documents, within the tokens it can take
+            assert sum(lengths[j] for j in per_gpu[gs[0]]) <= k * cap
+        seen.extend(holders)
+    assert sorted(seen) == list(range(len(lengths)))
+    assert dcp.cp_sizes(12) == [1, 2, 4, 12]

@@ -10,7 +10,16 @@ import yaml
 from libra_ext.planner import ORDERS
 from libra_ext.workload import ModelConfig, preset_names
 
-SYSTEMS = ("ulysses", "wlb", "distca", "libra-tap", "libra-tap-vrsp", "libra", "megatron-dcp")
+SYSTEMS = (
+    "ulysses",
+    "wlb",
+    "distca",
+    "libra-tap",
+    "libra-tap-vrsp",
+    "libra",
+    "megatron-dcp",
+    "megatron-dyncp",
+)
 """Simulated systems: baselines, Libra's ablations (TAP only; TAP + VRSP without the pipeline;
 full), and megatron-core's own hybrid/dynamic CP scheduler."""
 

@@ -225,7 +225,9 @@ def render_markdown(results: dict) -> str:
             "Attention time includes its communication (Ulysses all-to-all or KV all-gather, "
             "and the exposed pool exchange); PP worst/mean is the slowest micro-batch slot "
             "over the mean one (1F1B bubbles scale with it); planner ms is the C++ planner "
-            "per step (megatron-dcp: its Python scheduler).",
+            "per step (megatron-dcp and megatron-dyncp: their Python schedulers; megatron-dcp is "
+            "megatron-core's BalancedCPScheduler, megatron-dyncp Megatron's packing-aware dynamic "
+            "CP, per-document power-of-two CP groups).",
             "",
         ]
         for system, why in s.get("errors", {}).items():
@@ -290,7 +292,7 @@ def write_figures(results: dict, out: Path) -> list[Path]:
             vals = s["rank_attention"][system]
             ax.bar(range(len(vals)), vals)
             ax.set_ylabel(system, fontsize=7, rotation=0, ha="right")
-        axes[-1].set_xlabel("replica (cp rank 0); megatron-dcp: GPU")
+        axes[-1].set_xlabel("replica (cp rank 0); megatron-dcp, megatron-dyncp: GPU")
         fig.suptitle(f"Per-rank attention seconds, one step at DP{s['scaling_dp']}, {name}")
         paths.append(save(fig, out / f"rank_attention_{name}.png"))
     return paths

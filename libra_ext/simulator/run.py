@@ -73,6 +73,8 @@ def run_point(
     )
     if system == "megatron-dcp":
         return _run_dcp(scenario, dp, steps_data[: cfg.dcp_steps], cfg, hw)
+    if system == "megatron-dyncp":
+        return _run_dcp(scenario, dp, steps_data, cfg, hw, dynamic=True)
     opts, pipelined = SYSTEM_SPECS[system]
     planner = Planner(layout, model, PlannerOptions(**opts, order=cfg.order))
     times, tokens, plan_ms, before, after, stats = [], [], [], [], [], []
@@ -117,10 +119,16 @@ def run_point(
 
 
 def _run_dcp(
-    scenario: Scenario, dp: int, steps_data: list, cfg: SimConfig, hw: HardwareProfile
+    scenario: Scenario,
+    dp: int,
+    steps_data: list,
+    cfg: SimConfig,
+    hw: HardwareProfile,
+    dynamic: bool = False,
 ) -> PointResult:
+    """megatron-dcp (megatron-core's BalancedCPScheduler) or, with `dynamic`, megatron-dyncp."""
     nan = float("nan")
-    if not dcp.HAVE_DCP:
+    if not dynamic and not dcp.HAVE_DCP:
         return PointResult(
             nan,
             nan,
@@ -139,9 +147,8 @@ def _run_dcp(
     exposed = dp_reduction(cfg.model, hw, dp, scenario.cp, scenario.tp)
     steps, attn, sched = [], [], []
     for seqs in steps_data:
-        r = dcp.simulate_dcp_step(
-            seqs, dp, scenario.cp, scenario.context, cfg.model, hw, exposed, tp=scenario.tp
-        )
+        run = dcp.simulate_dyncp_step if dynamic else dcp.simulate_dcp_step
+        r = run(seqs, dp, scenario.cp, scenario.context, cfg.model, hw, exposed, tp=scenario.tp)
         steps.append(r.step)
         attn.append(r.gpu_attention)
         sched.append(r.schedule_ms)
