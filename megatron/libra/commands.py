@@ -139,6 +139,37 @@ def add_bench_parser(sub) -> None:
     )
     _add_bench_attention_args(a)
     a.set_defaults(func=run_bench_attention)
+    r = bsub.add_parser(
+        "replay",
+        help="every rank's attention work under a step plan, measured on one device",
+        description="Plan steps as `libra plan` does, then run each rank's kernel calls "
+        "(forward + backward, the runtime's segments and batching) one rank at a time on one "
+        "device; print measured per-rank attention max/mean beside the planner's modeled one, "
+        "the tiling efficiency against the same documents run untiled, and bytes per rank.",
+    )
+    r.add_argument(
+        "--system", default="ulysses,libra,distca,wlb",
+        help="comma-separated systems among ulysses, libra, libra-no-vrsp, libra-no-tap, wlb, "
+        "distca (default ulysses,libra,distca,wlb)",
+    )
+    _add_workload_args(r)
+    r.add_argument("--gbs", type=int, default=16, help="packed sequences per step (B)")
+    r.add_argument("--dp", type=int, default=8, help="data-parallel replicas (D)")
+    r.add_argument("--cp", type=int, default=2, help="context-parallel ranks per replica (C)")
+    r.add_argument("--pool-size", type=int, default=4, help="replicas per pool (P)")
+    _add_model_args(r)
+    r.add_argument("--order", choices=ORDERS, default="megatron", help="production order")
+    r.add_argument("--steps", type=int, default=1)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--device", default="cpu", choices=("cuda", "cpu"))
+    r.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"),
+        help="input dtype (default: bf16 on cuda, fp32 on cpu, where bf16 matmuls are slow)",
+    )
+    r.add_argument("--backend", default="auto", help="auto, te, flash, varlen or reference")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=run_bench_replay)
 
 
 def _int_list_arg(text: str, field: str) -> list[int]:
@@ -214,6 +245,41 @@ def _add_bench_attention_args(a: argparse.ArgumentParser) -> None:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--out", help="also write the JSON result here")
     a.add_argument("--json", action="store_true")
+
+
+def run_bench_replay(args) -> dict | None:
+    from libra_ext.attention import replay
+
+    systems = [x for x in args.system.split(",") if x]
+    _positive(args.steps, "steps")
+    source, context = _source(args)
+    if args.gbs <= 0 or args.gbs % args.dp:
+        raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
+    layout = LayoutConfig(dp=args.dp, cp=args.cp, pool_size=args.pool_size, context=context)
+    model = _model(args)
+    steps = [source.step(args.gbs, context, args.seed, s) for s in range(args.steps)]
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    r = replay.run(
+        steps, layout, model, systems, device=args.device, dtype=dtype,
+        backend=None if args.backend == "auto" else args.backend, progress=not args.no_progress,
+        order=args.order,
+    )
+    r["layout"] = {"gbs": args.gbs, "dp": args.dp, "cp": args.cp, "pool_size": args.pool_size,
+                   "context": context, "workload": source.name}
+    if args.json:
+        return r
+    print(
+        f"libra bench replay: {r['device']}, {r['backend']} kernel, {r['dtype']}, "
+        f"{source.name}, S={context} B={args.gbs} D={args.dp} C={args.cp} P={args.pool_size}, "
+        f"{r['steps']} step(s); per-rank attention forward + backward"
+    )
+    print(f"  {'system':14s} {'measured max/mean':>18s} {'modeled max/mean':>17s} "
+          f"{'tiling eff.':>12s} {'calls':>7s} {'MiB sent/rank':>14s}")
+    for name, x in r["systems"].items():
+        print(f"  {name:14s} {x['measured_max_over_mean']:18.3f} "
+              f"{x['modeled_max_over_mean']:17.3f} {x['tiling_efficiency']:12.3f} "
+              f"{x['kernel_calls']:7d} {x['bytes_sent_per_rank'] / 2**20:14.1f}")
+    return None
 
 
 def run_bench_attention(args) -> dict | None:

@@ -1,0 +1,247 @@
+"""`libra bench replay`: the attention work of every rank under a step plan, measured on one
+device with the kernel the runtime would use there.
+
+For each rank of the layout, the calls its compiled programs make (every slot, local tiles and
+tiles received from the pool; WLB-LLM: its two chunks of each document against the gathered
+KV) run forward and backward with the same segments and the same batching as in training, one
+rank at a time, timed with device events (wall time on CPU). The cp ranks of a replica execute
+the same tiles on their own head slices (not WLB-LLM, whose chunks differ per cp rank), so one
+of them stands for all. Beside the measured per-rank max/mean: the planner's modeled one, the
+total over all ranks against the same documents run untiled (one call per packed sequence, as a
+plain THD attention layer runs them), and the planner's byte counts.
+
+Memory: one call's inputs, gradients and output are alive at a time (allocated per call, so a
+rank's peak is its largest call), and a rank whose largest call does not fit the device's free
+memory is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from libra_ext.attention import meta
+from libra_ext.attention.core import compile_rank
+from libra_ext.attention.kernels import backend_for, segments_on
+from libra_ext.planner import LayoutConfig, Planner, PlannerOptions, StepPlan
+from libra_ext.workload import ModelConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# name -> planner options of each replayable system (ablations of libra included)
+SYSTEM_OPTIONS = {
+    "ulysses": dict(system="ulysses"),
+    "libra": dict(system="libra"),
+    "libra-no-vrsp": dict(system="libra", vrsp=False),
+    "libra-no-tap": dict(system="libra", tap=False),
+    "wlb": dict(system="wlb"),
+    "distca": dict(system="distca"),
+}
+
+
+@dataclass
+class Call:
+    """One kernel call of a rank: heads, rows and host segment offsets."""
+
+    hc: int
+    hk: int
+    cu_q: np.ndarray
+    cu_k: np.ndarray
+
+    @property
+    def n_q(self) -> int:
+        return int(self.cu_q[-1])
+
+    @property
+    def n_k(self) -> int:
+        return int(self.cu_k[-1])
+
+    def bytes(self, head_dim: int, elem: int) -> int:
+        """Device bytes alive while it runs: q, k, v, their gradients, the output and its
+        gradient (the kernel's own workspace is not counted)."""
+        return 2 * (2 * self.n_q * self.hc + 2 * self.n_k * self.hk) * head_dim * elem
+
+
+def rank_calls(plan: StepPlan, replica: int, cp_rank: int, model: ModelConfig) -> list[Call]:
+    """Every kernel call rank (replica, cp_rank) makes for the plan's step, all slots. (WLB-LLM's
+    call runs all heads of the tensor-parallel rank: its program leaves them to the layer.)"""
+    out = []
+    for prog in compile_rank(plan, replica, cp_rank, chunks=1):
+        for c in prog.calls:
+            hc, hk = c.hc, c.hk
+            if plan.system == "wlb":
+                hc, hk = model.heads // plan.tp, max(1, model.kv_heads // plan.tp)
+            out.append(Call(hc, hk, np.asarray(c.cu_q), np.asarray(c.cu_k)))
+    return out
+
+
+def untiled_calls(plan: StepPlan) -> list[Call]:
+    """One call per executed sequence over its documents in natural order, one rank's head
+    slice (what a plain THD attention layer does)."""
+    out = []
+    for r in range(plan.dp):
+        for slot in range(plan.slots):
+            L = meta.sequence_lengths(plan, r, slot)
+            if len(L):
+                cu = np.r_[0, np.cumsum(L)]
+                out.append(Call(plan.heads_local, plan.kv_heads_local, cu, cu))
+    return out
+
+
+class Timer:
+    """Forward + backward of calls on one device, fresh random inputs per call."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int, backend=None):
+        self.device, self.dtype, self.d = device, dtype, head_dim
+        self.scale = head_dim**-0.5
+        probe = torch.zeros(1, 1, head_dim, device=device, dtype=dtype)
+        self.kernel = backend_for(probe, backend)
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    def _inputs(self, call: Call) -> tuple:
+        def rand(n, h):
+            return torch.randn(
+                n, h, self.d, device=self.device, dtype=self.dtype, generator=self.gen
+            )
+
+        q, k, v = rand(call.n_q, call.hc), rand(call.n_k, call.hk), rand(call.n_k, call.hk)
+        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+        return q, k, v, rand(call.n_q, call.hc), segments_on(call.cu_q, call.cu_k, self.device)
+
+    def _attend(self, q, k, v, grad, seg) -> None:
+        out = self.kernel.attend(q, k, v, seg, self.scale)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    def ms(self, calls: list[Call]) -> float:
+        """Milliseconds of the calls' forward + backward, summed (drawing the random inputs
+        and building the segments stay outside the timed intervals)."""
+        total = 0.0
+        cuda = self.device.type == "cuda"
+        for call in calls:
+            args = self._inputs(call)
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._attend(*args)
+                end.record()
+                end.synchronize()
+                total += start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                self._attend(*args)
+                total += (time.perf_counter() - t0) * 1e3
+            del args
+        return total
+
+
+def check_memory(plan: StepPlan, name: str, calls_of: dict, head_dim: int, elem: int,
+                 device: torch.device) -> None:
+    """Refuse, before anything runs, a rank whose largest call does not fit the free memory."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    for rank, calls in calls_of.items():
+        need = max((c.bytes(head_dim, elem) for c in calls), default=0)
+        if need > free:
+            raise ValueError(
+                f"replay {name}: rank {rank} needs {need / 2**30:.2f} GiB for its largest call, "
+                f"the device has {free / 2**30:.2f} GiB free"
+            )
+
+
+def replay_plan(
+    plan: StepPlan, name: str, model: ModelConfig, timer: Timer, progress: bool = False
+) -> dict:
+    """Measured and modeled per-rank attention of one plan."""
+    wlb = plan.system == "wlb"
+    ranks = [(r, c) for r in range(plan.dp) for c in (range(plan.cp) if wlb else [0])]
+    calls_of = {rank: rank_calls(plan, *rank, model) for rank in ranks}
+    elem = torch.tensor([], dtype=timer.dtype).element_size()
+    check_memory(plan, name, calls_of, timer.d, elem, timer.device)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ranks), desc=f"replay {name}", unit="rank", file=sys.stderr,
+                   leave=False)
+    rank_ms = []
+    for rank in ranks:
+        rank_ms.append(timer.ms(calls_of[rank]))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    rank_ms = np.asarray(rank_ms)
+    # every cp rank of a replica runs what cp rank 0 runs (on its own heads), except wlb
+    tiled_total = float(rank_ms.sum() * (1 if wlb else plan.cp))
+    untiled_total = timer.ms(untiled_calls(plan)) * plan.cp
+    modeled = plan.rank_load if wlb else plan.rank_load[:, 0]
+
+    def max_over_mean(x) -> float:
+        return float(x.max() / x.mean()) if x.mean() > 0 else 1.0
+
+    return {
+        "rank_ms": rank_ms.tolist(),
+        "measured_max_over_mean": max_over_mean(rank_ms),
+        "modeled_max_over_mean": max_over_mean(modeled),
+        "tiled_total_ms": tiled_total,
+        "untiled_total_ms": untiled_total,
+        "tiling_efficiency": untiled_total / tiled_total if tiled_total > 0 else 1.0,
+        "kernel_calls": int(sum(len(c) for c in calls_of.values())),
+        "bytes_sent_per_rank": float(plan.rank_bytes_sent.mean()),
+        "bytes_sent_max_rank": float(plan.rank_bytes_sent.max()),
+    }
+
+
+def run(
+    steps_data: list,
+    layout: LayoutConfig,
+    model: ModelConfig,
+    systems: list[str],
+    device: str = "cpu",
+    dtype: str = "bf16",
+    backend: str | None = None,
+    progress: bool = False,
+    order: str = "megatron",
+) -> dict:
+    """Replay every step under every system; per system, per-step figures and their mean."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    for i, s in enumerate(systems):
+        if s not in SYSTEM_OPTIONS:
+            raise ValueError(
+                f"systems[{i}] = {s!r} is not one of {', '.join(SYSTEM_OPTIONS)}"
+            )
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda asked for, but no GPU is available")
+    timer = Timer(dev, DTYPES[dtype], model.head_dim, backend)
+    timer.ms(untiled_calls(  # warm-up: the kernel's first call (allocator, dispatch) untimed
+        Planner(layout, model, PlannerOptions(system="ulysses")).plan(steps_data[0])
+    )[:1])
+    result = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "backend": timer.kernel.name,
+        "dtype": dtype,
+        "steps": len(steps_data),
+        "systems": {},
+    }
+    for name in systems:
+        planner = Planner(layout, model, PlannerOptions(**SYSTEM_OPTIONS[name], order=order))
+        per_step = [
+            replay_plan(planner.plan(seqs), name, model, timer, progress) for seqs in steps_data
+        ]
+        keys = ("measured_max_over_mean", "modeled_max_over_mean", "tiling_efficiency",
+                "bytes_sent_per_rank", "bytes_sent_max_rank")
+        out = {k: float(np.mean([s[k] for s in per_step])) for k in keys}
+        out["measured_max_over_mean_worst"] = max(s["measured_max_over_mean"] for s in per_step)
+        out["rank_ms"] = np.sum([s["rank_ms"] for s in per_step], axis=0).tolist()
+        out["kernel_calls"] = int(sum(s["kernel_calls"] for s in per_step))
+        out["per_step"] = per_step
+        result["systems"][name] = out
+    return result

@@ -1,0 +1,63 @@
+"""`libra bench replay`: every rank's kernel calls under a plan, measured on one device."""
+
+import json
+
+import numpy as np
+import pytest
+
+from libra_ext.attention import replay
+from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+from libra_ext.workload import ModelConfig
+from megatron.libra.cli import main
+
+MODEL = ModelConfig(heads=4, kv_heads=2, head_dim=16)
+LAYOUT = LayoutConfig(dp=4, cp=2, pool_size=2, context=1024)
+
+
+def _steps():
+    # eight packed sequences of very different attention work
+    return [[[1000], [10] * 100, [500, 500], [100] * 10, [900, 100], [20] * 50, [300] * 3,
+             [1024]]]
+
+
+def test_rank_calls_cover_exactly_the_plans_attention_pairs():
+    # the calls a rank makes hold the causal pairs of the tiles it executes (one head slice)
+    seqs = _steps()[0]
+    for system in ("ulysses", "libra", "distca"):
+        plan = Planner(LAYOUT, MODEL, PlannerOptions(system=system)).plan(seqs)
+        for r in range(LAYOUT.dp):
+            calls = replay.rank_calls(plan, r, 0, MODEL)
+            pairs = 0
+            for c in calls:
+                ql, kl = np.diff(c.cu_q), np.diff(c.cu_k)
+                pairs += int(((kl - ql) * ql + ql * (ql + 1) // 2).sum()) * c.hc
+            mine = plan.tile_executor == r
+            want = int((plan.tile_pairs[mine] * plan.tile_head_count[mine]).sum())
+            assert pairs == want, (system, r)
+
+
+def test_replay_reports_measured_and_modeled_balance_per_system():
+    r = replay.run(_steps(), LAYOUT, MODEL, ["ulysses", "libra", "wlb"], device="cpu",
+                   dtype="fp32")
+    assert r["backend"] and r["steps"] == 1
+    for name, x in r["systems"].items():
+        ranks = LAYOUT.dp * (LAYOUT.cp if name == "wlb" else 1)
+        assert len(x["rank_ms"]) == ranks and min(x["rank_ms"]) > 0
+        assert x["measured_max_over_mean"] >= 1.0 and x["modeled_max_over_mean"] >= 1.0
+        assert x["tiling_efficiency"] > 0 and x["kernel_calls"] > 0
+    assert r["systems"]["libra"]["modeled_max_over_mean"] < r["systems"]["ulysses"][
+        "modeled_max_over_mean"
+    ]
+    assert r["systems"]["libra"]["bytes_sent_per_rank"] > 0
+
+
+def test_replay_command_json_and_bad_system(capsys):
+    args = ["bench", "replay", "--workload", "libra-256k", "--context", "1024", "--gbs", "4",
+            "--dp", "2", "--cp", "2", "--pool-size", "2", "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--system", "ulysses,libra-no-tap", "--no-progress", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["systems"]) == {"ulysses", "libra-no-tap"}
+    assert out["layout"]["dp"] == 2
+    with pytest.raises(ValueError, match="systems\\[0\\]"):
+        replay.run(_steps(), LAYOUT, MODEL, ["nope"])
