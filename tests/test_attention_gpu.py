@@ -59,3 +59,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
         s = r["overhead"]["systems"][name]
         assert s["kernel_calls_fwd"] >= 1 and s["host_copies"] == 0
         assert s["operator_ms"] > 0 and s["ratio"] > 0
+    assert r["checks"]["calibration"] and Path(r["calibration"]["profile"]).is_file()
+    for name in ("ulysses", "libra"):
+        s = r["replay"]["systems"][name]
+        assert len(s["rank_ms"]) == 4 and s["modeled_max_over_mean"] >= 1.0

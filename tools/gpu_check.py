@@ -10,7 +10,11 @@
    backward) under torch.cuda.set_sync_debug_mode("error");
 3. overhead: the operator against one plain varlen call over the same packed sequence of
    `--context` tokens (the libra-256k preset), forward + backward, side by side (goal <= 5%);
-4. train (only when megatron-core imports): ten steps of the tiny model on this GPU, bf16.
+4. calibration: the kernel's forward TFLOP/s over attended lengths and TAP-style tiles at a
+   256K rank's attention shape, written as a measured hardware profile next to the JSON;
+5. replay: one 256K step (GBS 128, DP 16, CP 8, P 8) under ulysses and libra, every rank's
+   kernel calls measured: per-rank max/mean beside the planner's modeled one;
+6. train (only when megatron-core imports): ten steps of the tiny model on this GPU, bf16.
 
 With `--device cpu` the same script runs on the CPU with the reference kernel at a small
 size (how CI keeps it working). Exit status 1 when any check fails.
@@ -59,6 +63,49 @@ def _train(out_dir: Path) -> dict:
     return res
 
 
+def _calibration(device: str, cpu: bool, out_dir: Path) -> dict:
+    """Kernel calibration at a 256K rank's attention shape (Qwen3-30B-A3B at CP 8: 4 query
+    heads, 1 KV head, head dim 128), profile written next to the JSON."""
+    from libra_ext.attention.calibrate import calibrate, write_profile
+
+    r = calibrate(
+        device=device,
+        dtype="fp32" if cpu else "bf16",
+        heads=2 if cpu else 4,
+        kv_heads=1,
+        head_dim=16 if cpu else 128,
+        lengths=(64, 256, 1024) if cpu else (128, 512, 1024, 2048, 4096, 8192, 16384, 65536),
+        tokens=1024 if cpu else 131072,
+        reps=1 if cpu else 3,
+    )
+    name = "calibrated-cpu" if cpu else "calibrated-gpu"
+    path = write_profile(r, "h200-sxm", name, out_dir / f"{name}.yaml")
+    return {"peak_tflops": r["attention"]["peak_tflops"], "attention": r["attention"],
+            "measured": r["measured"], "rows": r["rows"], "tiles": r["tiles"],
+            "profile": str(path)}
+
+
+def _replay(device: str, cpu: bool) -> dict:
+    """One step's per-rank attention under ulysses and libra, measured (256K: GBS 128, DP 16,
+    CP 8, P 8 on a GPU; a small layout on the CPU)."""
+    from libra_ext.attention import replay
+    from libra_ext.planner import LayoutConfig
+    from libra_ext.workload import LengthSource, ModelConfig
+
+    if cpu:
+        layout = LayoutConfig(dp=4, cp=2, pool_size=2, context=2048)
+        model, gbs = ModelConfig(heads=4, kv_heads=2, head_dim=16), 8
+    else:
+        layout = LayoutConfig(dp=16, cp=8, pool_size=8, context=262_144)
+        model, gbs = ModelConfig(heads=32, kv_heads=4, head_dim=128), 128
+    steps = [LengthSource(preset="libra-256k").step(gbs, layout.context, 0, 0)]
+    r = replay.run(steps, layout, model, ["ulysses", "libra"], device=device,
+                   dtype="fp32" if cpu else "bf16")
+    for s in r["systems"].values():
+        s.pop("per_step", None)
+    return r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="out/gpu_check.json")
@@ -101,6 +148,8 @@ def main() -> int:
         reps=args.reps,
         systems=("libra", "ulysses", "wlb"),
     )
+    res["calibration"] = _calibration(args.device, cpu, out.parent)
+    res["replay"] = _replay(args.device, cpu)
     if not args.skip_train and not cpu:
         res["train"] = _train(out.parent)
     res["seconds"] = time.perf_counter() - t0
@@ -117,6 +166,10 @@ def main() -> int:
         if not cpu
         else None,
         "train": res.get("train", {}).get("rc", 0) == 0,
+        "calibration": res["calibration"]["peak_tflops"] > 0,
+        "replay": all(
+            s["measured_max_over_mean"] >= 1.0 for s in res["replay"]["systems"].values()
+        ),
     }
     res["checks"] = checks
     res["ok"] = all(v is not False for k, v in checks.items() if k != "overhead_within_5pct")
@@ -125,6 +178,12 @@ def main() -> int:
     summary["overhead"] = {
         name: round(s["ratio"], 4) for name, s in res["overhead"]["systems"].items()
     }
+    summary["replay"] = {
+        name: {k: round(s[k], 4) for k in ("measured_max_over_mean", "modeled_max_over_mean",
+                                           "tiling_efficiency")}
+        for name, s in res["replay"]["systems"].items()
+    }
+    summary["calibration"] = {k: res["calibration"][k] for k in ("peak_tflops", "profile")}
     print(json.dumps(summary))
     return 0 if res["ok"] else 1
 

@@ -10,6 +10,8 @@ import numpy as np
 import yaml
 
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+MEASURED_SCHEMA = 1
+"""Version of a profile's `measured` section (`libra calibrate`)."""
 
 
 def _get(d: dict, key: str, path: str, kind=float):
@@ -54,6 +56,16 @@ class HardwareProfile:
     internode: Link
     grad_bytes_per_param: int
     allreduce_exposed: float
+    measured: dict | None = None
+    """What `libra calibrate` measured (device, date, kernel, ...); None: published figures."""
+
+    @property
+    def source(self) -> str:
+        """Where the attention figures come from, in words."""
+        if self.measured is None:
+            return "published figures"
+        m = self.measured
+        return f"measured on {m['device']} ({m['date']}, {m.get('backend', '?')} kernel)"
 
     @classmethod
     def load(cls, path_or_name: str | Path) -> "HardwareProfile":
@@ -86,7 +98,20 @@ class HardwareProfile:
         exposed = float(ar.get("exposed_fraction", 0.2))
         if not 0 <= exposed <= 1:
             raise ValueError(f"{path}.allreduce.exposed_fraction must be in [0, 1]")
+        measured = d.get("measured")
+        if measured is not None:
+            if not isinstance(measured, dict):
+                raise ValueError(f"{path}.measured must be a mapping")
+            if measured.get("schema") != MEASURED_SCHEMA:
+                raise ValueError(
+                    f"{path}.measured.schema must be {MEASURED_SCHEMA} (written by this version's "
+                    f"`libra calibrate`), got {measured.get('schema')!r}"
+                )
+            for key in ("device", "date"):
+                if not isinstance(measured.get(key), str) or not measured[key]:
+                    raise ValueError(f"{path}.measured.{key} must be a non-empty string")
         return cls(
+            measured=measured,
             name=str(d.get("name", where)),
             bf16_peak=_get(d, "bf16_peak_tflops", path) * 1e12,
             attn_peak=_get(att, "peak_tflops", f"{path}.attention") * 1e12,

@@ -67,7 +67,9 @@ def render_markdown(results: dict) -> str:
     lines = [
         "# Libra simulator report",
         "",
-        f"Hardware `{results['hardware']}`; every number averages {results['steps']} sampled "
+        f"Hardware `{results['hardware']}` (attention: "
+        f"{results.get('hardware_source', 'published figures')}); every number averages "
+        f"{results['steps']} sampled "
         f"steps ({results['dcp_steps']} for megatron-dcp). Config: `{results['config']}`.",
         "",
     ]

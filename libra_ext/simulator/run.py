@@ -224,6 +224,7 @@ def simulate(
     results = {
         "config": cfg.path,
         "hardware": hw.name,
+        "hardware_source": hw.source,
         "steps": cfg.steps,
         "dcp_steps": cfg.dcp_steps,
         "workload": {},

@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_bench_parser(sub)
     sim_commands.add_simulate_parser(sub)
     sim_commands.add_recommend_parser(sub)
+    sim_commands.add_calibrate_parser(sub)
     verify_commands.add_verify_parser(sub)
     train_commands.add_train_parser(sub)
     train_commands.add_ab_parser(sub)

@@ -21,6 +21,11 @@ def _add_common(p) -> None:
     src.add_argument("--lengths-file", help="document lengths, one positive integer a line")
     p.add_argument("--steps", type=int, help="sampled steps per number (overrides the config)")
     p.add_argument(
+        "--hardware",
+        help="hardware profile name or YAML file (e.g. one written by `libra calibrate`); "
+        "overrides the config's hardware",
+    )
+    p.add_argument(
         "--order", choices=ORDERS,
         help="production order of each step's sequences (overrides the config's order; "
         "default megatron: Megatron-LM's pretraining sampler)",
@@ -39,6 +44,74 @@ def add_simulate_parser(sub) -> None:
     _add_common(p)
     p.add_argument("--out", default="out/sim", help="report directory (default out/sim)")
     p.set_defaults(func=run_simulate)
+
+
+def add_calibrate_parser(sub) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure the attention kernel here and write a hardware profile",
+        description="Time the attention kernel this device runs (the runtime's backend ladder) "
+        "over whole causal documents of each attended length and over TAP-style query tiles, "
+        "forward and backward; write a hardware profile whose attention section is measured "
+        "(peak, efficiency curve, backward speed, call floor) and whose compute and network "
+        "figures come from --base.",
+    )
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                   help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--heads", type=int, default=4, help="query heads per call (default 4)")
+    p.add_argument("--kv-heads", type=int, default=1, help="KV heads per call (default 1)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--lengths", default="128,512,1024,2048,4096,8192,16384",
+                   help="attended lengths of the efficiency curve")
+    p.add_argument("--tokens", type=int, default=65536,
+                   help="query tokens per measured call (default 65536)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
+    p.add_argument("--backend", default="auto", help="auto, te, flash, varlen or reference")
+    p.add_argument("--base", default="h100-sxm",
+                   help="profile whose compute and network figures are kept (default h100-sxm)")
+    p.add_argument("--name", default="calibrated", help="profile name (default calibrated)")
+    p.add_argument("--out", default="configs/hardware/calibrated.yaml", help="profile to write")
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    p.set_defaults(func=run_calibrate)
+
+
+def run_calibrate(args):
+    from libra_ext.attention.calibrate import calibrate, write_profile
+
+    try:
+        lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(
+            f"lengths must be comma-separated integers, got {args.lengths!r}"
+        ) from None
+    for field in ("tokens", "reps"):
+        if getattr(args, field) <= 0:
+            raise ValueError(f"{field} must be positive, got {getattr(args, field)}")
+    result = calibrate(
+        device=args.device,
+        dtype=args.dtype or ("bf16" if args.device == "cuda" else "fp32"),
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        lengths=lengths,
+        tokens=args.tokens,
+        reps=args.reps,
+        backend=None if args.backend == "auto" else args.backend,
+    )
+    path = write_profile(result, args.base, args.name, args.out)
+    result["profile"] = str(path)
+    if args.json:
+        return result
+    a, m = result["attention"], result["measured"]
+    print(f"libra calibrate: {m['device']}, {m['backend']} kernel, {m['dtype']}, heads "
+          f"{m['heads']}/{m['kv_heads']}, head dim {m['head_dim']}: wrote {path}")
+    print(f"  peak {a['peak_tflops']:.3g} TFLOP/s forward; backward at "
+          f"{a['backward_speed_ratio']:.2f} of forward; call floor {a['call_floor_us']:.1f} us")
+    print("  attended length  forward TFLOP/s  efficiency")
+    for r, (_, eff) in zip(result["rows"], a["curve"], strict=True):
+        print(f"  {r['tokens']:15d}  {r['fwd_tflops']:15.4g}  {eff:10.3f}")
+    return None
 
 
 def add_recommend_parser(sub) -> None:
@@ -61,6 +134,9 @@ def _config(args) -> SimConfig:
         cfg.dcp_steps = min(cfg.dcp_steps, args.steps)
     if args.order is not None:
         cfg.order = args.order
+    if args.hardware is not None:
+        HardwareProfile.load(args.hardware)  # refuse a bad profile before any work
+        cfg.hardware = args.hardware
     return cfg
 
 
