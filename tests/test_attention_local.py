@@ -177,6 +177,16 @@ def test_verify_cli_json(capsys):
     assert r["max_abs_err_out"] <= 1e-5 and r["max_abs_err_grad"] <= 1e-5
 
 
+def test_verify_cli_failed_check_exits_nonzero_without_json(capsys):
+    from megatron.libra.cli import main
+
+    # a zero tolerance fails on float rounding alone: the table says FAIL and the exit status 1
+    assert main(["verify", "attention", "--nproc", "2", "--system", "libra",
+                 "--tolerance", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "ok: False" in out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -281,3 +281,17 @@ def test_dynamic_cp_schedule_places_every_document_once_on_power_of_two_groups()
         seen.extend(holders)
     assert sorted(seen) == list(range(len(lengths)))
     assert dcp.cp_sizes(12) == [1, 2, 4, 12]
+
+
+def test_pool_size_that_does_not_divide_dp_is_refused(tmp_path):
+    d = yaml.safe_load(_cfg(tmp_path).read_text())
+    d["scenarios"]["small"]["dp"] = [1, 2, 4, 6]
+    d["scenarios"]["small"]["gbs"] = 12
+    with pytest.raises(ValueError, match=r"pool_size = 4 does not divide scenarios.small.dp\[3\]"):
+        SimConfig.from_dict(d, base=tmp_path)
+
+
+def test_too_few_steps_are_noted(tmp_path, capsys):
+    cfg = _cfg(tmp_path)
+    assert main(["recommend-pool", str(cfg), "--steps", "1", "--no-progress", "--json"]) == 0
+    assert "note: 1 sampled step(s)" in capsys.readouterr().err

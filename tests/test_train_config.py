@@ -11,8 +11,8 @@ CPU_TINY = "configs/train/cpu_tiny.yaml"
 
 
 def test_cpu_tiny_loads_and_overrides_apply():
-    cfg = TrainConfig.load(CPU_TINY, ["system.name=wlb", "optimizer.lr=1e-4", "model.layers=3"])
-    assert cfg.system.name == "wlb" and cfg.optimizer.lr == 1e-4 and cfg.model.layers == 3
+    cfg = TrainConfig.load(CPU_TINY, ["system.name=wlb", "optimizer.lr=1e-2", "model.layers=3"])
+    assert cfg.system.name == "wlb" and cfg.optimizer.lr == 1e-2 and cfg.model.layers == 3
     assert cfg.validate(4) == 2  # 4 ranks, cp 2 -> dp 2
 
 
@@ -46,6 +46,16 @@ def test_cpu_tiny_loads_and_overrides_apply():
             r"parallel.ep \(3\) must divide model.experts \(4\)",
         ),
         (["transformer_impl=apex"], 4, r"transformer_impl must be one of auto, local"),
+        (["logging.log_interval=0"], 4, r"logging.log_interval must be >= 1, got 0"),
+        (["system.epsilon=-0.1"], 4, r"system.epsilon must be >= 0"),
+        (["system.block=0"], 4, r"system.block must be positive"),
+        (["optimizer.min_lr=0.1"], 4, r"optimizer.min_lr \(0.1\) must be in \[0, optimizer.lr"),
+        (["optimizer.adam_beta1=1.0"], 4, r"optimizer.adam_beta1 must be in \[0, 1\)"),
+        (["optimizer.adam_beta2=-0.5"], 4, r"optimizer.adam_beta2 must be in \[0, 1\)"),
+        (["optimizer.clip_grad=-1"], 4, r"optimizer.clip_grad must be >= 0"),
+        (["checkpoint.save_interval=-2"], 4, r"checkpoint.save_interval must be >= 0"),
+        (["checkpoint.dir=README.md"], 4, r"checkpoint.dir README.md exists and is not a dir"),
+        (["data.order=sorted"], 4, r"data.order must be one of megatron, contiguous"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, world, message):
@@ -67,6 +77,32 @@ def test_bad_configs_name_the_field(overrides, world, message):
 def test_bad_fields_and_overrides(overrides, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig.load(CPU_TINY, overrides)
+
+
+def test_garbage_lengths_file_fails_before_launch_naming_file_and_line(tmp_path):
+    bad = tmp_path / "lengths.txt"
+    bad.write_text("100\n200\n3e4\n")
+    cfg = TrainConfig.load(CPU_TINY, [f"data.lengths_file={bad}"])
+    with pytest.raises(ValueError, match=r"lengths file .*lengths.txt line 3: '3e4'"):
+        cfg.validate(4)
+    bad.write_bytes(b"\x00\x81\xff binary")
+    with pytest.raises(ValueError, match=r"lengths.txt line 1: not ASCII text"):
+        cfg.validate(4)
+
+
+def test_malformed_yaml_names_line_and_column(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("model:\n  layers: 2\n  heads: [4\ndata:\n  gbs: 8\n")
+    assert main(["train", "--config", str(cfg), "--nproc", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "not valid YAML" in err and "line" in err and "column" in err
+
+
+def test_unknown_log_level_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--log-level", "FOO", "plan", "--steps", "1"])
+    assert e.value.code == 2
+    assert "--log-level" in capsys.readouterr().err
 
 
 def test_train_cli_fails_before_starting_workers(capsys):

@@ -152,6 +152,11 @@ class SimConfig:
             for i, dp in enumerate(sc.dp):
                 if sc.gbs % dp:
                     raise ValueError(f"{sp}.dp[{i}] = {dp} does not divide gbs {sc.gbs}")
+                if dp >= sc.pool_size and dp % sc.pool_size:
+                    raise ValueError(
+                        f"{sp}.pool_size = {sc.pool_size} does not divide {sp}.dp[{i}] = {dp} "
+                        "(below the pool size the pool is all of dp)"
+                    )
             if sc.gbs % sc.sweep_dp and sc.sweep_dp % sc.gbs:
                 raise ValueError(f"{sp}.pool_sweep.dp = {sc.sweep_dp} and gbs {sc.gbs} must divide")
             for i, p in enumerate(sc.sweep_pools):

@@ -253,9 +253,11 @@ def simulate(
 
 
 def _pool_for(pool: int, dp: int) -> int:
+    """The pool size at a DP point: the configured one, or all of dp below it (the config
+    refuses a pool size that does not divide a larger dp)."""
     p = min(pool, dp)
-    while dp % p:
-        p -= 1
+    if dp % p:
+        raise ValueError(f"pool size {pool} does not divide dp {dp}")
     return p
 
 

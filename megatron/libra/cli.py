@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
+        parser.error(
+            f"argument --log-level: {args.log_level!r} is not one of DEBUG, INFO, WARNING, "
+            "ERROR, CRITICAL"
+        )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         result = args.func(args)

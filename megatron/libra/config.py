@@ -18,7 +18,7 @@ import yaml
 
 from libra_ext.attention.kernels import BACKENDS
 from libra_ext.planner import ORDERS, SYSTEMS
-from libra_ext.workload import ModelConfig, check_int, preset_names
+from libra_ext.workload import ModelConfig, check_int, preset_names, read_lengths_file
 
 
 @dataclass
@@ -180,7 +180,7 @@ class TrainConfig:
             except OSError as e:
                 raise ValueError(f"config {path}: cannot open ({e.strerror})") from None
             except yaml.YAMLError as e:
-                raise ValueError(f"config {path}: not valid YAML ({e})") from None
+                raise ValueError(f"config {path}: not valid YAML ({_yaml_error(e)})") from None
         for item in overrides:
             if "=" not in item:
                 raise ValueError(f"override {item!r} must look like key.sub=value")
@@ -283,8 +283,45 @@ class TrainConfig:
         if self.dtype not in ("fp32", "fp64", "bf16"):
             raise ValueError(f"dtype must be fp32, fp64 or bf16, got {self.dtype!r}")
         resolve_impl(self.transformer_impl)  # unknown name, or TE asked for but unusable
-        if self.optimizer.lr <= 0:
-            raise ValueError(f"optimizer.lr must be positive, got {self.optimizer.lr}")
+        o, c, lg = self.optimizer, self.checkpoint, self.logging
+        if o.lr <= 0:
+            raise ValueError(f"optimizer.lr must be positive, got {o.lr}")
+        if not 0 <= o.min_lr <= o.lr:
+            raise ValueError(f"optimizer.min_lr ({o.min_lr}) must be in [0, optimizer.lr = {o.lr}]")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(o, name) < 1:
+                raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(o, name)}")
+        if not o.adam_eps > 0:
+            raise ValueError(f"optimizer.adam_eps must be positive, got {o.adam_eps}")
+        if o.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+        if o.clip_grad < 0:
+            raise ValueError(
+                f"optimizer.clip_grad must be >= 0 (0: no clipping), got {o.clip_grad}"
+            )
+        if s.block is not None and s.block <= 0:
+            raise ValueError(
+                f"system.block must be positive (or unset: context / 16), got {s.block}"
+            )
+        if s.head_group < 0:
+            raise ValueError(
+                f"system.head_group must be >= 0 (0: the whole slice), got {s.head_group}"
+            )
+        if not s.epsilon >= 0:
+            raise ValueError(f"system.epsilon must be >= 0, got {s.epsilon}")
+        if s.wlb_outlier_len < 0 or s.wlb_max_delay < 0:
+            raise ValueError(
+                f"system.wlb_outlier_len and system.wlb_max_delay must be >= 0, got "
+                f"{s.wlb_outlier_len} and {s.wlb_max_delay}"
+            )
+        if c.save_interval < 0:
+            raise ValueError(f"checkpoint.save_interval must be >= 0, got {c.save_interval}")
+        if c.dir is not None and Path(c.dir).exists() and not Path(c.dir).is_dir():
+            raise ValueError(f"checkpoint.dir {c.dir} exists and is not a directory")
+        if lg.log_interval < 1:
+            raise ValueError(f"logging.log_interval must be >= 1, got {lg.log_interval}")
+        if d.source == "synthetic" and d.lengths_file is not None:
+            read_lengths_file(d.lengths_file)  # names the file and line of a bad entry
         return dp
 
 
@@ -314,6 +351,15 @@ def resolve_impl(impl: str) -> str:
     if impl == "transformer_engine" and not ok:
         raise ValueError(f"transformer_impl is transformer_engine, but {why}")
     return impl
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where (line and column, 1-based)."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if mark is None:
+        return what
+    return f"{what} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _scalar(text: str):

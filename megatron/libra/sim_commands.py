@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from libra_ext.planner import ORDERS
 from libra_ext.simulator.config import SimConfig
@@ -140,8 +141,22 @@ def _config(args) -> SimConfig:
     return cfg
 
 
+MIN_STEPS = 6
+"""Sampled steps below which heavy-tailed figures move by more than a few percent run to run."""
+
+
+def _note_steps(cfg: SimConfig) -> None:
+    if cfg.steps < MIN_STEPS:
+        print(
+            f"libra simulate: note: {cfg.steps} sampled step(s) per number; long-tail workloads "
+            f"need at least {MIN_STEPS} for figures that hold from one seed to the next",
+            file=sys.stderr,
+        )
+
+
 def run_simulate(args):
     cfg = _config(args)
+    _note_steps(cfg)
     results = simulate(
         cfg, workload=args.workload, lengths_file=args.lengths_file, progress=not args.no_progress
     )
@@ -162,6 +177,7 @@ def run_simulate(args):
 
 def run_recommend(args):
     cfg = _config(args)
+    _note_steps(cfg)
     hw = HardwareProfile.load(cfg.hardware)
     out = {"hardware": hw.name, "scenarios": {}}
     for sc in cfg.scenarios:
