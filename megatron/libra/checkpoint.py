@@ -77,9 +77,16 @@ class Checkpointer:
     rank copies its shards to host memory, a writer process stores them while training goes
     on). The tracker file names a step only once every rank's shards of it are on disk."""
 
-    def __init__(self, root, async_save: bool = False, model_config: dict | None = None):
+    def __init__(
+        self,
+        root,
+        async_save: bool = False,
+        model_config: dict | None = None,
+        run_config: dict | None = None,
+    ):
         self.root = Path(root)
         self.model_config = model_config or {}
+        self.run_config = run_config or {}
         self._queue = None
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -105,6 +112,7 @@ class Checkpointer:
             "planner": batch.planner_state,
             "recent_doc_bases": batch.recent_bases,
             "model_config": self.model_config,
+            "run_config": self.run_config,
         }
         state["rng_state"] = _rng_object(rank, world)
         if self._queue is None:
@@ -137,13 +145,59 @@ class Checkpointer:
             tmp.replace(self.root / TRACKER)
 
 
+def _intact(path: Path) -> bool:
+    """Whether an iteration directory looks complete: metadata, common state, no empty shard."""
+    if not (path / ".metadata").is_file():
+        return False
+    if any(f.is_file() and f.stat().st_size == 0 for f in path.iterdir()):
+        return False
+    try:
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.load_common_state_dict(str(path))
+    except Exception:
+        return False
+    return True
+
+
+def damaged(path: Path, problem: str) -> ValueError:
+    """One line naming the damaged iteration, what is wrong, and the newest intact earlier one."""
+    root, step = path.parent, int(path.name.split("_")[-1])
+    earlier = sorted(
+        (int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit()), reverse=True
+    )
+    good = next((s for s in earlier if s < step and _intact(iteration_dir(root, s))), None)
+    hint = (
+        f"; the newest intact earlier iteration is {iteration_dir(root, good).name} "
+        f"(checkpoint.load_iteration={good} resumes from it)"
+        if good is not None
+        else "; no intact earlier iteration"
+    )
+    return ValueError(f"checkpoint.dir: {path} is damaged ({problem}){hint}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
 def _checked_meta(path: Path, model_config: dict | None) -> tuple[dict, dict]:
     """(common state, Libra metadata) of the checkpoint at `path`; refuses a checkpoint that is
-    not Libra's or holds another model shape, naming the fields. Reads no tensor shards and
-    needs no process group."""
+    not Libra's or holds another model shape, naming the fields, and a damaged one naming what
+    is missing. Reads no tensor shards and needs no process group."""
     from megatron.core import dist_checkpointing
 
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    if not path.is_dir() or not any(path.iterdir()):
+        raise damaged(path, "the directory is empty" if path.is_dir() else "no such directory")
+    if not (path / ".metadata").is_file():
+        raise damaged(path, ".metadata is missing")
+    empty = sorted(f.name for f in path.iterdir() if f.is_file() and f.stat().st_size == 0)
+    if empty:
+        raise damaged(path, f"{empty[0]} is empty")
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as e:  # a truncated or garbled common state
+        raise damaged(path, f"its common state does not load: {_first_line(e)}") from None
     meta = common.get("libra")
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint.dir: {path} is not a Libra training checkpoint")
@@ -158,28 +212,87 @@ def _checked_meta(path: Path, model_config: dict | None) -> tuple[dict, dict]:
     return common, meta
 
 
-def resume_step(root, model_config: dict | None = None) -> int | None:
+def check_resume(
+    path: Path, meta: dict, run_config: dict | None, override_scheduler: bool, finetune: bool
+) -> None:
+    """Refuse a resume whose settings differ from the checkpoint's where that breaks an exact
+    continuation, naming the old and new values and the override that allows it."""
+    from megatron.libra.config import SCHEDULE_FIELDS
+
+    saved = meta.get("run_config") or {}
+    if finetune or not run_config:
+        return
+    changed = [(k, saved[k], v) for k, v in run_config.items() if k in saved and saved[k] != v]
+    schedule = [c for c in changed if c[0] in SCHEDULE_FIELDS]
+    stream = [c for c in changed if c[0] not in SCHEDULE_FIELDS]
+
+    def words(items):
+        return "; ".join(f"{k} = {old!r} there, {new!r} here" for k, old, new in items)
+
+    if stream:
+        raise ValueError(
+            f"checkpoint.dir: {path} was saved with other data or system settings "
+            f"({words(stream)}); an exact resume needs the same ones (checkpoint.finetune=true "
+            "loads only the weights and starts at step 0)"
+        )
+    if schedule and not override_scheduler:
+        raise ValueError(
+            f"checkpoint.dir: {path} was saved with another learning-rate schedule "
+            f"({words(schedule)}); set checkpoint.override_scheduler=true to continue with this "
+            "config's schedule"
+        )
+
+
+def resume_step(
+    root,
+    model_config: dict | None = None,
+    run_config: dict | None = None,
+    override_scheduler: bool = False,
+    finetune: bool = False,
+    load_iteration: int | None = None,
+) -> int | None:
     """The step a run in `root` resumes from (None: no checkpoint), after checking that the
-    checkpoint fits this model; callable before any process group exists."""
-    step = latest_step(root)
+    checkpoint is intact, fits this model and, unless overridden, this run's settings;
+    callable before any process group exists."""
+    step = latest_step(root) if load_iteration is None else int(load_iteration)
+    if load_iteration is not None and not iteration_dir(root, step).is_dir():
+        raise ValueError(f"checkpoint.load_iteration: {iteration_dir(root, step)} does not exist")
     if step is not None:
-        _checked_meta(iteration_dir(root, step), model_config)
+        _, meta = _checked_meta(iteration_dir(root, step), model_config)
+        check_resume(iteration_dir(root, step), meta, run_config, override_scheduler, finetune)
     return step
 
 
-def load(root, step: int, model, opt, sched, model_config: dict | None = None) -> Resumed:
-    """Load step `step` into model, optimizer and scheduler; returns the data position."""
+def load(
+    root,
+    step: int,
+    model,
+    opt,
+    sched,
+    model_config: dict | None = None,
+    finetune: bool = False,
+) -> Resumed:
+    """Load step `step` into model, optimizer and scheduler; returns the data position. With
+    `finetune`, only the model weights: the run starts at step 0 with a fresh optimizer."""
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(root, step)
     common, meta = _checked_meta(path, model_config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    state = _sharded(model, opt, is_loading=True)
+    if finetune:
+        state = {"model": model.sharded_state_dict()}
+    else:
+        state = _sharded(model, opt, is_loading=True)
     same_world = meta["world_size"] == world
-    if same_world:  # per-rank RNG streams only mean something on the same number of ranks
+    if same_world and not finetune:  # per-rank RNG streams only mean something on one layout
         state["rng_state"] = _rng_object(rank, world)
-    loaded = dist_checkpointing.load(state, str(path))
+    try:
+        loaded = dist_checkpointing.load(state, str(path))
+    except Exception as e:  # a missing or truncated shard
+        raise damaged(path, f"its shards do not load: {_first_line(e)}") from None
     model.load_state_dict(loaded["model"])
+    if finetune:
+        return Resumed(next_step=0, doc_base=0, planner_state=None, recent_bases={})
     opt.load_state_dict(loaded["optimizer"])
     sched.load_state_dict(common["scheduler"])
     if same_world:

@@ -126,6 +126,17 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints in the background (megatron-core's async save): training continues
     while a writer process stores the host copy of each rank's shards."""
+    override_scheduler: bool = False
+    """Resume with this config's learning-rate schedule (optimizer.lr, min_lr, weight_decay,
+    schedule.*) where it differs from the checkpoint's (as Megatron-LM's
+    --override-opt_param-scheduler); false: such a change is refused."""
+    finetune: bool = False
+    """Load only the model weights from the checkpoint and start at step 0 with a fresh
+    optimizer, schedule and data position (as Megatron-LM's --finetune); the data and system
+    may then differ from the checkpoint's."""
+    load_iteration: int | None = None
+    """Resume from this saved iteration instead of the newest one (e.g. the newest intact one
+    when the latest is damaged)."""
 
 
 @dataclass
@@ -196,6 +207,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def resume_fields(self) -> dict:
+        """The settings an exact resume depends on, "section.field" -> value: the learning-rate
+        schedule (SCHEDULE_FIELDS) and what decides each step's documents and their placement
+        (STREAM_FIELDS)."""
+        d = self.to_dict()
+        return {k: d[k.split(".")[0]][k.split(".")[1]] for k in SCHEDULE_FIELDS + STREAM_FIELDS}
 
     # ------------------------------------------------------------------ validation
     def validate(self, world_size: int) -> int:
@@ -314,6 +332,8 @@ class TrainConfig:
                 f"system.wlb_outlier_len and system.wlb_max_delay must be >= 0, got "
                 f"{s.wlb_outlier_len} and {s.wlb_max_delay}"
             )
+        if c.load_iteration is not None and c.load_iteration < 0:
+            raise ValueError(f"checkpoint.load_iteration must be >= 0, got {c.load_iteration}")
         if c.save_interval < 0:
             raise ValueError(f"checkpoint.save_interval must be >= 0, got {c.save_interval}")
         if c.dir is not None and Path(c.dir).exists() and not Path(c.dir).is_dir():
@@ -324,6 +344,29 @@ class TrainConfig:
             read_lengths_file(d.lengths_file)  # names the file and line of a bad entry
         return dp
 
+
+SCHEDULE_FIELDS = (
+    "optimizer.lr",
+    "optimizer.min_lr",
+    "optimizer.weight_decay",
+    "schedule.train_steps",
+    "schedule.warmup_steps",
+    "schedule.decay_style",
+)
+"""Learning-rate schedule settings a checkpoint records (checkpoint.override_scheduler)."""
+STREAM_FIELDS = (
+    "system.name",
+    "data.source",
+    "data.workload",
+    "data.lengths_file",
+    "data.path",
+    "data.shuffle",
+    "data.context",
+    "data.gbs",
+    "data.order",
+    "data.seed",
+)
+"""Settings that decide each step's documents and where they run (change: checkpoint.finetune)."""
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 

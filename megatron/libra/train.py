@@ -158,6 +158,10 @@ def run(
         end_wd=o.weight_decay,
         wd_incr_steps=s.train_steps,
         wd_incr_style="constant",
+        # a schedule that differs from the checkpoint's is refused before launch unless
+        # checkpoint.override_scheduler says to use this config's
+        override_opt_param_scheduler=cfg.checkpoint.override_scheduler,
+        use_checkpoint_opt_param_scheduler=not cfg.checkpoint.override_scheduler,
     )
     planner = Planner(
         LayoutConfig(dp=dp, cp=C, tp=T, pool_size=P, context=cfg.data.context),
@@ -177,13 +181,21 @@ def run(
     )
     start, doc_base, recent = 0, 0, {}
     model_fields = dataclasses.asdict(cfg.model)
-    latest = checkpoint.latest_step(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
+    ck = cfg.checkpoint
+    latest = (
+        checkpoint.resume_step(ck.dir, model_fields, cfg.resume_fields(), ck.override_scheduler,
+                               ck.finetune, ck.load_iteration)
+        if ck.resume and ck.dir
+        else None
+    )
     if latest is not None:
-        resumed = checkpoint.load(cfg.checkpoint.dir, latest, model, opt, sched, model_fields)
-        planner.load_state_dict(resumed.planner_state)
+        resumed = checkpoint.load(ck.dir, latest, model, opt, sched, model_fields, ck.finetune)
+        if resumed.planner_state is not None:
+            planner.load_state_dict(resumed.planner_state)
         start, doc_base, recent = resumed.next_step, resumed.doc_base, resumed.recent_bases
         if rank == 0:
-            logger.info("resumed from %s at step %d", cfg.checkpoint.dir, start)
+            what = "loaded the weights of" if ck.finetune else "resumed from"
+            logger.info("%s %s at step %d", what, checkpoint.iteration_dir(ck.dir, latest), start)
     sampler = StepSampler(
         cfg,
         planner,
@@ -194,7 +206,9 @@ def run(
         cp_rank=c,
     )
     saver = (
-        checkpoint.Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.async_save, model_fields)
+        checkpoint.Checkpointer(
+            cfg.checkpoint.dir, cfg.checkpoint.async_save, model_fields, cfg.resume_fields()
+        )
         if cfg.checkpoint.dir
         else None
     )

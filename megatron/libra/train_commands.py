@@ -67,12 +67,20 @@ def run_train(args):
     cfg = TrainConfig.load(args.config, args.overrides)
     world = _world(args)
     cfg.validate(world)  # before any process group exists
-    if cfg.checkpoint.resume and cfg.checkpoint.dir:  # a checkpoint of another model, too
+    ck = cfg.checkpoint
+    if ck.resume and ck.dir:  # damaged, another model or changed settings: refused here
         import dataclasses
 
-        from megatron.libra.checkpoint import resume_step
+        from megatron.libra.checkpoint import iteration_dir, resume_step
 
-        resume_step(cfg.checkpoint.dir, dataclasses.asdict(cfg.model))
+        step = resume_step(ck.dir, dataclasses.asdict(cfg.model), cfg.resume_fields(),
+                           ck.override_scheduler, ck.finetune, ck.load_iteration)
+        if step is not None and not ck.finetune and step >= cfg.schedule.train_steps:
+            print(
+                f"libra train: nothing to do: {iteration_dir(ck.dir, step)} is at step {step} "
+                f"and schedule.train_steps is {cfg.schedule.train_steps}"
+            )
+            return None
     launch(cfg, world, args.nproc)
     return None
 

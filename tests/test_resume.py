@@ -1,0 +1,105 @@
+"""Resume as Megatron-LM users expect: changed settings that break an exact continuation are
+refused (naming old and new values) unless overridden, a finished run has nothing to do, and a
+damaged checkpoint is named in one line with the newest intact iteration."""
+
+import pytest
+
+from megatron.libra.cli import main
+from megatron.libra.config import TrainConfig
+from megatron.libra.train_commands import launch
+
+CPU_TINY = "configs/train/cpu_tiny.yaml"
+BASE = ["schedule.train_steps=2", "schedule.warmup_steps=0", "parallel.cp=1"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A finished 2-step run on 2 ranks with checkpoints at steps 1 and 2."""
+    ck = tmp_path_factory.mktemp("resume") / "ck"
+    over = BASE + [f"checkpoint.dir={ck}", "checkpoint.save_interval=1"]
+    hist = launch(TrainConfig.load(CPU_TINY, over), 2, 2)
+    return ck, over, hist
+
+
+def _train(over, capsys):
+    rc = main(["train", "--config", CPU_TINY, "--nproc", "2", *over])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_resuming_a_finished_run_has_nothing_to_do(saved, capsys):
+    ck, over, _ = saved
+    rc, out, _ = _train(over, capsys)
+    assert rc == 0 and "nothing to do" in out and "iter_0000002" in out
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("optimizer.lr=0.01", "optimizer.lr = 0.003 there, 0.01 here"),
+        ("schedule.train_steps=4", "schedule.train_steps = 2 there, 4 here"),
+        ("schedule.decay_style=linear", "schedule.decay_style = 'cosine' there, 'linear' here"),
+    ],
+)
+def test_changed_schedule_is_refused_unless_overridden(saved, capsys, change, message):
+    ck, over, _ = saved
+    rc, _, err = _train(over + [change], capsys)
+    assert rc == 2 and message in err and "checkpoint.override_scheduler=true" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("data.seed=7", "data.seed = 1234 there, 7 here"),
+        ("system.name=ulysses", "system.name = 'libra' there, 'ulysses' here"),
+        ("data.context=256", "data.context = 128 there, 256 here"),
+    ],
+)
+def test_changed_data_or_system_is_refused_unless_finetuning(saved, capsys, change, message):
+    ck, over, _ = saved
+    rc, _, err = _train(over + [change], capsys)
+    assert rc == 2 and message in err and "checkpoint.finetune=true" in err
+
+
+def test_override_scheduler_continues_and_finetune_restarts_from_the_weights(saved):
+    ck, over, _ = saved
+    more = launch(
+        TrainConfig.load(CPU_TINY, over + ["schedule.train_steps=3",
+                                           "checkpoint.override_scheduler=true"]), 2, 2
+    )
+    assert [h["step"] for h in more] == [3]  # continued from step 2
+    tuned = launch(
+        TrainConfig.load(CPU_TINY, BASE + [f"checkpoint.dir={ck}", "checkpoint.finetune=true",
+                                           "data.seed=7", "checkpoint.save_interval=0"]), 2, 2
+    )
+    assert [h["step"] for h in tuned] == [1, 2]  # from step 0, with the loaded weights
+
+
+def test_damaged_checkpoints_are_named_with_the_newest_intact_iteration(saved, capsys, tmp_path):
+    import shutil
+
+    ck, over, _ = saved
+    bad = tmp_path / "ck"
+    shutil.copytree(ck, bad)
+    (bad / "latest_checkpointed_iteration.txt").write_text("2")
+    over_bad = [o for o in over if not o.startswith("checkpoint.dir")] + [f"checkpoint.dir={bad}"]
+    over_bad += ["schedule.train_steps=2"]
+    (bad / "iter_0000002" / ".metadata").unlink()
+    rc, _, err = _train(over_bad, capsys)
+    assert rc == 2 and err.count("\n") == 1
+    assert "iter_0000002 is damaged (.metadata is missing)" in err
+    assert "checkpoint.load_iteration=1" in err
+    shutil.rmtree(bad / "iter_0000002")
+    (bad / "iter_0000002").mkdir()
+    rc, _, err = _train(over_bad, capsys)
+    assert rc == 2 and "the directory is empty" in err
+    shutil.rmtree(bad / "iter_0000002")
+    shutil.copytree(ck / "iter_0000002", bad / "iter_0000002")
+    shard = next(p for p in (bad / "iter_0000002").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(b"")
+    rc, _, err = _train(over_bad, capsys)
+    assert rc == 2 and f"{shard.name} is empty" in err
+    # the hint works: resume from the intact iteration 1 and train step 2 again
+    hist = launch(TrainConfig.load(CPU_TINY, over_bad + ["checkpoint.load_iteration=1"]), 2, 2)
+    assert [h["step"] for h in hist] == [2]
