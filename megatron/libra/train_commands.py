@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from megatron.libra.config import TrainConfig
@@ -44,6 +45,113 @@ def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None)
         Path(out).write_text(json.dumps(history))
 
 
+STOP_GRACE_S = 10.0
+"""Seconds workers get to end after SIGTERM before they are killed."""
+
+
+def _become_subreaper() -> None:
+    """Orphans of our workers (megatron-core's async checkpoint writers, when a worker dies)
+    reparent to this process instead of init, so they can be found and ended (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _process_tree() -> dict[int, list[int]]:
+    """parent pid -> child pids, from /proc (empty where there is none)."""
+    parents: dict[int, list[int]] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(ppid, []).append(int(d.name))
+    return parents
+
+
+def _below(roots, tree: dict[int, list[int]]) -> list[int]:
+    out, todo = [], list(roots)
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _ours(before: set[int], workers: list[int]) -> list[int]:
+    """What the run started and is still alive: the workers, everything below them, and orphans
+    reparented to this process since the run began (not the multiprocessing resource tracker)."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    tree = _process_tree()
+    new = [p for p in tree.get(os.getpid(), []) if p not in before and p != tracker]
+    roots = set(new) | {w for w in workers if w in new or w in tree.get(os.getpid(), [])}
+    return sorted(roots | set(_below(roots, tree)))
+
+
+def _end(before: set[int], workers: list[int], grace_s: float) -> None:
+    """SIGTERM what the run started (see `_ours`), SIGKILL what is left after `grace_s`."""
+    import signal
+    import time
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        pids = _ours(before, workers)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            for pid in pids:  # reap our exited children so they do not stay zombies
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+            if not set(_ours(before, workers)) & set(pids):
+                return
+            time.sleep(0.1)
+
+
+def _run_workers(mp, args: tuple, nproc: int) -> None:
+    """Spawn the workers and wait for them. SIGINT or SIGTERM to this process ends every worker
+    (SIGTERM, then SIGKILL after STOP_GRACE_S) and exits 130 or 143; on every way out, nothing
+    the run started (workers, checkpoint writers) outlives it."""
+    import signal
+
+    _become_subreaper()
+    stop: dict = {}
+
+    def on_signal(signum, _frame):
+        stop.setdefault("signal", signum)
+
+    before = set(_process_tree().get(os.getpid(), []))
+    workers: list[int] = []
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        ctx = mp.start_processes(_worker, args=args, nprocs=nproc, join=False,
+                                 start_method="spawn")
+        workers = [p.pid for p in ctx.processes]
+        while not ctx.join(timeout=0.5):
+            if "signal" in stop:
+                break
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _end(before, workers, STOP_GRACE_S)
+    if "signal" in stop:
+        name = signal.Signals(stop["signal"]).name
+        print(f"libra train: stopped by {name}: every worker ended", file=sys.stderr)
+        raise SystemExit(128 + stop["signal"])
+
+
 def launch(cfg: TrainConfig, world: int, nproc: int | None, out: str | None = None) -> list[dict]:
     """Run training with `world` ranks: spawned locally when nproc is given, else in this process
     (torchrun / Slurm / single process)."""
@@ -56,7 +164,7 @@ def launch(cfg: TrainConfig, world: int, nproc: int | None, out: str | None = No
 
         with tempfile.TemporaryDirectory() as tmp:
             target = out or os.path.join(tmp, "history.json")
-            mp.spawn(_worker, args=(world, free_port(), cfg, target), nprocs=nproc, join=True)
+            _run_workers(mp, (world, free_port(), cfg, target), nproc)
             return json.loads(Path(target).read_text())
     from megatron.libra.train import run
 

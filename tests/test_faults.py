@@ -1,0 +1,99 @@
+"""Faults end cleanly: a signal to the launcher alone stops every worker and exits 128 + signal;
+a worker that dies leaves nothing behind (workers, async checkpoint writers)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron.libra.train_commands import _below, _process_tree
+
+CPU_TINY = "configs/train/cpu_tiny.yaml"
+LONG = ["schedule.train_steps=400", "schedule.warmup_steps=1", "parallel.cp=1",
+        "parallel.pool_size=2"]
+
+
+def _start(tmp_path: Path, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-c", "from megatron.libra.cli import main; raise SystemExit(main())"]
+    cmd += ["train", "--config", CPU_TINY, "--nproc", "2", *LONG,
+            f"logging.metrics_file={metrics}", *extra]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, metrics
+
+
+def _wait_for_steps(proc, metrics: Path, n: int) -> None:
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n):
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.1)
+
+
+def _alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_the_launcher_alone_stops_every_worker(tmp_path, sig, code):
+    proc, metrics = _start(tmp_path, [])
+    try:
+        _wait_for_steps(proc, metrics, 1)
+        started = _below([proc.pid], _process_tree())
+        assert started, "no workers found"
+        os.kill(proc.pid, sig)  # the launcher only, as a scheduler or wrapper does
+        rc = proc.wait(timeout=60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == code, err[-2000:]
+    assert f"stopped by {signal.Signals(sig).name}" in err and "Traceback" not in err
+    time.sleep(0.5)
+    assert _alive(started) == [], "workers outlived the launcher"
+    steps = len(metrics.read_text().splitlines())
+    time.sleep(3)
+    assert len(metrics.read_text().splitlines()) == steps  # nobody trains on
+
+
+def test_a_dead_worker_leaves_no_checkpoint_writers_behind(tmp_path):
+    proc, metrics = _start(
+        tmp_path,
+        [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=1",
+         "checkpoint.async_save=true"],
+    )
+    seen: set[int] = set()
+    try:
+        _wait_for_steps(proc, metrics, 2)
+        for _ in range(20):  # collect the workers and their background writers
+            seen |= set(_below([proc.pid], _process_tree()))
+            time.sleep(0.05)
+        workers = [
+            p for p in _process_tree().get(proc.pid, [])
+            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        os.kill(workers[-1], signal.SIGKILL)
+        for _ in range(20):
+            seen |= set(_below([proc.pid], _process_tree()))
+            time.sleep(0.05)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc != 0
+    time.sleep(0.5)
+    assert len(seen) >= 2
+    assert _alive(seen) == [], "processes of the run outlived it"
