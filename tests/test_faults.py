@@ -97,3 +97,24 @@ def test_a_dead_worker_leaves_no_checkpoint_writers_behind(tmp_path):
     time.sleep(0.5)
     assert len(seen) >= 2
     assert _alive(seen) == [], "processes of the run outlived it"
+
+
+def test_a_stalled_rank_ends_the_run_with_a_timeout_not_a_hang(tmp_path):
+    # parallel.timeout_minutes = 0.1: six seconds after one worker stops, the other's next
+    # collective times out and the run ends with one line saying so
+    proc, metrics = _start(tmp_path, ["parallel.timeout_minutes=0.1"])
+    try:
+        _wait_for_steps(proc, metrics, 1)
+        workers = [
+            p for p in _process_tree().get(proc.pid, [])
+            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        os.kill(workers[0], signal.SIGSTOP)
+        rc = proc.wait(timeout=120)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 1, err[-2000:]
+    assert "failed:" in err and "parallel.timeout_minutes = 0.1" in err, err[-2000:]
+    assert _alive(workers) == []

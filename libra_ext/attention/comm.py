@@ -81,7 +81,9 @@ class GroupCache:
         self._pool: dict = {}
         # For the per-step plan-hash check and step statistics: all ranks, host tensors (gloo,
         # also when the default backend is NCCL, so no device sync), short timeout.
-        self.check_group = dist.new_group(timeout=datetime.timedelta(seconds=60), backend="gloo")
+        self.check_group = dist.new_group(
+            timeout=datetime.timedelta(seconds=min(60.0, timeout_s)), backend="gloo"
+        )
         me = dist.get_rank()
         self.t, rest = me % tp, me // tp
         self.c, self.r = rest % cp, rest // cp

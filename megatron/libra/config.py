@@ -33,6 +33,9 @@ class ParallelConfig:
     """Expert-parallel size of MoE layers (megatron-core's expert_model_parallel_size); must
     divide the number of experts and the world size. Tokens reach their experts by all-to-all
     on GPU and by all-gather on CPU."""
+    timeout_minutes: float = 10.0
+    """Every process group's collective timeout (Megatron-LM's --distributed-timeout-minutes):
+    a rank that stops or hangs ends the run with an error after this long instead of a hang."""
 
 
 @dataclass
@@ -222,6 +225,8 @@ class TrainConfig:
         for name in ("tp", "cp", "pool_size", "ep"):
             if getattr(p, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+        if not p.timeout_minutes > 0:
+            raise ValueError(f"parallel.timeout_minutes must be positive, got {p.timeout_minutes}")
         if world_size % (p.tp * p.cp):
             raise ValueError(
                 f"world size {world_size} must be a multiple of parallel.tp * "

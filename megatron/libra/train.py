@@ -6,6 +6,7 @@ position and the planner's carried state."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -33,7 +34,9 @@ def _progress_log() -> None:
     logger.propagate = False
 
 
-def _init_distributed(rank: int | None, world: int | None, init_method: str | None) -> tuple:
+def _init_distributed(
+    rank: int | None, world: int | None, init_method: str | None, timeout_minutes: float
+) -> tuple:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         if rank is None:  # torchrun / Slurm environment, or a single process
@@ -49,7 +52,13 @@ def _init_distributed(rank: int | None, world: int | None, init_method: str | No
             torch.cuda.set_device(
                 int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
             )
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -60,7 +69,7 @@ def run(
     init_method: str | None = None,
 ) -> list[dict]:
     """Train; returns the per-step metrics (on every rank)."""
-    rank, world = _init_distributed(rank, world, init_method)
+    rank, world = _init_distributed(rank, world, init_method, cfg.parallel.timeout_minutes)
     _progress_log()
     dp = cfg.validate(world)
     if not torch.cuda.is_available():
@@ -93,10 +102,11 @@ def run(
         tensor_model_parallel_size=T,
         context_parallel_size=C,
         expert_model_parallel_size=cfg.parallel.ep,
+        distributed_timeout_minutes=cfg.parallel.timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.data.seed)
     runtime = Runtime(
-        groups=GroupCache(tp=T, cp=C, dp=dp),
+        groups=GroupCache(tp=T, cp=C, dp=dp, timeout_s=cfg.parallel.timeout_minutes * 60),
         chunks=cfg.system.chunks,
         pipelined=cfg.system.pipeline,
         backend=None if cfg.system.attention_backend == "auto" else cfg.system.attention_backend,
@@ -342,6 +352,14 @@ def run(
                     saver.save(step + 1, model, opt, sched, batch)
         if saver is not None:
             saver.close()
+    except RuntimeError as e:
+        if _timed_out(e):
+            raise RuntimeError(
+                f"rank {rank}: a collective did not complete within parallel.timeout_minutes = "
+                f"{cfg.parallel.timeout_minutes} (another rank stopped or hangs): "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+            ) from e
+        raise
     finally:
         sampler.close()
         if log_file:
@@ -352,6 +370,12 @@ def run(
         # follow in this process (`libra ab` under torchrun trains every system in turn)
         ps.destroy_model_parallel()
     return history
+
+
+def _timed_out(e: BaseException) -> bool:
+    """Whether a communication error is a collective's timeout (gloo and NCCL word it so)."""
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _log_line(rec: dict, total: int) -> str:

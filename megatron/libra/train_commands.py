@@ -126,6 +126,8 @@ def _run_workers(mp, args: tuple, nproc: int) -> None:
     the run started (workers, checkpoint writers) outlives it."""
     import signal
 
+    from torch.multiprocessing.spawn import ProcessException
+
     _become_subreaper()
     stop: dict = {}
 
@@ -142,6 +144,13 @@ def _run_workers(mp, args: tuple, nproc: int) -> None:
         while not ctx.join(timeout=0.5):
             if "signal" in stop:
                 break
+    except ProcessException as e:  # a worker failed: its own last error line, not a dump
+        text = str(e).strip().splitlines()
+        last = next((t.strip() for t in reversed(text) if t.strip()), type(e).__name__)
+        print(f"libra train: worker {e.error_index} failed: {last}", file=sys.stderr)
+        failed = e
+    else:
+        failed = None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -150,6 +159,8 @@ def _run_workers(mp, args: tuple, nproc: int) -> None:
         name = signal.Signals(stop["signal"]).name
         print(f"libra train: stopped by {name}: every worker ended", file=sys.stderr)
         raise SystemExit(128 + stop["signal"])
+    if failed is not None:
+        raise failed
 
 
 def launch(cfg: TrainConfig, world: int, nproc: int | None, out: str | None = None) -> list[dict]:
@@ -189,8 +200,18 @@ def run_train(args):
                 f"and schedule.train_steps is {cfg.schedule.train_steps}"
             )
             return None
-    launch(cfg, world, args.nproc)
+    _cli_launch(cfg, world, args.nproc)
     return None
+
+
+def _cli_launch(cfg: TrainConfig, world: int, nproc: int | None) -> list[dict]:
+    """launch() for the command line: a failed worker was reported in one line; exit 1."""
+    from torch.multiprocessing.spawn import ProcessException
+
+    try:
+        return launch(cfg, world, nproc)
+    except ProcessException:
+        raise SystemExit(1) from None
 
 
 def add_ab_parser(sub) -> None:
@@ -237,7 +258,8 @@ def run_ab(args):
         configs[name] = cfg
     result = {"config": args.config, "steps": args.steps, "world_size": world, "systems": {}}
     for name, cfg in configs.items():
-        hist = launch(cfg, world, args.nproc)
+        print(f"[ab {len(result['systems']) + 1}/{len(configs)} {name}]", file=sys.stderr)
+        hist = _cli_launch(cfg, world, args.nproc)
         result["systems"][name] = {
             "loss": [h["loss"] for h in hist],
             "attn_work_max_over_mean": [h["attn_work_max_over_mean"] for h in hist],
