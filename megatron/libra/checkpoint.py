@@ -14,12 +14,15 @@ exactly the samples the uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger("libra.train")  # the iteration lines' logger (stderr, message only)
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 
@@ -115,14 +118,25 @@ class Checkpointer:
             "run_config": self.run_config,
         }
         state["rng_state"] = _rng_object(rank, world)
+        t0 = time.perf_counter()
         if self._queue is None:
             dist_checkpointing.save(state, str(path))
             dist.barrier()
             self._advance(step)
+            if rank == 0:
+                logger.info("saved checkpoint at iteration %d to %s in %.2f s", step, self.root,
+                            time.perf_counter() - t0)
             return path
         self._queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
         request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
-        request.add_finalize_fn(lambda: self._advance(step))  # runs once all ranks are done
+
+        def finished() -> None:  # runs once all ranks are done
+            self._advance(step)
+            if rank == 0:
+                logger.info("saved checkpoint at iteration %d to %s in %.2f s (in the background)",
+                            step, self.root, time.perf_counter() - t0)
+
+        request.add_finalize_fn(finished)
         self._queue.schedule_async_request(request)
         return path
 

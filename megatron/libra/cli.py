@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -43,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ERROR, CRITICAL"
         )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    os.environ["LIBRA_LOG_LEVEL"] = args.log_level.upper()  # spawned training workers read it
     try:
         result = args.func(args)
     except ValueError as e:

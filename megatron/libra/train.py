@@ -22,6 +22,19 @@ from megatron.libra.config import TrainConfig
 logger = logging.getLogger("libra.train")
 
 
+# megatron-core's notices that hold on every CPU run and say nothing a user can act on: filtered
+# once, deliberately, in each training process (every other warning still shows).
+MEGATRON_NOTICES = (
+    r"Transformer Engine and Apex are not installed",
+    r"full scope is deprecated",
+)
+
+
+def quiet_megatron_notices() -> None:
+    for text in MEGATRON_NOTICES:
+        warnings.filterwarnings("ignore", message=text, category=UserWarning)
+
+
 def _progress_log() -> None:
     """Iteration lines on stderr as Megatron prints them (message only), under torchrun, Slurm
     or `--nproc` alike; `libra --log-level` still governs everything else."""
@@ -69,6 +82,7 @@ def run(
     init_method: str | None = None,
 ) -> list[dict]:
     """Train; returns the per-step metrics (on every rank)."""
+    quiet_megatron_notices()
     rank, world = _init_distributed(rank, world, init_method, cfg.parallel.timeout_minutes)
     _progress_log()
     dp = cfg.validate(world)
@@ -116,6 +130,15 @@ def run(
         torch.device("cpu")
     )
     dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}[cfg.dtype]
+    if rank == 0:
+        logger.info("libra train: resolved config: %s", json.dumps(cfg.to_dict(), sort_keys=True))
+        logger.info(
+            "libra train: layout: world %d = tp %d x cp %d x dp %d (pp 1, ep %d); %d pool(s) of "
+            "%d replica(s); system %s; %s on %s",
+            world, T, C, dp, cfg.parallel.ep, dp // P, P, cfg.system.name, cfg.dtype,
+            "cuda" if torch.cuda.is_available() else "cpu (gloo)",
+        )
+        logger.info("libra train: building the model with megatron-core ...")
     model = build_gpt(
         cfg.model,
         cfg.system.name,
@@ -128,6 +151,10 @@ def run(
     if torch.cuda.is_available():
         model.cuda()
     timer = AttentionTimer(model, cfg.logging.attention_time)
+    n_params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        shard = f" (a 1/{T} tensor-parallel shard)" if T > 1 else ""
+        logger.info("libra train: %s parameters on this rank%s", f"{n_params:,}", shard)
     o = cfg.optimizer
     ddp = DistributedDataParallel(
         model.config,
@@ -290,7 +317,7 @@ def run(
                 micro_batch_size=1,
                 forward_only=False,
             )
-            _, grad_norm, _ = opt.step()
+            updated, grad_norm, _ = opt.step()
             sched.step(1)
             local = sum(float(x["local_sum"]) for x in outs) if outs else 0.0
             # step statistics over host tensors on the gloo group (no device sync under NCCL)
@@ -322,11 +349,15 @@ def run(
                 ),
                 "attn_time_per_rank": attn_t.tolist() if attn_t is not None else None,
                 "bytes_exchanged": float(stats[1]),
+                "skipped": not updated,
+                # model FLOPs of the step (forward + backward), per GPU per second
+                "tflops_per_gpu": step_flops(cfg.model, global_tokens, plan, T) / world / dt / 1e12,
             }
             history.append(rec)
             if rank == 0:
                 if (step + 1) % cfg.logging.log_interval == 0:
-                    logger.info(_log_line(rec, s.train_steps))
+                    window = history[-cfg.logging.log_interval :]
+                    logger.info(_log_line(window, s.train_steps, cfg.data.gbs, world))
                 if log_file:
                     log_file.write(json.dumps(rec) + "\n")
                     log_file.flush()
@@ -352,6 +383,16 @@ def run(
                     saver.save(step + 1, model, opt, sched, batch)
         if saver is not None:
             saver.close()
+        if rank == 0 and history:
+            done = history  # the steps this run trained
+            secs = sum(h["step_time"] for h in done)
+            logger.info(
+                "libra train: done: %d step(s) in %.1f s, %.1f tokens/s, final lm loss %.6E, "
+                "attn work max/mean %.3f (mean over steps)",
+                len(done), secs, sum(h["tokens"] for h in done) / max(secs, 1e-12),
+                history[-1]["loss"],
+                sum(h["attn_work_max_over_mean"] for h in done) / max(len(done), 1),
+            )
     except RuntimeError as e:
         if _timed_out(e):
             raise RuntimeError(
@@ -378,15 +419,38 @@ def _timed_out(e: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def _log_line(rec: dict, total: int) -> str:
-    attn = rec["attn_time_max_over_mean"]
+def step_flops(model, tokens: float, plan, tp: int) -> float:
+    """Forward + backward FLOPs of one step from the cost model: the linear layers and LM head
+    per token, and the attention pairs the plan executes (every layer, every head)."""
+    from libra_ext.workload import LINEAR_BWD_FACTOR, linear_fwd_flops_per_token
+
+    linear = linear_fwd_flops_per_token(model) * model.layers + 2.0 * model.hidden * model.vocab
+    # rank_load: one layer's attention FLOPs (forward + backward) of each rank's head slice
+    attention = float(plan.rank_load.sum()) * tp * model.layers
+    return linear * tokens * (1.0 + LINEAR_BWD_FACTOR) + attention
+
+
+def _log_line(window: list, total: int, gbs: int, world: int) -> str:
+    """Megatron-LM's iteration line (averages over the log interval) and Libra's fields."""
+    import datetime as _dt
+
+    rec, n = window[-1], len(window)
+    loss = sum(w["loss"] for w in window) / n
+    attn = [w["attn_time_max_over_mean"] for w in window if w["attn_time_max_over_mean"]]
+    nan = sum(1 for w in window if w["loss"] != w["loss"])
     return (
-        f" [libra] iteration {rec['step']:8d}/{total:8d} | lm loss: {rec['loss']:.6E} | "
-        f"learning rate: {rec['lr']:.3E} | grad norm: {rec['grad_norm']:.3f} | "
-        f"tokens/s: {rec['tokens_per_s']:.1f} | step time (s): {rec['step_time']:.3f} | "
-        f"attn work max/mean: {rec['attn_work_max_over_mean']:.3f} | attn time max/mean: "
-        f"{'off' if attn is None else f'{attn:.3f}'} | inter-pool imbalance: "
-        f"{rec['inter_pool_imbalance']:.3f} | bytes exchanged: {rec['bytes_exchanged']:.0f}"
+        f" [{_dt.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {rec['step']:8d}/"
+        f"{total:8d} | consumed samples: {rec['step'] * gbs:12d} | elapsed time per iteration "
+        f"(ms): {1e3 * sum(w['step_time'] for w in window) / n:.1f} | throughput per GPU "
+        f"(TFLOP/s/GPU): {sum(w['tflops_per_gpu'] for w in window) / n:.3f} | learning rate: "
+        f"{rec['lr']:.6E} | global batch size: {gbs:5d} | lm loss: {loss:.6E} | grad norm: "
+        f"{rec['grad_norm']:.3f} | number of skipped iterations: "
+        f"{sum(1 for w in window if w['skipped']):3d} | number of nan iterations: {nan:3d} | "
+        f"attn work max/mean: {sum(w['attn_work_max_over_mean'] for w in window) / n:.3f} | "
+        f"attn time max/mean: {f'{sum(attn) / len(attn):.3f}' if attn else 'off'} | "
+        f"inter-pool imbalance: {rec['inter_pool_imbalance']:.3f} | "
+        f"exchange MB/rank: {sum(w['bytes_exchanged'] for w in window) / n / world / 1e6:.2f} | "
+        f"tokens/s: {sum(w['tokens'] for w in window) / sum(w['step_time'] for w in window):.1f} |"
     )
 
 

@@ -34,7 +34,12 @@ def _world(args) -> int:
 
 
 def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # the launcher's --log-level reaches its workers
+    level = os.environ.get("LIBRA_LOG_LEVEL", "WARNING")
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    from megatron.libra.train import quiet_megatron_notices
+
+    quiet_megatron_notices()  # before megatron-core is imported
     from libra_ext.attention.verify import share_cores
 
     share_cores(world)
