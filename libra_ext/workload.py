@@ -226,6 +226,13 @@ class LengthSource:
     def name(self) -> str:
         return f"file:{self.lengths_file}" if self.lengths_file else str(self.preset)
 
+    def longer_than(self, context: int) -> int:
+        """How many of a lengths file's documents exceed `context` tokens (production packing
+        cuts them into context-length pieces); 0 for presets."""
+        if not self.lengths_file:
+            return 0
+        return sum(1 for v in self._dist.values if v > context)
+
     def default_context(self) -> int | None:
         return None if self.lengths_file else PRESET_CONTEXT.get(self.preset)
 

@@ -155,3 +155,16 @@ def test_bench_planner_dp_sweep_reports_growth(capsys):
     r = json.loads(capsys.readouterr().out)
     assert [row["dp"] for row in r["rows"]] == [8, 16] and r["growth_exponent"] is not None
     assert main(["bench", "planner", "--dp", "12"]) == 2  # not a multiple of the pool size
+
+
+def test_lengths_longer_than_the_context_are_said_to_be_cut(tmp_path, capsys):
+    from megatron.libra.cli import main
+
+    f = tmp_path / "lengths.txt"
+    f.write_text("100\n5000\n20000\n")
+    args = ["plan", "--lengths-file", str(f), "--context", "4096", "--gbs", "4", "--dp", "2",
+            "--cp", "1", "--pool-size", "2", "--steps", "1", "--heads", "4", "--kv-heads", "4",
+            "--json"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "2 document length(s)" in err and "exceed the context (4096)" in err

@@ -130,3 +130,21 @@ def test_wlb_on_indexed_data_resumes_with_its_held_back_documents(tmp_path):
     assert [h["step"] for h in resumed] == [5, 6, 7, 8]
     for a, b in zip(full[4:], resumed):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (full, resumed)
+
+
+def test_damaged_or_out_of_vocabulary_datasets_are_refused_before_launch(tmp_path):
+    from megatron.libra.data import check_indexed_dataset
+
+    prefix, _ = _dataset(tmp_path)
+    check_indexed_dataset(prefix, 257)  # the builder's byte vocabulary (+1)
+    with pytest.raises(ValueError, match=r"ds.bin holds token id .* \(model.vocab is 100"):
+        check_indexed_dataset(prefix, 100)
+    bin_ = Path(prefix + ".bin")
+    data = bin_.read_bytes()
+    bin_.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"ds.bin is truncated"):
+        check_indexed_dataset(prefix, 257)
+    idx = Path(prefix + ".idx")
+    idx.write_bytes(b"garbage" * 3)
+    with pytest.raises(ValueError, match=r"ds.idx is not a Megatron index"):
+        check_indexed_dataset(prefix, 257)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -354,7 +355,15 @@ def _source(args) -> tuple[LengthSource, int]:
     context = args.context if args.context is not None else source.default_context()
     if context is None:
         raise ValueError("context: --context is required with --lengths-file")
-    return source, _positive(context, "context")
+    _positive(context, "context")
+    cut = source.longer_than(context)
+    if cut:
+        print(
+            f"libra {args.command}: note: {cut} document length(s) in {args.lengths_file} exceed "
+            f"the context ({context}); packing cuts them into context-length pieces",
+            file=sys.stderr,
+        )
+    return source, context
 
 
 def run_plan(args) -> dict | None:

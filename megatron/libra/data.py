@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -79,6 +80,52 @@ class SyntheticSource:
     def label_count(self, doc_id: int, length: int) -> int:
         """Tokens of the piece that have a label (all of them: labels run one token past)."""
         return int(length)
+
+
+def check_indexed_dataset(path: str, vocab: int, chunk: int = 1 << 26) -> None:
+    """Refuse, before any worker starts, an indexed dataset whose files are damaged or whose
+    token ids do not fit the model's vocabulary, naming the file and what is wrong."""
+    import struct
+
+    idx, bin_ = Path(path + ".idx"), Path(path + ".bin")
+    try:
+        with open(idx, "rb") as fh:
+            header = fh.read(34)
+    except OSError as e:
+        raise ValueError(f"data.path: {idx} cannot be read ({e.strerror})") from None
+    if len(header) < 34 or header[:9] != b"MMIDIDX\x00\x00":
+        raise ValueError(f"data.path: {idx} is not a Megatron index (bad header)")
+    version, code = struct.unpack("<Q", header[9:17])[0], header[17]
+    count, docs = struct.unpack("<QQ", header[18:34])
+    dtypes = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+              7: np.float32, 8: np.uint16}
+    if version != 1 or code not in dtypes:
+        raise ValueError(f"data.path: {idx} has version {version} / dtype code {code}, not a "
+                         "Megatron index this reader knows")
+    need = 34 + count * 4 + count * 8 + docs * 8
+    if idx.stat().st_size < need:
+        raise ValueError(f"data.path: {idx} is truncated ({idx.stat().st_size} bytes, its header "
+                         f"needs {need})")
+    mm = np.memmap(idx, mode="r")
+    lengths = np.frombuffer(mm, dtype=np.int32, count=count, offset=34)
+    pointers = np.frombuffer(mm, dtype=np.int64, count=count, offset=34 + count * 4)
+    itemsize = np.dtype(dtypes[code]).itemsize
+    end = int(pointers[-1]) + int(lengths[-1]) * itemsize if count else 0
+    if not bin_.is_file() or bin_.stat().st_size < end:
+        size = bin_.stat().st_size if bin_.is_file() else 0
+        raise ValueError(f"data.path: {bin_} is truncated ({size} bytes, the index needs {end})")
+    tokens = np.memmap(bin_, dtype=dtypes[code], mode="r")
+    integer = np.issubdtype(dtypes[code], np.integer)
+    if integer and np.iinfo(dtypes[code]).min >= 0 and np.iinfo(dtypes[code]).max < vocab:
+        return  # every id the dtype can hold is in [0, vocab)
+    for start in range(0, end // itemsize, chunk):
+        part = np.asarray(tokens[start : start + chunk])
+        top = int(part.max()) if len(part) else 0
+        if top >= vocab or (len(part) and int(part.min()) < 0):
+            raise ValueError(
+                f"data.path: {bin_} holds token id {top if top >= vocab else int(part.min())} "
+                f"(model.vocab is {vocab}; ids must be in [0, vocab))"
+            )
 
 
 class IndexedSource:

@@ -191,6 +191,10 @@ def run_train(args):
     cfg = TrainConfig.load(args.config, args.overrides)
     world = _world(args)
     cfg.validate(world)  # before any process group exists
+    if cfg.data.source == "indexed":  # damaged files or ids beyond the vocabulary
+        from megatron.libra.data import check_indexed_dataset
+
+        check_indexed_dataset(cfg.data.path, cfg.model.vocab)
     ck = cfg.checkpoint
     if ck.resume and ck.dir:  # damaged, another model or changed settings: refused here
         import dataclasses
