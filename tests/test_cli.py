@@ -168,3 +168,21 @@ def test_lengths_longer_than_the_context_are_said_to_be_cut(tmp_path, capsys):
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "2 document length(s)" in err and "exceed the context (4096)" in err
+
+
+def test_config_reference_page_is_current_and_help_shows_defaults(capsys):
+    from pathlib import Path
+
+    from megatron.libra.cli import main
+    from megatron.libra.config_doc import render
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "config_reference.md"
+    assert page.read_text() == render(), "regenerate: python -m megatron.libra.config_doc"
+    assert "| `parallel.timeout_minutes` | `10.0` |" in page.read_text()
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 16)" in out and "{megatron,contiguous}" in out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "docs/config_reference.md" in capsys.readouterr().out

@@ -15,7 +15,26 @@ from typing import Sequence
 from megatron.libra import commands, sim_commands, train_commands, verify_commands
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help that shows every option's default (unless its text already says it, or there is
+    none to show); choices appear as argparse lists them."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or "default" in text.lower()
+            or action.default in (None, False, argparse.SUPPRESS)
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2
         self.exit(2, f"{self.prog}: error: {message}\n")
 

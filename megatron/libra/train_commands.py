@@ -17,7 +17,7 @@ def add_train_parser(sub) -> None:
         help="pretrain on megatron-core with Libra or a baseline",
         description="Train with the YAML config; `key.sub=value` overrides. "
         "torchrun / Slurm set the ranks; on a CPU machine --nproc N launches N gloo "
-        "workers itself.",
+        "workers itself. Every config key, its default and meaning: docs/config_reference.md.",
     )
     p.add_argument("--config", required=True, help="training config YAML")
     p.add_argument("--nproc", type=int, help="launch this many local worker processes")
