@@ -282,9 +282,20 @@ def write_figures(results: dict, out: Path) -> list[Path]:
         )
         ax.plot(ps, [v["exchange_cost"] for _, v in sweep], marker="s", label="exchange cost")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ps, [str(p) for p in ps])
         ax.set_xlabel("pool size P")
-        ax.set_title(f"Pool-size sweep, {name}")
-        ax.legend(fontsize=8)
+        ax.set_ylabel("imbalance (max/mean - 1); exchange / attention time")
+        ax2 = ax.twinx()  # what the recommendation minimises
+        ax2.plot(ps, [v["step_time"] for _, v in sweep], "k-^", label="modeled step time")
+        best = s["recommended_pool_size"]
+        ax2.plot([best], [s["pool_sweep"][str(best)]["step_time"] if str(best) in s["pool_sweep"]
+                          else s["pool_sweep"][best]["step_time"]], "r*", markersize=14,
+                 label=f"recommended P = {best}")
+        ax2.set_ylabel("modeled step time (s)")
+        ax.set_title(f"Pool-size sweep, {name} (DP{s['pool_sweep_dp']})")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=7)
         paths.append(save(fig, out / f"pool_sweep_{name}.png"))
 
         systems = list(s["rank_attention"])
