@@ -230,3 +230,32 @@ def test_builds_from_a_megatron_module_spec():
         op(torch.zeros(2, 4, 8), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), None)
     with pytest.raises(ValueError, match="system must be one of"):
         LibraCoreAttention(system="ring")
+
+
+def test_core_attention_reads_megatrons_packed_seq_params_and_refuses_other_masks():
+    """The documents come from Megatron's `cu_seqlens_q` when no host lengths are attached, and
+    a mask type other than causal is refused."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from libra_ext.attention.bench import ensure_single_process_group
+    from libra_ext.attention.comm import GroupCache
+    from libra_ext.attention.core import LibraCoreAttention, Runtime
+
+    ensure_single_process_group()
+    runtime = Runtime(groups=GroupCache(tp=1, cp=1, dp=1))
+    op = LibraCoreAttention(attn_mask_type=AttnMaskType.causal, system="wlb", runtime=runtime)
+    docs = [6, 4]  # multiples of 2C: no padding slots
+    cu = torch.tensor([0, 6, 10], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6,
+                          max_seqlen_kv=6)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(10, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(10, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(10, 2, 8, generator=g, dtype=torch.float64)
+    out = op(q, k, v, packed_seq_params=psp)
+    want, _ = reference_attention(q, k, v, 8**-0.5, docs)
+    assert torch.allclose(out.view(10, 4, 8), want, atol=1e-10)
+    bad = LibraCoreAttention(attn_mask_type=AttnMaskType.no_mask, system="wlb", runtime=runtime)
+    with pytest.raises(ValueError, match="attn_mask_type no_mask is not supported"):
+        bad(q, k, v, packed_seq_params=psp)

@@ -207,8 +207,9 @@ class LibraCoreAttention(torch.nn.Module):
     Constructor keywords follow Megatron-Core's (config, layer_number, attn_mask_type,
     attention_type, cp_comm_type, softmax_scale, pg_collection) plus `system` and `runtime`
     (pass them through the ModuleSpec's params). The current micro-batch's plan and slot arrive
-    as `packed_seq_params.libra` (an AttentionStep) and its documents as
-    `packed_seq_params.libra_doc_lengths`.
+    as `packed_seq_params.libra` (an AttentionStep); its documents as Megatron's
+    `packed_seq_params.cu_seqlens_q`, or as host `libra_doc_lengths` where the caller has them
+    (the training app does: no device read). Causal masks only (`causal`, `padding_causal`).
     """
 
     def __init__(
@@ -244,14 +245,30 @@ class LibraCoreAttention(torch.nn.Module):
     ):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by LibraCoreAttention")
-        if (
-            packed_seq_params is None
-            or getattr(packed_seq_params, "libra_doc_lengths", None) is None
-        ):
+        mask = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        name = getattr(mask, "name", mask)
+        if name is not None and name not in ("causal", "padding_causal"):
             raise ValueError(
-                "LibraCoreAttention needs THD inputs: packed_seq_params with "
-                "libra_doc_lengths (and libra for the plan)"
+                f"LibraCoreAttention computes causal attention per document; attn_mask_type "
+                f"{name} is not supported"
             )
+        if packed_seq_params is None:
+            raise ValueError(
+                "LibraCoreAttention needs THD inputs: packed_seq_params with cu_seqlens_q "
+                "(and `libra`, the step's AttentionStep, for the plan)"
+            )
+        doc_lengths = getattr(packed_seq_params, "libra_doc_lengths", None)
+        if doc_lengths is None:
+            # Megatron's field: cumulative document lengths (a host read: the plan path below
+            # does not use them, the slow path without a plan does)
+            cu = getattr(packed_seq_params, "cu_seqlens_q", None)
+            if cu is None:
+                raise ValueError(
+                    "LibraCoreAttention needs THD inputs: packed_seq_params.cu_seqlens_q (or "
+                    "libra_doc_lengths)"
+                )
+            cu = cu.tolist() if hasattr(cu, "tolist") else list(cu)
+            doc_lengths = [int(b) - int(a) for a, b in zip(cu, cu[1:])]
         squeeze = query.dim() == 4  # [t, 1, h, d] (sbhd with b = 1) or [t, h, d]
         if squeeze:
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
@@ -259,7 +276,7 @@ class LibraCoreAttention(torch.nn.Module):
             query,
             key,
             value,
-            packed_seq_params.libra_doc_lengths,
+            doc_lengths,
             self.system,
             self.runtime,
             getattr(packed_seq_params, "libra", None),
