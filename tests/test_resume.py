@@ -111,7 +111,8 @@ def test_train_prints_start_up_iteration_save_and_summary_lines(tmp_path, capfd)
     assert main(["train", "--config", CPU_TINY, "--nproc", "2", *over]) == 0
     err = capfd.readouterr().err
     for line in ("libra train: resolved config: {", "libra train: layout: world 2 = tp 1 x cp 1",
-                 "parameters on this rank", "saved checkpoint at iteration 2 to",
+                 "parameters on this rank", "libra train: attention backend: ",
+                 "saved checkpoint at iteration 2 to",
                  "libra train: done: 2 step(s)"):
         assert line in err, (line, err[-3000:])
     it = next(x for x in err.splitlines() if "iteration        2/       2" in x)

@@ -263,35 +263,37 @@ def _forced(p: KernelParams) -> str | None:
     return name
 
 
-@functools.lru_cache(maxsize=None)
-def select_backend(p: KernelParams) -> Backend:
-    """The best backend that can run `p`, named in one log line with the reasons the better
-    ones were skipped."""
+def choose_backend(p: KernelParams) -> tuple[str, str]:
+    """(the backend that runs `p`, why: "forced", or the reasons the better ones were skipped)."""
     forced = _forced(p)
     if forced is not None:
         reason = why_not(forced, p)
         if reason is not None:
             raise RuntimeError(f"attention backend {forced!r} was forced but cannot run: {reason}")
-        logger.info("attention backend: %s (forced)", forced)
-        return _FACTORIES[forced]()
+        return forced, "forced"
     skipped = []
     for name in BACKENDS:
         reason = why_not(name, p)
         if reason is None:
-            for s in skipped:
-                logger.debug("attention backend %s skipped: %s", *s)
-            note = "; ".join(f"{n}: {r}" for n, r in skipped)
-            logger.info("attention backend: %s%s", name, f" ({note})" if note else "")
-            if name == "reference" and p.device_type == "cuda":
-                logger.warning(
-                    "attention on %s %s uses the O(n^2)-memory PyTorch reference; use bf16 and "
-                    "install flash-attn or Transformer Engine (or PyTorch >= 2.10) for real runs",
-                    p.device_type,
-                    p.dtype,
-                )
-            return _FACTORIES[name]()
+            return name, "; ".join(f"{n}: {r}" for n, r in skipped)
         skipped.append((name, reason))
     raise AssertionError("the reference backend always applies")
+
+
+@functools.lru_cache(maxsize=None)
+def select_backend(p: KernelParams) -> Backend:
+    """The best backend that can run `p`, named in one log line with the reasons the better
+    ones were skipped."""
+    name, why = choose_backend(p)
+    logger.info("attention backend: %s%s", name, f" ({why})" if why else "")
+    if name == "reference" and p.device_type == "cuda":
+        logger.warning(
+            "attention on %s %s uses the O(n^2)-memory PyTorch reference; use bf16 and "
+            "install flash-attn or Transformer Engine (or PyTorch >= 2.10) for real runs",
+            p.device_type,
+            p.dtype,
+        )
+    return _FACTORIES[name]()
 
 
 def backend_for(q: torch.Tensor, forced: str | None = None) -> Backend:

@@ -155,6 +155,12 @@ def run(
     if rank == 0:
         shard = f" (a 1/{T} tensor-parallel shard)" if T > 1 else ""
         logger.info("libra train: %s parameters on this rank%s", f"{n_params:,}", shard)
+        from libra_ext.attention.kernels import KernelParams, choose_backend
+
+        name, why = choose_backend(
+            KernelParams(device.type, dtype, cfg.model.head_dim, runtime.backend)
+        )
+        logger.info("libra train: attention backend: %s%s", name, f" ({why})" if why else "")
     o = cfg.optimizer
     ddp = DistributedDataParallel(
         model.config,
