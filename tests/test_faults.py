@@ -118,3 +118,21 @@ def test_a_stalled_rank_ends_the_run_with_a_timeout_not_a_hang(tmp_path):
     assert rc == 1, err[-2000:]
     assert "failed:" in err and "parallel.timeout_minutes = 0.1" in err, err[-2000:]
     assert _alive(workers) == []
+
+
+def test_save_on_signal_checkpoints_the_next_iteration_and_stops(tmp_path):
+    ck = tmp_path / "ck"
+    proc, metrics = _start(tmp_path, [f"checkpoint.dir={ck}", "checkpoint.save_on_signal=true"])
+    try:
+        _wait_for_steps(proc, metrics, 2)
+        os.kill(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=300)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 143, err[-2000:]
+    trained = len(metrics.read_text().splitlines())
+    tracker = ck / "latest_checkpointed_iteration.txt"
+    assert tracker.is_file() and int(tracker.read_text()) == trained  # the last one trained
+    assert "stopping after iteration" in err

@@ -137,6 +137,10 @@ class CheckpointConfig:
     """Load only the model weights from the checkpoint and start at step 0 with a fresh
     optimizer, schedule and data position (as Megatron-LM's --finetune); the data and system
     may then differ from the checkpoint's."""
+    save_on_signal: bool = False
+    """On SIGTERM or SIGINT (e.g. a scheduler's pre-emption warning) save a checkpoint after the
+    current iteration and stop, as Megatron-LM's --exit-signal-handler; the launcher then waits
+    up to 10 minutes for the save instead of 10 seconds."""
     load_iteration: int | None = None
     """Resume from this saved iteration instead of the newest one (e.g. the newest intact one
     when the latest is damaged)."""

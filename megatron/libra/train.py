@@ -270,6 +270,7 @@ def run(
     if rank == 0 and cfg.logging.metrics_file:
         Path(cfg.logging.metrics_file).parent.mkdir(parents=True, exist_ok=True)
         log_file = open(cfg.logging.metrics_file, "a" if latest is not None else "w")
+    stop = _StopRequest(cfg.checkpoint.save_on_signal)
     try:
         for step in range(start, s.train_steps):
             t0 = time.perf_counter()
@@ -327,7 +328,9 @@ def run(
             sched.step(1)
             local = sum(float(x["local_sum"]) for x in outs) if outs else 0.0
             # step statistics over host tensors on the gloo group (no device sync under NCCL)
-            stats = torch.tensor([local, float(runtime.counter.total())], dtype=torch.float64)
+            stats = torch.tensor(
+                [local, float(runtime.counter.total()), float(stop.requested)], dtype=torch.float64
+            )
             dist.all_reduce(stats, group=runtime.groups.check_group)
             attn_t = None
             if timer.enabled:
@@ -382,11 +385,17 @@ def run(
                         if rec[key] is not None:
                             tb.add_scalar(key, rec[key], step + 1)
             last = step + 1 == s.train_steps
+            stopping = stats[2] > 0  # a rank got SIGTERM/SIGINT (checkpoint.save_on_signal)
             if saver is not None:
                 saver.poll()
                 every = cfg.checkpoint.save_interval
-                if last or (every and (step + 1) % every == 0):
+                if last or stopping or (every and (step + 1) % every == 0):
                     saver.save(step + 1, model, opt, sched, batch)
+            if stopping and not last:
+                if rank == 0:
+                    logger.info("libra train: stopping after iteration %d on a signal%s",
+                                step + 1, " (checkpoint saved)" if saver is not None else "")
+                break
         if saver is not None:
             saver.close()
         if rank == 0 and history:
@@ -408,6 +417,7 @@ def run(
             ) from e
         raise
     finally:
+        stop.restore()
         sampler.close()
         if log_file:
             log_file.close()
@@ -417,6 +427,31 @@ def run(
         # follow in this process (`libra ab` under torchrun trains every system in turn)
         ps.destroy_model_parallel()
     return history
+
+
+class _StopRequest:
+    """With checkpoint.save_on_signal, SIGTERM or SIGINT asks the run to save a checkpoint after
+    the current iteration and stop (as Megatron-LM's --exit-signal-handler); every rank learns
+    of it through the step statistics' all-reduce. Without it, the signals keep their default
+    (the process ends at once)."""
+
+    def __init__(self, enabled: bool):
+        import signal
+
+        self.requested = False
+        self._previous = {}
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _timed_out(e: BaseException) -> bool:

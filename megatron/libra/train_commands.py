@@ -52,6 +52,8 @@ def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None)
 
 STOP_GRACE_S = 10.0
 """Seconds workers get to end after SIGTERM before they are killed."""
+SAVE_GRACE_S = 600.0
+"""The same with checkpoint.save_on_signal: time to finish the iteration and save."""
 
 
 def _become_subreaper() -> None:
@@ -125,7 +127,7 @@ def _end(before: set[int], workers: list[int], grace_s: float) -> None:
             time.sleep(0.1)
 
 
-def _run_workers(mp, args: tuple, nproc: int) -> None:
+def _run_workers(mp, args: tuple, nproc: int, grace_s: float = STOP_GRACE_S) -> None:
     """Spawn the workers and wait for them. SIGINT or SIGTERM to this process ends every worker
     (SIGTERM, then SIGKILL after STOP_GRACE_S) and exits 130 or 143; on every way out, nothing
     the run started (workers, checkpoint writers) outlives it."""
@@ -148,6 +150,17 @@ def _run_workers(mp, args: tuple, nproc: int) -> None:
         workers = [p.pid for p in ctx.processes]
         while not ctx.join(timeout=0.5):
             if "signal" in stop:
+                if grace_s > STOP_GRACE_S:  # the workers save, then end on their own
+                    import time
+
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            os.kill(p.pid, signal.SIGTERM)
+                    deadline = time.monotonic() + grace_s
+                    while any(p.is_alive() for p in ctx.processes):
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(0.2)
                 break
     except ProcessException as e:  # a worker failed: its own last error line, not a dump
         text = str(e).strip().splitlines()
@@ -180,7 +193,8 @@ def launch(cfg: TrainConfig, world: int, nproc: int | None, out: str | None = No
 
         with tempfile.TemporaryDirectory() as tmp:
             target = out or os.path.join(tmp, "history.json")
-            _run_workers(mp, (world, free_port(), cfg, target), nproc)
+            grace = SAVE_GRACE_S if cfg.checkpoint.save_on_signal else STOP_GRACE_S
+            _run_workers(mp, (world, free_port(), cfg, target), nproc, grace)
             return json.loads(Path(target).read_text())
     from megatron.libra.train import run
 
