@@ -186,3 +186,16 @@ def test_config_reference_page_is_current_and_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "docs/config_reference.md" in capsys.readouterr().out
+
+
+def test_planner_cli_starts_without_torch_or_megatron_core():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import megatron.libra.cli; "
+        "bad = [m for m in ('torch', 'megatron.core') if m in sys.modules]; "
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"importing the CLI pulled in {out.stdout.strip()}"

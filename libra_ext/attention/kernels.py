@@ -36,10 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from libra_ext.attention import BACKENDS  # kernel backends, best first (one list)
 
-BACKENDS = ("te", "flash", "varlen", "reference")
-"""Kernel backends, best first."""
+logger = logging.getLogger(__name__)
 
 try:  # FlashAttention-3 (Hopper) ships as flash_attn_interface
     from flash_attn_interface import flash_attn_varlen_func as _flash_varlen

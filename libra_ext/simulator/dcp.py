@@ -31,17 +31,24 @@ from libra_ext.workload import (
     linear_fwd_flops_per_token,
 )
 
-try:  # megatron-core (and torch) are optional for the simulator
-    with warnings.catch_warnings():  # its optional-dependency notices are not ours to print
-        warnings.simplefilter("ignore")
-        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-    HAVE_DCP = True
-    DCP_ERROR = ""
-except Exception as e:  # ImportError, or a torch/megatron import-time failure
-    BalancedCPScheduler = None
-    HAVE_DCP = False
-    DCP_ERROR = f"{type(e).__name__}: {e}"
+def balanced_cp_scheduler():
+    """(megatron-core's BalancedCPScheduler class or None, why not). Imported on first use:
+    megatron-core takes seconds to import, and only the megatron-dcp peer needs it."""
+    global _DCP
+    if _DCP is None:
+        try:  # megatron-core (and torch) are optional for the simulator
+            with warnings.catch_warnings():  # its optional-dependency notices are not ours
+                warnings.simplefilter("ignore")
+                from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+            _DCP = (BalancedCPScheduler, "")
+        except Exception as e:  # ImportError, or a torch/megatron import-time failure
+            _DCP = (None, f"{type(e).__name__}: {e}")
+    return _DCP
+
+
+_DCP = None
 
 
 class _GroupSize:
@@ -241,8 +248,9 @@ def simulate_dcp_step(
     dtype_bytes: int = 2,
 ) -> DcpStep:
     """Schedule the step's documents with megatron-core's BalancedCPScheduler and time it."""
-    if not HAVE_DCP:
-        raise RuntimeError(f"megatron-core's BalancedCPScheduler is not importable ({DCP_ERROR})")
+    BalancedCPScheduler, why = balanced_cp_scheduler()
+    if BalancedCPScheduler is None:
+        raise RuntimeError(f"megatron-core's BalancedCPScheduler is not importable ({why})")
     n_gpus = dp * cp
     docs = [(i, int(l)) for i, l in enumerate(l for s in sequences for l in s)]
     sched = BalancedCPScheduler(

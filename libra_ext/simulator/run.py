@@ -128,7 +128,8 @@ def _run_dcp(
 ) -> PointResult:
     """megatron-dcp (megatron-core's BalancedCPScheduler) or, with `dynamic`, megatron-dyncp."""
     nan = float("nan")
-    if not dynamic and not dcp.HAVE_DCP:
+    scheduler, why = (None, "") if dynamic else dcp.balanced_cp_scheduler()
+    if not dynamic and scheduler is None:
         return PointResult(
             nan,
             nan,
@@ -142,7 +143,7 @@ def _run_dcp(
             nan,
             nan,
             [],
-            error=f"not importable: {dcp.DCP_ERROR}",
+            error=f"not importable: {why}",
         )
     exposed = dp_reduction(cfg.model, hw, dp, scenario.cp, scenario.tp)
     steps, attn, sched = [], [], []

@@ -13,10 +13,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import yaml
 
-from libra_ext.attention.kernels import BACKENDS
+from libra_ext.attention import BACKENDS
 from libra_ext.planner import ORDERS, SYSTEMS
 from libra_ext.workload import ModelConfig, check_int, preset_names, read_lengths_file
 
@@ -255,7 +254,7 @@ class TrainConfig:
                 raise ValueError(f"parallel.ep ({p.ep}) must divide model.experts ({m.experts})")
             if world_size % p.ep:
                 raise ValueError(f"parallel.ep ({p.ep}) must divide the world size {world_size}")
-        if self.optimizer.distributed and not torch.cuda.is_available():
+        if self.optimizer.distributed and not _cuda():
             raise ValueError(
                 "optimizer.distributed needs a GPU: megatron-core's distributed optimizer "
                 "accepts CUDA tensors only (set optimizer.distributed=false on CPU)"
@@ -380,9 +379,16 @@ STREAM_FIELDS = (
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
+def _cuda() -> bool:
+    """Whether a GPU is usable (torch imported here only: loading a config needs no torch)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def te_available() -> tuple[bool, str]:
     """(usable, why not): Transformer Engine needs a GPU and an importable build."""
-    if not torch.cuda.is_available():
+    if not _cuda():
         return False, "no GPU"
     try:
         import transformer_engine.pytorch  # noqa: F401
