@@ -10,6 +10,21 @@ from megatron.libra.config import TrainConfig, resolve_impl
 CPU_TINY = "configs/train/cpu_tiny.yaml"
 
 
+def test_every_planner_knob_is_reachable_from_the_config():
+    from dataclasses import fields
+
+    from libra_ext.planner import PlannerOptions
+
+    cfg = TrainConfig.load(CPU_TINY, ["system.max_tile_share=0.2", "system.refine=false",
+                                      "system.distca_tolerance=0.1", "system.wlb_release_count=3"])
+    opts = cfg.system.planner_options("contiguous", 4)
+    assert (opts.max_tile_share, opts.refine, opts.distca_tolerance, opts.wlb_release_count) == (
+        0.2, False, 0.1, 3)
+    assert opts.order == "contiguous" and opts.dtype_bytes == 4
+    derived = {"system", "order", "dtype_bytes", "threads", "micro_batch_size"}
+    assert {f.name for f in fields(PlannerOptions)} - derived == set(cfg.system.PLANNER_KNOBS)
+
+
 def test_cpu_tiny_loads_and_overrides_apply():
     cfg = TrainConfig.load(CPU_TINY, ["system.name=wlb", "optimizer.lr=1e-2", "model.layers=3"])
     assert cfg.system.name == "wlb" and cfg.optimizer.lr == 1e-2 and cfg.model.layers == 3
@@ -56,6 +71,8 @@ def test_cpu_tiny_loads_and_overrides_apply():
         (["checkpoint.save_interval=-2"], 4, r"checkpoint.save_interval must be >= 0"),
         (["checkpoint.dir=README.md"], 4, r"checkpoint.dir README.md exists and is not a dir"),
         (["data.order=sorted"], 4, r"data.order must be one of megatron, contiguous"),
+        (["system.max_tile_share=-1"], 4, r"system.max_tile_share must be >= 0"),
+        (["system.distca_tolerance=-0.5"], 4, r"system.distca_tolerance must be >= 0"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, world, message):

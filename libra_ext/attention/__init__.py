@@ -4,3 +4,6 @@
 BACKENDS = ("te", "flash", "varlen", "reference")
 """Attention kernels, best first (`kernels.select_backend` takes the first that can run);
 here so that configs can name them without importing torch."""
+
+DEFAULT_CHUNKS = 2
+"""Rounds of the pool exchange pipeline unless configured (`system.chunks`)."""

@@ -27,16 +27,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from libra_ext.attention import meta
+from libra_ext.attention import DEFAULT_CHUNKS, meta
 from libra_ext.attention.comm import ByteCounter, GroupCache
 from libra_ext.attention.counters import RuntimeStats
 from libra_ext.attention.exchange import ExecEnv, PerDocAttention, PlannedAttention
 from libra_ext.attention.kernels import backend_for
-from libra_ext.planner import StepPlan
+from libra_ext.planner import SYSTEMS, StepPlan
 
 logger = logging.getLogger(__name__)
-
-SYSTEMS = ("ulysses", "libra", "wlb", "distca")
 
 
 @dataclass
@@ -69,7 +67,7 @@ class Runtime:
     counters, and the current step's device programs."""
 
     groups: GroupCache
-    chunks: int = 4
+    chunks: int = DEFAULT_CHUNKS
     """Chunks of the pool exchange pipeline (fewer when little moves)."""
     pipelined: bool = True
     """Overlap the exchange with compute (False: every transfer completes before the next

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from libra_ext.attention import thd
+from libra_ext.attention import DEFAULT_CHUNKS, thd
 from libra_ext.attention.comm import GroupCache
 from libra_ext.attention.core import Runtime, check_plan_hash, core_attention
 from libra_ext.attention.kernels import reference_attention
-from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import ModelConfig
 
 COUNTERS = (
@@ -43,7 +43,7 @@ class VerifyConfig:
     nproc: int
     cp: int
     pool_size: int
-    systems: tuple = ("ulysses", "libra", "wlb", "distca")
+    systems: tuple = SYSTEMS
     pipelined: tuple = (True, False)
     heads: int = 4
     kv_heads: int = 2
@@ -53,7 +53,7 @@ class VerifyConfig:
     batches: int = 2
     block: int = 16
     head_group: int = 1
-    chunks: int = 2
+    chunks: int = DEFAULT_CHUNKS
     seed: int = 0
     lengths: tuple = ()  # document lengths to draw from; empty: built-in edge cases
     fill: bool = False  # with lengths: fill every sequence to the context (no early stop)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from libra_ext.attention import BACKENDS
+from libra_ext.attention import BACKENDS, DEFAULT_CHUNKS
 from libra_ext.planner import ORDERS, SYSTEMS
 from libra_ext.workload import ModelConfig, check_int, preset_names, read_lengths_file
 
@@ -54,7 +54,7 @@ class SystemConfig:
     pipeline: bool = True
     """Overlap the pool exchange with attention compute (false: each transfer completes before
     the next step; identical results)."""
-    chunks: int = 2
+    chunks: int = DEFAULT_CHUNKS
     """Chunks of the pool exchange pipeline: each executor's incoming bytes are cut into this
     many equal rounds (fewer when little moves)."""
     attention_backend: str = "auto"
@@ -64,6 +64,27 @@ class SystemConfig:
     """wlb: documents at least this long wait in the delay queue (0: context / 4)."""
     wlb_max_delay: int = 4
     """wlb: most steps an outlier may wait."""
+    wlb_release_count: int = 0
+    """wlb: an outlier level is released once it holds this many documents (0: dp)."""
+    max_tile_share: float = 0.1
+    """libra: tiles heavier than this share of a member's mean load are split (0: never)."""
+    refine: bool = True
+    """libra: TAP's refinement pass after the greedy."""
+    distca_tolerance: float = 0.05
+    """distca: a replica stops receiving once its deficit is within this share of the mean."""
+
+    # the planner's own knobs, named as in PlannerOptions
+    PLANNER_KNOBS = (
+        "block", "head_group", "epsilon", "vrsp", "tap", "max_tile_share", "refine",
+        "distca_tolerance", "wlb_outlier_len", "wlb_max_delay", "wlb_release_count",
+    )
+
+    def planner_options(self, order: str, dtype_bytes: int):
+        """The PlannerOptions these settings stand for (every planner knob, one default each)."""
+        from libra_ext.planner import PlannerOptions
+
+        knobs = {k: getattr(self, k) for k in self.PLANNER_KNOBS}
+        return PlannerOptions(system=self.name, order=order, dtype_bytes=dtype_bytes, **knobs)
 
 
 @dataclass
@@ -335,6 +356,10 @@ class TrainConfig:
             )
         if not s.epsilon >= 0:
             raise ValueError(f"system.epsilon must be >= 0, got {s.epsilon}")
+        try:  # every planner knob, as the planner itself checks it
+            s.planner_options(d.order, 2)
+        except ValueError as e:
+            raise ValueError(f"system.{e}") from None
         if s.wlb_outlier_len < 0 or s.wlb_max_delay < 0:
             raise ValueError(
                 f"system.wlb_outlier_len and system.wlb_max_delay must be >= 0, got "

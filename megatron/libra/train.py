@@ -105,7 +105,7 @@ def run(
 
     from libra_ext.attention.comm import GroupCache
     from libra_ext.attention.core import Runtime, check_plan_hash
-    from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+    from libra_ext.planner import LayoutConfig, Planner
     from megatron.libra import checkpoint
     from megatron.libra.batch import make_micro_batch
     from megatron.libra.data import StepSampler
@@ -209,18 +209,7 @@ def run(
     planner = Planner(
         LayoutConfig(dp=dp, cp=C, tp=T, pool_size=P, context=cfg.data.context),
         cfg.model,
-        PlannerOptions(
-            system=cfg.system.name,
-            block=cfg.system.block,
-            head_group=cfg.system.head_group,
-            epsilon=cfg.system.epsilon,
-            vrsp=cfg.system.vrsp,
-            tap=cfg.system.tap,
-            wlb_outlier_len=cfg.system.wlb_outlier_len,
-            wlb_max_delay=cfg.system.wlb_max_delay,
-            order=cfg.data.order,
-            dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
-        ),
+        cfg.system.planner_options(cfg.data.order, torch.tensor([], dtype=dtype).element_size()),
     )
     start, doc_base, recent = 0, 0, {}
     model_fields = dataclasses.asdict(cfg.model)

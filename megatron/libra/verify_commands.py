@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SYSTEMS = ("ulysses", "libra", "wlb", "distca")
+from libra_ext.planner import SYSTEMS
 
 
 def add_verify_parser(sub) -> None:
