@@ -224,6 +224,13 @@ class StepPlan:
         out["bytes_moved_max_rank"] = float(self.rank_bytes_sent.max())
         return out
 
+    def sequence_at(self, replica: int, slot: int) -> int:
+        """The sequence that (replica, slot) executes (every pair holds exactly one)."""
+        s = np.flatnonzero((self.seq_replica == replica) & (self.seq_slot == slot))
+        if len(s) != 1:
+            raise ValueError(f"plan has {len(s)} sequences at replica {replica}, slot {slot}")
+        return int(s[0])
+
     def rank_slice(self, replica: int, cp_rank: int) -> dict:
         """What rank (replica, cp_rank) needs of the plan: its sequences, the tiles it owns and
         executes, and per slot its rows (sends) and columns (receives) of the exchange matrices.

@@ -250,16 +250,9 @@ def _doc_starts(plan: StepPlan) -> np.ndarray:
     return cached
 
 
-def _seq_at(plan: StepPlan, replica: int, slot: int) -> int:
-    s = np.flatnonzero((plan.seq_replica == replica) & (plan.seq_slot == slot))
-    if len(s) != 1:
-        raise ValueError(f"plan has {len(s)} sequences at replica {replica}, slot {slot}")
-    return int(s[0])
-
-
 def sequence_lengths(plan: StepPlan, replica: int, slot: int) -> np.ndarray:
     """Document lengths of the sequence the plan places at (replica, slot)."""
-    seq = _seq_at(plan, replica, slot)
+    seq = plan.sequence_at(replica, slot)
     off = plan.seq_doc_offsets
     return plan.doc_lengths[off[seq] : off[seq + 1]].astype(_I64)
 

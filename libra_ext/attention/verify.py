@@ -169,9 +169,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
                 runtime.counter.reset()
                 steps = runtime.prepare(plan, "cpu")  # metadata ahead, as the sampler does
                 for slot in range(plan.slots):
-                    s_idx = int(
-                        np.flatnonzero((plan.seq_replica == r) & (plan.seq_slot == slot))[0]
-                    )
+                    s_idx = plan.sequence_at(r, slot)
                     docs = plan.sequences()[s_idx]
                     if not docs:
                         continue

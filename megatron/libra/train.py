@@ -271,7 +271,7 @@ def run(
             steps = runtime.prepare(plan, device, batch.programs)
             micro = []
             for slot in range(m):
-                seq = int(((plan.seq_replica == r) & (plan.seq_slot == slot)).nonzero()[0][0])
+                seq = plan.sequence_at(r, slot)
                 docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
                 micro.append(make_micro_batch([batch.pieces[i] for i in docs], C, c, steps[slot]))
             global_tokens = float(batch.label_tokens)
