@@ -45,6 +45,7 @@ def test_reference_checks_pass_on_cpu():
     assert r["aligned"] == "bottom-right" and r["err_top_left"] > 0.01
 
 
+@pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu(tmp_path):
     out = tmp_path / "check.json"
     p = subprocess.run(

@@ -156,6 +156,7 @@ def _bad_input_worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_bad_inputs_fail_clearly_on_every_rank(tmp_path):
     mp.spawn(_bad_input_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
@@ -166,6 +167,7 @@ def test_bad_inputs_fail_clearly_on_every_rank(tmp_path):
         assert lines[2].startswith("cu_seqlens do not match the tokens")
 
 
+@pytest.mark.slow
 def test_verify_cli_json(capsys):
     import json
 
@@ -177,6 +179,7 @@ def test_verify_cli_json(capsys):
     assert r["max_abs_err_out"] <= 1e-5 and r["max_abs_err_grad"] <= 1e-5
 
 
+@pytest.mark.slow
 def test_verify_cli_failed_check_exits_nonzero_without_json(capsys):
     from megatron.libra.cli import main
 

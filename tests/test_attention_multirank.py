@@ -7,6 +7,8 @@ import pytest
 from libra_ext.attention.verify import VerifyConfig, run
 from libra_ext.workload import LengthSource
 
+pytestmark = pytest.mark.slow  # spawns training or multi-rank processes
+
 ALL = ("ulysses", "libra", "wlb", "distca")
 
 

@@ -10,7 +10,10 @@ import torch
 
 from megatron.libra import cpu_shims
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply without a GPU")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply without a GPU"),
+    pytest.mark.slow,  # spawns training or multi-rank processes
+]
 
 PRELUDE = """
 import os, sys, warnings

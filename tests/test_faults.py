@@ -12,6 +12,8 @@ import pytest
 
 from megatron.libra.train_commands import _below, _process_tree
 
+pytestmark = pytest.mark.slow  # spawns training or multi-rank processes
+
 CPU_TINY = "configs/train/cpu_tiny.yaml"
 LONG = ["schedule.train_steps=400", "schedule.warmup_steps=1", "parallel.cp=1",
         "parallel.pool_size=2"]

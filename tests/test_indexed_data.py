@@ -100,6 +100,7 @@ def _train_overrides(prefix: str, steps: int) -> list:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path")
+@pytest.mark.slow
 def test_training_runs_on_an_indexed_dataset(tmp_path):
     from megatron.libra.train_commands import launch
 
@@ -110,6 +111,7 @@ def test_training_runs_on_an_indexed_dataset(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path")
+@pytest.mark.slow
 def test_wlb_on_indexed_data_resumes_with_its_held_back_documents(tmp_path):
     """WLB-LLM holds outliers back for later steps (here it even leaves sequences empty); a run
     resumed from a checkpoint must still find the documents read before the checkpoint and

@@ -12,6 +12,8 @@ import torch.multiprocessing as mp
 
 from libra_ext.attention.verify import free_port
 
+pytestmark = pytest.mark.slow  # spawns training or multi-rank processes
+
 STEPS = 3
 
 

@@ -8,6 +8,8 @@ from megatron.libra.cli import main
 from megatron.libra.config import TrainConfig
 from megatron.libra.train_commands import launch
 
+pytestmark = pytest.mark.slow  # spawns training or multi-rank processes
+
 CPU_TINY = "configs/train/cpu_tiny.yaml"
 BASE = ["schedule.train_steps=2", "schedule.warmup_steps=0", "parallel.cp=1"]
 

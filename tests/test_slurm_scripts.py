@@ -13,7 +13,10 @@ import torch
 from libra_ext.attention.verify import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo stand-in")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo stand-in"),
+    pytest.mark.slow,  # spawns training processes
+]
 
 
 def _slurm(tmp_path: Path) -> dict:

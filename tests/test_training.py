@@ -17,7 +17,10 @@ from megatron.libra.cli import main
 from megatron.libra.config import TrainConfig
 from megatron.libra.train_commands import launch
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path"),
+    pytest.mark.slow,  # spawns training or multi-rank processes
+]
 CPU_TINY = "configs/train/cpu_tiny.yaml"
 
 
