@@ -355,19 +355,27 @@ void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrd
   p.rank_load.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   p.group_load.assign(static_cast<std::size_t>(p.dp / P * m), 0.0);
   const double bwd = 1.0 + kAttnBwdFactor;
+  // A tile with cp == -1 loads every cp rank of its executor alike: summed once per executor
+  // (the same additions in the same order as per rank), spread over its C ranks after.
+  std::vector<double> exec_load(static_cast<std::size_t>(p.dp), 0.0);
+  std::vector<i64> group_base(static_cast<std::size_t>(p.dp));
+  for (i64 r = 0; r < p.dp; ++r) group_base[r] = (r / P) * m;
   for (i64 t = 0; t < p.n_tiles(); ++t) {
     const double f =
         attn_fwd_flops(static_cast<double>(p.tile_pairs[t]), p.tile_head_count[t], p.head_dim) * bwd;
     const i64 e = p.tile_executor[t];
-    const i64 g = (e / P) * m + p.seq_slot[p.tile_seq[t]];
+    const i64 g = group_base[e] + p.seq_slot[p.tile_seq[t]];
     if (p.tile_cp[t] < 0) {
-      for (i64 c = 0; c < C; ++c) p.rank_load[e * C + c] += f;
+      exec_load[e] += f;
       p.group_load[g] += f * static_cast<double>(C);
     } else {
       p.rank_load[e * C + p.tile_cp[t]] += f;
       p.group_load[g] += f;
     }
   }
+  for (i64 e = 0; e < p.dp; ++e)
+    if (exec_load[e] != 0.0)
+      for (i64 c = 0; c < C; ++c) p.rank_load[e * C + c] += exec_load[e];
   // Before: the input in Megatron's production order under Ulysses (no balancing, no moves).
   p.rank_load_before.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   std::vector<double> group_before(p.group_load.size(), 0.0);
