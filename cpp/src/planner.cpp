@@ -238,7 +238,6 @@ void build_exchange(StepPlan& p) {
   // document fixes the sequence, so also the group and the sender: each key lies in one
   // exchange cell, and the entries are ordered by cell, then key.
   const i64 kvh = p.kv_heads_local;
-  const i64 q_per_kv = p.heads_local / kvh;
   double moved_tokens = 0, all_tokens = 0;
   // Exchange cell of every tile, computed once: (group, owner member, executor member), from
   // per-replica tables (no divisions per tile).
@@ -254,10 +253,7 @@ void build_exchange(StepPlan& p) {
     const i64 g = pool_of[o] * p.slots + p.seq_slot[p.tile_seq[t]];
     tile_cell[t] = (g * Px + member_of[o]) * Px + member_of[e];
   }
-  auto kv_heads = [&](i64 t) {
-    return std::pair<i64, i64>{p.tile_head_start[t] / q_per_kv,
-                               (p.tile_head_start[t] + p.tile_head_count[t] - 1) / q_per_kv};
-  };
+  auto kv_heads = [&](i64 t) { return kv_heads_of(p, p.tile_head_start[t], p.tile_head_count[t]); };
   // KV needs per cell (counting sort): key, prefix length, and the document's sequence and
   // start (a tile's kv_start is its first document's start).
   struct KvNeed {

@@ -11,9 +11,6 @@
 
 namespace libra {
 
-i64 kv_head_of(const StepPlan& plan, i64 local_head) {
-  return local_head / (plan.heads_local / plan.kv_heads_local);
-}
 
 namespace {
 
@@ -204,14 +201,9 @@ struct GroupTiles {
   }
 };
 
-// Local KV heads [first, last] that tile t's query heads read.
-struct KvHeads {
-  i64 first, last;
-};
+// Local KV heads tile t's query heads read.
 inline KvHeads kv_heads_of(const StepPlan& plan, const StepPlan::Tile& t) {
-  if (plan.kv_heads_local == 1) return {0, 0};
-  const i64 q_per_kv = plan.heads_local / plan.kv_heads_local;
-  return {t.head_start / q_per_kv, (t.head_start + t.head_count - 1) / q_per_kv};
+  return kv_heads_of(plan, t.head_start, t.head_count);
 }
 
 class Placer {

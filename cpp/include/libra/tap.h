@@ -31,8 +31,16 @@ void distca_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std:
 // Tiles of every sequence on its owner, all heads of the slice (Ulysses; libra with tap = false).
 void owner_tiles(StepPlan& plan, i64 block);
 
-// Local KV head of local query head x.
-i64 kv_head_of(const StepPlan& plan, i64 local_head);
+// Local KV heads [first, last] that local query heads [head_start, head_start + head_count)
+// read (GQA: plan.heads_local / plan.kv_heads_local query heads per KV head).
+struct KvHeads {
+  i64 first, last;
+};
+inline KvHeads kv_heads_of(const StepPlan& plan, i64 head_start, i64 head_count) {
+  if (plan.kv_heads_local == 1) return {0, 0};
+  const i64 q_per_kv = plan.heads_local / plan.kv_heads_local;
+  return {head_start / q_per_kv, (head_start + head_count - 1) / q_per_kv};
+}
 
 // Rows below which TAP does not cut a tile: 128, or context / 32 for short contexts.
 inline i64 min_split_rows(i64 context) { return std::max<i64>(1, std::min<i64>(128, context / 32)); }
