@@ -159,19 +159,22 @@ class Checkpointer:
             tmp.replace(self.root / TRACKER)
 
 
-def _intact(path: Path) -> bool:
-    """Whether an iteration directory looks complete: metadata, common state, no empty shard."""
-    if not (path / ".metadata").is_file():
-        return False
-    if any(f.is_file() and f.stat().st_size == 0 for f in path.iterdir()):
-        return False
-    try:
-        from megatron.core import dist_checkpointing
+def _load_common(path: Path) -> tuple[dict | None, str | None]:
+    """(common state, None) of an intact-looking iteration directory, or (None, what is wrong):
+    missing or empty directory, no .metadata, an empty file, a common state that does not load."""
+    from megatron.core import dist_checkpointing
 
-        dist_checkpointing.load_common_state_dict(str(path))
-    except Exception:
-        return False
-    return True
+    if not path.is_dir() or not any(path.iterdir()):
+        return None, "the directory is empty" if path.is_dir() else "no such directory"
+    if not (path / ".metadata").is_file():
+        return None, ".metadata is missing"
+    empty = sorted(f.name for f in path.iterdir() if f.is_file() and f.stat().st_size == 0)
+    if empty:
+        return None, f"{empty[0]} is empty"
+    try:
+        return dist_checkpointing.load_common_state_dict(str(path)), None
+    except Exception as e:  # a truncated or garbled common state
+        return None, f"its common state does not load: {_first_line(e)}"
 
 
 def damaged(path: Path, problem: str) -> ValueError:
@@ -180,7 +183,9 @@ def damaged(path: Path, problem: str) -> ValueError:
     earlier = sorted(
         (int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit()), reverse=True
     )
-    good = next((s for s in earlier if s < step and _intact(iteration_dir(root, s))), None)
+    good = next(
+        (s for s in earlier if s < step and _load_common(iteration_dir(root, s))[1] is None), None
+    )
     hint = (
         f"; the newest intact earlier iteration is {iteration_dir(root, good).name} "
         f"(checkpoint.load_iteration={good} resumes from it)"
@@ -199,19 +204,9 @@ def _checked_meta(path: Path, model_config: dict | None) -> tuple[dict, dict]:
     """(common state, Libra metadata) of the checkpoint at `path`; refuses a checkpoint that is
     not Libra's or holds another model shape, naming the fields, and a damaged one naming what
     is missing. Reads no tensor shards and needs no process group."""
-    from megatron.core import dist_checkpointing
-
-    if not path.is_dir() or not any(path.iterdir()):
-        raise damaged(path, "the directory is empty" if path.is_dir() else "no such directory")
-    if not (path / ".metadata").is_file():
-        raise damaged(path, ".metadata is missing")
-    empty = sorted(f.name for f in path.iterdir() if f.is_file() and f.stat().st_size == 0)
-    if empty:
-        raise damaged(path, f"{empty[0]} is empty")
-    try:
-        common = dist_checkpointing.load_common_state_dict(str(path))
-    except Exception as e:  # a truncated or garbled common state
-        raise damaged(path, f"its common state does not load: {_first_line(e)}") from None
+    common, problem = _load_common(path)
+    if problem is not None:
+        raise damaged(path, problem)
     meta = common.get("libra")
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint.dir: {path} is not a Libra training checkpoint")
