@@ -10,7 +10,7 @@ import yaml
 
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.simulator import dcp
-from libra_ext.simulator.config import SimConfig
+from libra_ext.simulator.config import SYSTEMS, SimConfig
 from libra_ext.simulator.cost import exposed_pool_comm, simulate_plan
 from libra_ext.simulator.hardware import HardwareProfile
 from libra_ext.simulator.run import run_point
@@ -96,16 +96,7 @@ def _cfg(tmp_path, **over):
         "dcp_steps": 1,
         "seed": 0,
         "pipeline_chunks": 4,
-        "systems": [
-            "ulysses",
-            "wlb",
-            "distca",
-            "libra-tap",
-            "libra-tap-vrsp",
-            "libra",
-            "megatron-dcp",
-            "megatron-dyncp",
-        ],
+        "systems": list(SYSTEMS),  # every simulated system and peer
         "reference": "ref.yaml",
         "scenarios": {
             "small": {

@@ -212,57 +212,42 @@ def time_rounds(
     return total, attn_gpu
 
 
-def simulate_dyncp_step(
-    sequences: list[list[int]],
-    dp: int,
-    cp: int,
-    context: int,
-    model: ModelConfig,
-    hw: HardwareProfile,
-    dp_exposed: float,
-    tp: int = 1,
-    dtype_bytes: int = 2,
-) -> DcpStep:
-    """Schedule the step's documents with `dynamic_cp_schedule` (per-GPU token cap: the static
-    layout's context / cp) and time it."""
-    lengths = [int(l) for s in sequences for l in s]
-    t0 = time.perf_counter()
-    rounds = dynamic_cp_schedule(lengths, dp * cp, max(1, context // cp))
-    schedule_ms = (time.perf_counter() - t0) * 1e3
-    total, attn_gpu = time_rounds(rounds, lengths, model, hw, tp, dtype_bytes)
-    return DcpStep(
-        step=total + dp_exposed, gpu_attention=attn_gpu, groups=len(rounds),
-        schedule_ms=schedule_ms,
-    )
-
-
-def simulate_dcp_step(
-    sequences: list[list[int]],
-    dp: int,
-    cp: int,
-    context: int,
-    model: ModelConfig,
-    hw: HardwareProfile,
-    dp_exposed: float,
-    tp: int = 1,
-    dtype_bytes: int = 2,
-) -> DcpStep:
-    """Schedule the step's documents with megatron-core's BalancedCPScheduler and time it."""
+def balanced_cp_rounds(lengths: list[int], n_gpus: int, cap: int) -> list[list[list[int]]]:
+    """megatron-core's BalancedCPScheduler on the documents: rounds of per-GPU document ids."""
     BalancedCPScheduler, why = balanced_cp_scheduler()
     if BalancedCPScheduler is None:
         raise RuntimeError(f"megatron-core's BalancedCPScheduler is not importable ({why})")
-    n_gpus = dp * cp
-    docs = [(i, int(l)) for i, l in enumerate(l for s in sequences for l in s)]
-    sched = BalancedCPScheduler(
-        max_seq_len_per_rank=max(1, context // cp), dp_cp_group=_GroupSize(n_gpus)
-    )
+    sched = BalancedCPScheduler(max_seq_len_per_rank=cap, dp_cp_group=_GroupSize(n_gpus))
+    _, rounds = sched.get_groups_and_subsamples(list(enumerate(lengths)), None)
+    return rounds
+
+
+SCHEDULERS = {"megatron-dcp": balanced_cp_rounds, "megatron-dyncp": dynamic_cp_schedule}
+"""Peer -> (document lengths, GPUs, per-GPU token cap) -> rounds of per-GPU document ids."""
+
+
+def simulate_cp_step(
+    peer: str,
+    sequences: list[list[int]],
+    dp: int,
+    cp: int,
+    context: int,
+    model: ModelConfig,
+    hw: HardwareProfile,
+    dp_exposed: float,
+    tp: int = 1,
+    dtype_bytes: int = 2,
+) -> DcpStep:
+    """Schedule the step's documents with a peer of SCHEDULERS (per-GPU token cap: the static
+    layout's context / cp) and time its rounds."""
+    lengths = [int(l) for s in sequences for l in s]
     t0 = time.perf_counter()
-    _, sample_id_groups = sched.get_groups_and_subsamples(docs, None)
+    rounds = SCHEDULERS[peer](lengths, dp * cp, max(1, context // cp))
     schedule_ms = (time.perf_counter() - t0) * 1e3
-    total, attn_gpu = time_rounds(sample_id_groups, dict(docs), model, hw, tp, dtype_bytes)
+    total, attn_gpu = time_rounds(rounds, lengths, model, hw, tp, dtype_bytes)
     return DcpStep(
         step=total + dp_exposed,
         gpu_attention=attn_gpu,
-        groups=len(sample_id_groups),
+        groups=len(rounds),
         schedule_ms=schedule_ms,
     )

@@ -71,10 +71,10 @@ def run_point(
     layout = LayoutConfig(
         dp=dp, cp=scenario.cp, tp=scenario.tp, pool_size=pool, context=scenario.context
     )
-    if system == "megatron-dcp":
-        return _run_dcp(scenario, dp, steps_data[: cfg.dcp_steps], cfg, hw)
+    if system == "megatron-dcp":  # megatron-core's Python scheduler: fewer steps
+        return _run_dcp(system, scenario, dp, steps_data[: cfg.dcp_steps], cfg, hw)
     if system == "megatron-dyncp":
-        return _run_dcp(scenario, dp, steps_data, cfg, hw, dynamic=True)
+        return _run_dcp(system, scenario, dp, steps_data, cfg, hw)
     opts, pipelined = SYSTEM_SPECS[system]
     planner = Planner(layout, model, PlannerOptions(**opts, order=cfg.order))
     times, tokens, plan_ms, before, after, stats = [], [], [], [], [], []
@@ -119,17 +119,17 @@ def run_point(
 
 
 def _run_dcp(
+    peer: str,
     scenario: Scenario,
     dp: int,
     steps_data: list,
     cfg: SimConfig,
     hw: HardwareProfile,
-    dynamic: bool = False,
 ) -> PointResult:
-    """megatron-dcp (megatron-core's BalancedCPScheduler) or, with `dynamic`, megatron-dyncp."""
+    """A Megatron CP-scheduler peer (dcp.SCHEDULERS) on the steps."""
     nan = float("nan")
-    scheduler, why = (None, "") if dynamic else dcp.balanced_cp_scheduler()
-    if not dynamic and scheduler is None:
+    scheduler, why = dcp.balanced_cp_scheduler() if peer == "megatron-dcp" else (True, "")
+    if scheduler is None:
         return PointResult(
             nan,
             nan,
@@ -148,8 +148,9 @@ def _run_dcp(
     exposed = dp_reduction(cfg.model, hw, dp, scenario.cp, scenario.tp)
     steps, attn, sched = [], [], []
     for seqs in steps_data:
-        run = dcp.simulate_dyncp_step if dynamic else dcp.simulate_dcp_step
-        r = run(seqs, dp, scenario.cp, scenario.context, cfg.model, hw, exposed, tp=scenario.tp)
+        r = dcp.simulate_cp_step(
+            peer, seqs, dp, scenario.cp, scenario.context, cfg.model, hw, exposed, tp=scenario.tp
+        )
         steps.append(r.step)
         attn.append(r.gpu_attention)
         sched.append(r.schedule_ms)
