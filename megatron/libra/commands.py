@@ -259,9 +259,8 @@ def run_bench_replay(args) -> dict | None:
     layout = LayoutConfig(dp=args.dp, cp=args.cp, pool_size=args.pool_size, context=context)
     model = _model(args)
     steps = [source.step(args.gbs, context, args.seed, s) for s in range(args.steps)]
-    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     r = replay.run(
-        steps, layout, model, systems, device=args.device, dtype=dtype,
+        steps, layout, model, systems, device=args.device, dtype=default_dtype(args),
         backend=None if args.backend == "auto" else args.backend, progress=not args.no_progress,
         order=args.order,
     )
@@ -333,6 +332,12 @@ def bench_attention_main(argv) -> int:
     if r is not None:
         print(json.dumps(r))
     return 0
+
+
+def default_dtype(args) -> str:
+    """--dtype, or the device's default: bf16 on cuda, fp32 on cpu (where bf16 matmuls are
+    slow)."""
+    return args.dtype or ("bf16" if args.device == "cuda" else "fp32")
 
 
 def _positive(value: int, field: str) -> int:

@@ -11,6 +11,7 @@ from libra_ext.simulator.hardware import HardwareProfile
 from libra_ext.simulator.report import write_report
 from libra_ext.simulator.run import pool_sweep, recommend_pool, simulate, source_for
 from libra_ext.workload import preset_names
+from megatron.libra.commands import _int_list_arg, _positive, default_dtype
 
 
 def _add_common(p) -> None:
@@ -80,18 +81,12 @@ def add_calibrate_parser(sub) -> None:
 def run_calibrate(args):
     from libra_ext.attention.calibrate import calibrate, write_profile
 
-    try:
-        lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(
-            f"lengths must be comma-separated integers, got {args.lengths!r}"
-        ) from None
+    lengths = tuple(_int_list_arg(args.lengths, "lengths"))
     for field in ("tokens", "reps"):
-        if getattr(args, field) <= 0:
-            raise ValueError(f"{field} must be positive, got {getattr(args, field)}")
+        _positive(getattr(args, field), field)
     result = calibrate(
         device=args.device,
-        dtype=args.dtype or ("bf16" if args.device == "cuda" else "fp32"),
+        dtype=default_dtype(args),
         heads=args.heads,
         kv_heads=args.kv_heads,
         head_dim=args.head_dim,
