@@ -94,16 +94,16 @@ void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
     due_left.clear();
     std::map<std::pair<i64, i64>, std::vector<Doc>> groups;  // (age, origin) -> documents
     for (const Doc& d : due) groups[{d.age, d.origin}].push_back(d);
-    std::vector<const std::vector<Doc>*> order;
-    for (const auto& [key, docs] : groups) order.push_back(&docs);
-    std::stable_sort(order.begin(), order.end(), [](const auto* x, const auto* y) {
-      double wx = 0, wy = 0;
-      for (const Doc& d : *x) wx += static_cast<double>(causal_pairs(d.len));
-      for (const Doc& d : *y) wy += static_cast<double>(causal_pairs(d.len));
-      return wx > wy;
-    });
+    std::vector<std::pair<double, const std::vector<Doc>*>> order;  // (work, documents)
+    for (const auto& [key, docs] : groups) {
+      double work = 0;
+      for (const Doc& d : docs) work += static_cast<double>(causal_pairs(d.len));
+      order.push_back({work, &docs});
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
     i64 next = 0;
-    for (const auto* docs : order) {
+    for (const auto& [work, docs] : order) {
       i64 sum = 0;
       for (const Doc& d : *docs) sum += d.len;
       if (next < n_buckets && sum <= S && docs->front().origin >= 0) {
