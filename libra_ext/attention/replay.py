@@ -139,8 +139,7 @@ class Timer:
         return total
 
 
-def check_memory(plan: StepPlan, name: str, calls_of: dict, head_dim: int, elem: int,
-                 device: torch.device) -> None:
+def check_memory(name: str, calls_of: dict, head_dim: int, elem: int, device: torch.device) -> None:
     """Refuse, before anything runs, a rank whose largest call does not fit the free memory."""
     if device.type != "cuda":
         return
@@ -162,7 +161,7 @@ def replay_plan(
     ranks = [(r, c) for r in range(plan.dp) for c in (range(plan.cp) if wlb else [0])]
     calls_of = {rank: rank_calls(plan, *rank, model) for rank in ranks}
     elem = torch.tensor([], dtype=timer.dtype).element_size()
-    check_memory(plan, name, calls_of, timer.d, elem, timer.device)
+    check_memory(name, calls_of, timer.d, elem, timer.device)
     bar = None
     if progress:
         from tqdm import tqdm
