@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "libra/plan.h"
+#include "libra/parallel.h"
 #include "libra/tap.h"
 #include "libra/vrsp.h"
 #include "libra/wlb.h"
@@ -104,19 +105,34 @@ PlannerState PlannerState::deserialize(const std::vector<i64>& flat) {
   return st;
 }
 
-u64 StepPlan::compute_hash() const {
+u64 StepPlan::compute_hash(std::size_t workers) const {
+  // Each array is hashed on its own (side by side on `workers` threads) and its digest enters the
+  // plan's hash in a fixed order, so the hash does not depend on the worker count.
+  const std::vector<i64>* ints[] = {
+      &seq_doc_offsets, &doc_lengths, &doc_ids, &seq_replica, &seq_slot, &tile_seq, &tile_doc,
+      &tile_doc_count, &tile_q_start, &tile_q_len, &tile_head_start, &tile_head_count,
+      &tile_kv_start, &tile_kv_len, &tile_owner, &tile_executor, &tile_cp, &tile_pairs, &xchg_q,
+      &xchg_kv, &xchg_o, &send_order, &send_group_offsets, &kv_group, &kv_src, &kv_dst, &kv_seq,
+      &kv_start, &kv_len, &kv_head};
+  const std::vector<double>* reals[] = {&rank_load, &rank_load_before, &group_load, &rank_bytes_sent};
+  constexpr std::size_t n_ints = std::size(ints), n_arrays = n_ints + std::size(reals);
+  std::array<u64, n_arrays> digests{};
+  run_workers(workers, n_arrays, [&](WorkQueue& queue) {
+    for (std::size_t a; queue.take(a);) {
+      PlanHasher h;
+      if (a < n_ints) {
+        h.vec(*ints[a]);
+      } else {
+        h.vec(*reals[a - n_ints]);
+      }
+      digests[a] = h.digest();
+    }
+  });
   PlanHasher h;
   for (i64 v : {static_cast<i64>(system), dp, cp, tp, pool, context, slots, exchange_pool,
                 heads_local, kv_heads_local, head_dim, dtype_bytes})
     h.value(v);
-  for (const auto* v : {&seq_doc_offsets, &doc_lengths, &doc_ids, &seq_replica, &seq_slot,
-                        &tile_seq, &tile_doc, &tile_doc_count, &tile_q_start, &tile_q_len, &tile_head_start,
-                        &tile_head_count, &tile_kv_start, &tile_kv_len, &tile_owner,
-                        &tile_executor, &tile_cp, &tile_pairs, &xchg_q, &xchg_kv, &xchg_o,
-                        &send_order, &send_group_offsets, &kv_group, &kv_src, &kv_dst,
-                        &kv_seq, &kv_start, &kv_len, &kv_head})
-    h.vec(*v);
-  for (const auto* v : {&rank_load, &rank_load_before, &group_load, &rank_bytes_sent}) h.vec(*v);
+  for (const u64 d : digests) h.value(static_cast<i64>(d));
   for (double v : {max_over_mean, max_over_mean_before, inter_pool_imbalance,
                    inter_pool_imbalance_before, pool_total_imbalance, pool_total_imbalance_before,
                    vrsp_max_group, vrsp_lower_bound, vrsp_max_pool, vrsp_pool_lower_bound,
@@ -141,11 +157,14 @@ void StepPlan::add_tile(const Tile& t) {
   tile_pairs.push_back(t.pairs);
 }
 
-void StepPlan::resize_tiles(std::size_t n) {
-  for (auto* v : {&tile_seq, &tile_doc, &tile_doc_count, &tile_q_start, &tile_q_len,
-                  &tile_head_start, &tile_head_count, &tile_kv_start, &tile_kv_len, &tile_owner,
-                  &tile_executor, &tile_cp, &tile_pairs})
-    v->resize(n);
+void StepPlan::resize_tiles(std::size_t n, std::size_t workers) {
+  std::vector<i64>* arrays[] = {&tile_seq,       &tile_doc,        &tile_doc_count, &tile_q_start,
+                                &tile_q_len,     &tile_head_start, &tile_head_count, &tile_kv_start,
+                                &tile_kv_len,    &tile_owner,      &tile_executor,  &tile_cp,
+                                &tile_pairs};
+  run_workers(workers, std::size(arrays), [&](WorkQueue& queue) {
+    for (std::size_t a; queue.take(a);) arrays[a]->resize(n);
+  });
 }
 
 namespace {
@@ -226,105 +245,162 @@ std::vector<std::vector<i64>> groups_of(const StepPlan& p, i64 pool) {
   return groups;
 }
 
-void build_exchange(StepPlan& p) {
+// One exchange group's share of the exchange tables (see build_exchange).
+struct GroupExchange {
+  struct KvNeed {
+    i64 key, len, seq, start;
+  };
+  std::vector<KvNeed> kv;       // KV prefixes to ship, by cell, then key; one per key
+  std::vector<i64> kv_cell;     // cell of each (local to the group: src * Px + dst)
+  std::vector<i64> send;        // the group's tiles by (owner, executor member, tile index)
+  i64 moved_tokens = 0, all_tokens = 0;  // query rows x heads moved / all
+};
+
+// What one worker reuses from group to group.
+struct ExchangeScratch {
+  std::vector<i64> tile_count, kv_count;  // per cell, then running offsets
+  std::vector<GroupExchange::KvNeed> need;
+};
+
+// The exchange of group g, whose tiles are `tiles` (ascending): writes the group's own cells of
+// xchg_q / xchg_o / xchg_kv (no other group touches them) and fills `out`.
+void group_exchange(StepPlan& p, i64 g, const i64* tiles, std::size_t n, ExchangeScratch& scratch,
+                    GroupExchange& out) {
+  const i64 Px = p.exchange_pool, kvh = p.kv_heads_local, d = p.head_dim;
+  const std::size_t cells = static_cast<std::size_t>(Px * Px);
+  const i64 base = g * Px * Px;
+  const i64 first_replica = (g / p.slots) * Px;
+  auto& tile_count = scratch.tile_count;
+  auto& kv_count = scratch.kv_count;
+  tile_count.assign(cells + 1, 0);
+  kv_count.assign(cells + 1, 0);
+  out.moved_tokens = out.all_tokens = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const i64 t = tiles[i];
+    const i64 qh = p.tile_q_len[t] * p.tile_head_count[t];
+    const i64 src = p.tile_owner[t] - first_replica, dst = p.tile_executor[t] - first_replica;
+    out.all_tokens += qh;
+    ++tile_count[src * Px + dst + 1];
+    if (src == dst) continue;
+    if (dst < 0 || dst >= Px)
+      fail("internal: tile " + std::to_string(t) + " leaves its exchange pool");
+    out.moved_tokens += qh;
+    p.xchg_q[base + src * Px + dst] += qh * d;
+    p.xchg_o[base + dst * Px + src] += qh * d;
+    const auto [kv0, kv1] = kv_heads_of(p, p.tile_head_start[t], p.tile_head_count[t]);
+    kv_count[src * Px + dst + 1] += kv1 - kv0 + 1;
+  }
+  for (std::size_t c = 0; c < cells; ++c) {
+    tile_count[c + 1] += tile_count[c];
+    kv_count[c + 1] += kv_count[c];
+  }
+  // KV needs by cell (counting sort), then inside each cell by key, the longest prefix of each
+  // key kept.
+  auto& need = scratch.need;
+  need.resize(static_cast<std::size_t>(kv_count[cells]));
+  for (std::size_t i = 0; i < n; ++i) {
+    const i64 t = tiles[i];
+    const i64 src = p.tile_owner[t] - first_replica, dst = p.tile_executor[t] - first_replica;
+    if (src == dst) continue;
+    const auto [kv0, kv1] = kv_heads_of(p, p.tile_head_start[t], p.tile_head_count[t]);
+    for (i64 kh = kv0; kh <= kv1; ++kh)
+      need[kv_count[src * Px + dst]++] = {(p.tile_doc[t] * kvh + kh) * Px + dst, p.tile_kv_len[t],
+                                           p.tile_seq[t], p.tile_kv_start[t]};
+  }
+  out.kv.clear();
+  out.kv_cell.clear();
+  for (std::size_t c = 0, begin = 0; c < cells; ++c) {  // kv_count[c] is now cell c's end
+    const auto first = need.begin() + static_cast<std::ptrdiff_t>(begin);
+    const auto last = need.begin() + kv_count[c];
+    std::sort(first, last, [](const GroupExchange::KvNeed& x, const GroupExchange::KvNeed& y) {
+      return x.key != y.key ? x.key < y.key : x.len < y.len;
+    });
+    for (auto it = first; it != last; ++it) {
+      if (it + 1 != last && (it + 1)->key == it->key) continue;
+      p.xchg_kv[base + static_cast<i64>(c)] += 2 * it->len * d;
+      out.kv.push_back(*it);
+      out.kv_cell.push_back(static_cast<i64>(c));
+    }
+    begin = static_cast<std::size_t>(kv_count[c]);
+  }
+  // Send order: by cell (counting sort), tile index inside.
+  out.send.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const i64 t = tiles[i];
+    const i64 cell = (p.tile_owner[t] - first_replica) * Px + (p.tile_executor[t] - first_replica);
+    out.send[tile_count[cell]++] = t;
+  }
+}
+
+// Exchange tables of the plan's tiles, group by group on `workers` threads (groups are
+// independent; the tables do not depend on the worker count). Tiles of a group are usually
+// contiguous (TAP emits them so); otherwise they are bucketed by group first.
+void build_exchange(StepPlan& p, std::size_t workers) {
   const i64 Px = p.exchange_pool;
   const i64 G = p.dp / Px * p.slots;
   const std::size_t cells = static_cast<std::size_t>(G * Px * Px);
   p.xchg_q.assign(cells, 0);
   p.xchg_kv.assign(cells, 0);
   p.xchg_o.assign(cells, 0);
-  const i64 d = p.head_dim;
-  // Moved KV prefixes: (document, kv head, destination) -> longest prefix needed there. The
-  // document fixes the sequence, so also the group and the sender: each key lies in one
-  // exchange cell, and the entries are ordered by cell, then key.
-  const i64 kvh = p.kv_heads_local;
-  double moved_tokens = 0, all_tokens = 0;
-  // Exchange cell of every tile, computed once: (group, owner member, executor member), from
-  // per-replica tables (no divisions per tile).
   const i64 n_tiles = p.n_tiles();
-  std::vector<i64> pool_of(static_cast<std::size_t>(p.dp)), member_of(static_cast<std::size_t>(p.dp));
-  for (i64 r = 0; r < p.dp; ++r) {
-    pool_of[r] = r / Px;
-    member_of[r] = r % Px;
-  }
-  std::vector<i64> tile_cell(static_cast<std::size_t>(n_tiles));
-  for (i64 t = 0; t < n_tiles; ++t) {
-    const i64 o = p.tile_owner[t], e = p.tile_executor[t];
-    const i64 g = pool_of[o] * p.slots + p.seq_slot[p.tile_seq[t]];
-    tile_cell[t] = (g * Px + member_of[o]) * Px + member_of[e];
-  }
-  auto kv_heads = [&](i64 t) { return kv_heads_of(p, p.tile_head_start[t], p.tile_head_count[t]); };
-  // KV needs per cell (counting sort): key, prefix length, and the document's sequence and
-  // start (a tile's kv_start is its first document's start).
-  struct KvNeed {
-    i64 key, len, seq, start;
-  };
-  std::vector<i64> kv_first(cells + 1, 0);
-  for (i64 t = 0; t < n_tiles; ++t) {
-    const i64 qh = p.tile_q_len[t] * p.tile_head_count[t];
-    all_tokens += static_cast<double>(qh);
-    const i64 o = p.tile_owner[t], e = p.tile_executor[t];
-    if (o == e) continue;
-    if (pool_of[o] != pool_of[e]) fail("internal: tile " + std::to_string(t) + " leaves its exchange pool");
-    moved_tokens += static_cast<double>(qh);
-    const i64 cell = tile_cell[t];
-    const i64 src = member_of[o], dst = member_of[e], g = (cell - src * Px - dst) / (Px * Px);
-    p.xchg_q[cell] += qh * d;
-    p.xchg_o[(g * Px + dst) * Px + src] += qh * d;
-    const auto [kv0, kv1] = kv_heads(t);
-    kv_first[cell + 1] += kv1 - kv0 + 1;
-  }
-  for (std::size_t c = 0; c < cells; ++c) kv_first[c + 1] += kv_first[c];
-  std::vector<KvNeed> need(static_cast<std::size_t>(kv_first[cells]));
+  // tiles of each group: by_group[first[g] .. first[g + 1])
+  std::vector<i64> first(static_cast<std::size_t>(G + 1), 0), by_group(static_cast<std::size_t>(n_tiles));
   {
-    std::vector<i64> fill(kv_first.begin(), kv_first.end() - 1);
+    std::vector<i64> group(static_cast<std::size_t>(n_tiles));
+    std::vector<i64> slot0(static_cast<std::size_t>(p.dp));  // first group of each replica's pool
+    for (i64 r = 0; r < p.dp; ++r) slot0[r] = (r / Px) * p.slots;  // (no division per tile)
+    bool sorted = true;
     for (i64 t = 0; t < n_tiles; ++t) {
-      if (p.tile_owner[t] == p.tile_executor[t]) continue;
-      const i64 cell = tile_cell[t], dst = member_of[p.tile_executor[t]];
-      const auto [kv0, kv1] = kv_heads(t);
-      for (i64 kh = kv0; kh <= kv1; ++kh)
-        need[fill[cell]++] = {(p.tile_doc[t] * kvh + kh) * Px + dst, p.tile_kv_len[t],
-                              p.tile_seq[t], p.tile_kv_start[t]};
+      group[t] = slot0[p.tile_owner[t]] + p.seq_slot[p.tile_seq[t]];
+      ++first[group[t] + 1];
+    }
+    for (i64 t = 1; t < n_tiles && sorted; ++t) sorted = group[t] >= group[t - 1];
+    for (i64 g = 0; g < G; ++g) first[g + 1] += first[g];
+    if (sorted) {
+      std::iota(by_group.begin(), by_group.end(), i64{0});
+    } else {
+      std::vector<i64> fill(first.begin(), first.end() - 1);
+      for (i64 t = 0; t < n_tiles; ++t) by_group[fill[group[t]]++] = t;
     }
   }
-  // Inside each cell: by key, the longest prefix of each key kept (compacted in place).
-  std::size_t nk = 0;
-  std::vector<i64> kept_first(cells + 1, 0);
-  for (std::size_t c = 0; c < cells; ++c) {
-    const auto first = need.begin() + kv_first[c], last = need.begin() + kv_first[c + 1];
-    std::sort(first, last, [](const KvNeed& x, const KvNeed& y) {
-      return x.key != y.key ? x.key < y.key : x.len < y.len;
-    });
-    for (auto it = first; it != last; ++it)
-      if (it + 1 == last || (it + 1)->key != it->key) need[nk++] = *it;
-    kept_first[c + 1] = static_cast<i64>(nk);
+  std::vector<GroupExchange> parts(static_cast<std::size_t>(G));
+  run_workers(workers, static_cast<std::size_t>(G), [&](WorkQueue& queue) {
+    ExchangeScratch scratch;
+    for (std::size_t g; queue.take(g);)
+      group_exchange(p, static_cast<i64>(g), by_group.data() + first[g],
+                     static_cast<std::size_t>(first[g + 1] - first[g]), scratch, parts[g]);
+  });
+  // The groups' entries, in group order.
+  std::vector<std::size_t> kv_first(static_cast<std::size_t>(G + 1), 0);
+  i64 moved_tokens = 0, all_tokens = 0;
+  for (i64 g = 0; g < G; ++g) {
+    kv_first[g + 1] = kv_first[g] + parts[g].kv.size();
+    moved_tokens += parts[g].moved_tokens;
+    all_tokens += parts[g].all_tokens;
   }
   for (auto* v : {&p.kv_group, &p.kv_src, &p.kv_dst, &p.kv_seq, &p.kv_start, &p.kv_len, &p.kv_head})
-    v->resize(nk);
-  for (std::size_t c = 0; c < cells; ++c) {
-    const i64 cell = static_cast<i64>(c);
-    for (i64 i = kept_first[c]; i < kept_first[c + 1]; ++i) {
-      const KvNeed& e = need[i];
-      p.kv_group[i] = cell / (Px * Px);
-      p.kv_src[i] = (cell / Px) % Px;
-      p.kv_dst[i] = cell % Px;
-      p.kv_seq[i] = e.seq;
-      p.kv_start[i] = e.start;
-      p.kv_head[i] = (e.key / Px) % kvh;
-      p.kv_len[i] = e.len;
-      p.xchg_kv[cell] += 2 * e.len * d;
+    v->resize(kv_first[G]);
+  p.send_group_offsets.assign(first.begin(), first.end());
+  p.send_order.resize(static_cast<std::size_t>(n_tiles));
+  run_workers(workers, static_cast<std::size_t>(G), [&](WorkQueue& queue) {
+    for (std::size_t g; queue.take(g);) {
+      std::size_t i = kv_first[g];
+      const GroupExchange& part = parts[g];
+      for (std::size_t k = 0; k < part.kv.size(); ++k, ++i) {
+        const auto& e = part.kv[k];
+        p.kv_group[i] = static_cast<i64>(g);
+        p.kv_src[i] = part.kv_cell[k] / Px;
+        p.kv_dst[i] = part.kv_cell[k] % Px;
+        p.kv_seq[i] = e.seq;
+        p.kv_start[i] = e.start;
+        p.kv_head[i] = (e.key / Px) % p.kv_heads_local;
+        p.kv_len[i] = e.len;
+      }
+      std::copy(parts[g].send.begin(), parts[g].send.end(), p.send_order.begin() + first[g]);
     }
-  }
-  const std::size_t cells_n = cells;
-  // Send order: tiles by (group, owner member, executor member), tile index inside (counting sort).
-  std::vector<i64> start(cells_n + 1, 0);
-  for (i64 t = 0; t < n_tiles; ++t) ++start[tile_cell[t] + 1];
-  for (std::size_t c = 0; c < cells_n; ++c) start[c + 1] += start[c];
-  p.send_group_offsets.assign(static_cast<std::size_t>(G + 1), 0);
-  for (i64 g = 0; g <= G; ++g) p.send_group_offsets[g] = start[g * Px * Px];
-  p.send_order.assign(static_cast<std::size_t>(n_tiles), 0);
-  for (i64 t = 0; t < n_tiles; ++t) p.send_order[start[tile_cell[t]]++] = t;
-  p.moved_token_fraction = all_tokens > 0 ? moved_tokens / all_tokens : 0.0;
+  });
+  p.moved_token_fraction =
+      all_tokens > 0 ? static_cast<double>(moved_tokens) / static_cast<double>(all_tokens) : 0.0;
 
   // Bytes each rank sends, forward + backward: as owner Q, KV (fwd) and dO (bwd); as executor
   // O (fwd) and dQ, dKV (bwd). Identical for every cp rank of a replica (own head slice). The
@@ -525,11 +601,11 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   p.vrsp_lower_bound = placement.lower_bound;
   p.vrsp_max_pool = placement.max_pool;
   p.vrsp_pool_lower_bound = placement.pool_lower_bound;
-  build_exchange(p);
+  build_exchange(p, plan_workers(options, p.doc_lengths.size()));
   phase_done(p, PlanPhase::Exchange);
   compute_metrics(p, input_pairs, options.order, options.micro_batch);
   phase_done(p, PlanPhase::Metrics);
-  p.hash = p.compute_hash();
+  p.hash = p.compute_hash(plan_workers(options, p.doc_lengths.size()));
   phase_done(p, PlanPhase::Hash);
   p.plan_ms = std::chrono::duration<double, std::milli>(lap - t0).count();
   return p;

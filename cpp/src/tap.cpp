@@ -398,20 +398,34 @@ struct GroupScratch {
   std::vector<std::pair<double, std::size_t>> order;
   std::vector<std::size_t> rest;
   std::vector<std::vector<std::size_t>> on;
+  std::size_t last_count = 0;  // tiles of the previous group
 };
 
-// TAP on one group: the tiles of its members' sequences with their executors set.
-std::vector<StepPlan::Tile> place_group(const StepPlan& plan, const PlanOptions& opt,
-                                        i64 head_group, const std::vector<i64>& members,
-                                        const std::vector<i64>& seq_pairs, GroupScratch& scratch) {
+// TAP on one group: the tiles of its members' sequences with their executors set, into `out`
+// (empty on entry). The tiles are built in `out`'s own buffer, reserved a quarter above the
+// previous group's count, so that they are never copied out of the scratch.
+void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
+                 const std::vector<i64>& members, const std::vector<i64>& seq_pairs,
+                 GroupScratch& scratch, std::vector<StepPlan::Tile>& out) {
   const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
   const i64 P = static_cast<i64>(members.size());
   i64 n_docs = 0;
   GroupTiles& gt = scratch.gt;
   std::vector<i64>& doc_slot = scratch.doc_slot;
+  out.reserve(scratch.last_count + scratch.last_count / 4 + 16);
+  gt.tile.swap(out);
+  struct GiveBack {  // the tiles go to `out` however this returns
+    std::vector<StepPlan::Tile>& a;
+    std::vector<StepPlan::Tile>& b;
+    std::size_t& count;
+    ~GiveBack() {
+      count = b.size();
+      a.swap(b);
+    }
+  } give_back{out, gt.tile, scratch.last_count};
   make_group_tiles(plan, members, seq_pairs, opt.block, head_group, opt.max_tile_share, gt, n_docs);
   std::size_t n = gt.size();
-  if (n == 0) return {};
+  if (n == 0) return;
   const double total = std::accumulate(gt.load.begin(), gt.load.end(), 0.0);
   const double cap = (1.0 + opt.epsilon) * total / static_cast<double>(P);
   if (static_cast<i64>(doc_slot.size()) < n_docs) doc_slot.resize(static_cast<std::size_t>(n_docs), -1);
@@ -581,7 +595,6 @@ std::vector<StepPlan::Tile> place_group(const StepPlan& plan, const PlanOptions&
     const i64 member = keep_owners ? gt.owner[k] : placer.exec()[k];
     gt.tile[k].executor = plan.seq_replica[members[member]];
   }
-  return gt.tile;  // a copy of exactly n tiles; the scratch keeps its capacity
 }
 
 }  // namespace
@@ -604,11 +617,11 @@ void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::ve
   run_workers(workers, G, [&](WorkQueue& queue) {
     GroupScratch scratch;
     for (std::size_t g; queue.take(g);)
-      placed[g] = place_group(plan, opt, head_group, groups[g], seq_pairs, scratch);
+      place_group(plan, opt, head_group, groups[g], seq_pairs, scratch, placed[g]);
   });
   std::vector<std::size_t> first(G + 1, static_cast<std::size_t>(plan.n_tiles()));
   for (std::size_t g = 0; g < G; ++g) first[g + 1] = first[g] + placed[g].size();
-  plan.resize_tiles(first[G]);
+  plan.resize_tiles(first[G], workers);
   run_workers(workers, G, [&](WorkQueue& queue) {
     for (std::size_t g; queue.take(g);) {
       for (std::size_t i = 0; i < placed[g].size(); ++i) plan.set_tile(first[g] + i, placed[g][i]);

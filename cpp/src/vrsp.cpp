@@ -153,11 +153,14 @@ double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_gro
   // The k heaviest items lie in some q groups (ceil(k/card) <= q <= k); those groups hold
   // q*card - k further items, at least the lightest ones, so their heaviest group weighs at least
   // (top k + lightest q*card - k) / q. The bound is the least of these over q.
+  // (Scanning q downwards, a q whose value does not exceed the bound so far ends the scan: the
+  // least over q cannot raise the bound then; the bound is the same as a full scan's.)
   for (i64 k = 2; k <= std::min<i64>(n_groups, static_cast<i64>(n)); ++k) {
     double least = std::numeric_limits<double>::infinity();
-    for (i64 q = (k + cardinality - 1) / cardinality; q <= k; ++q) {
+    for (i64 q = k; q >= (k + cardinality - 1) / cardinality; --q) {
       const i64 others = q * cardinality - k;
       least = std::min(least, (prefix[k] + prefix[n] - prefix[n - others]) / static_cast<double>(q));
+      if (least <= bound) break;
     }
     bound = std::max(bound, least);
   }

@@ -145,7 +145,8 @@ struct StepPlan {
         executor, cp, pairs;
   };
   void add_tile(const Tile& t);
-  void resize_tiles(std::size_t n);
+  // Every tile array to n entries; `workers` threads fill the arrays' new entries side by side.
+  void resize_tiles(std::size_t n, std::size_t workers = 1);
   void set_tile(std::size_t i, const Tile& t) {
     tile_seq[i] = t.seq; tile_doc[i] = t.doc; tile_doc_count[i] = t.doc_count;
     tile_q_start[i] = t.q_start; tile_q_len[i] = t.q_len; tile_head_start[i] = t.head_start;
@@ -155,7 +156,9 @@ struct StepPlan {
   }
   i64 n_seq() const { return static_cast<i64>(seq_doc_offsets.size()) - 1; }
   i64 n_tiles() const { return static_cast<i64>(tile_seq.size()); }
-  u64 compute_hash() const;
+  // The plan's hash: each array's digest (arrays hashed side by side on `workers` threads), then
+  // the scalars; the same for any worker count.
+  u64 compute_hash(std::size_t workers = 1) const;
 };
 
 // Plan one step. `sequences` are the step's B packed sequences (document lengths). `state` carries
