@@ -80,6 +80,35 @@ queue.close()
 out = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, d)
 assert torch.equal(out["w"], torch.arange(6.0)), out
 """,
+    "recompute_rng": """
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state as ps, tensor_parallel
+ps.initialize_model_parallel()
+tensor_parallel.model_parallel_cuda_manual_seed(1)
+x = torch.randn(4, requires_grad=True)
+y = tensor_parallel.checkpoint(lambda t: (t * t).sum(), False, x)
+y.backward()
+assert torch.allclose(x.grad, 2 * x.detach()), x.grad
+""",
+    "p2p_synchronize": """
+import torch.multiprocessing as mp
+def stage(rank, port):  # (forked: the shims applied above hold in both stages)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from megatron.core import parallel_state as ps
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    cfg = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    comm = P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=cfg)
+    if rank == 0:
+        comm.send_forward(torch.arange(6.0).view(3, 1, 2), False)
+    else:
+        got = comm.recv_forward((3, 1, 2), False)
+        assert torch.equal(got, torch.arange(6.0).view(3, 1, 2)), got
+mp.start_processes(stage, args=(sys.argv[2],), nprocs=2, start_method="fork")
+""",
     "grad_clip_fp32": """
 from megatron.core.optimizer import clip_grads
 p = torch.nn.Parameter(torch.ones(4))

@@ -53,7 +53,25 @@ def test_cpu_tiny_loads_and_overrides_apply():
         ),
         (["data.gbs=3"], 4, r"data.gbs \(3\) must be a positive multiple"),
         (["schedule.warmup_steps=60"], 4, r"schedule.warmup_steps \(60\)"),
-        ([], 3, r"world size 3 must be a multiple of parallel.tp \* parallel.cp"),
+        ([], 3, r"world size 3 must be a multiple of parallel.tp \* parallel.cp \* parallel.pp"),
+        (["parallel.pp=2"], 6, r"world size 6 must be a multiple of .* parallel.pp = 4"),
+        (["parallel.pp=3"], 12, r"parallel.pp \* parallel.vpp \(3 \* 1\) must divide model.layers"),
+        (["parallel.vpp=2"], 4, r"parallel.vpp \(2\) > 1 needs pipeline parallelism"),
+        (["parallel.pp=2", "parallel.vpp=2", "model.layers=4"], 8, r"needs parallel.pp > 2"),
+        (
+            ["parallel.pp=4", "parallel.vpp=2", "model.layers=8", "parallel.cp=1",
+             "parallel.pool_size=1", "data.gbs=6"],
+            24,
+            r"micro-batches per replica \(data.gbs / dp = 1\) must be a multiple of parallel.pp",
+        ),
+        (["parallel.sequence_parallel=true"], 4, r"parallel.sequence_parallel needs tensor"),
+        (["parallel.pp=0"], 4, r"parallel.pp must be >= 1, got 0"),
+        (
+            ["model.recompute=full", "model.recompute_num_layers=2", "model.layers=3"],
+            4,
+            r"model.recompute_num_layers \(2\) must divide the 3 layers",
+        ),
+        (["system.pp_order=fastest"], 4, r"system.pp_order must be one of none, balanced"),
         (["parallel.ep=2"], 4, r"parallel.ep \(2\) > 1 needs an MoE model"),
         (
             ["parallel.ep=3", "model.moe_topk=2", "model.experts=4", "model.moe_ffn=8"],
@@ -89,6 +107,9 @@ def test_bad_configs_name_the_field(overrides, world, message):
         (["parallel"], r"override 'parallel' must look like key.sub=value"),
         (["model.qk_norm=1"], r"model.qk_norm must be true or false"),
         (["model.rope_base=0.5"], r"model.rope_base must be a number > 1"),
+        (["model.recompute=partial"], r"model.recompute must be one of none, selective, full"),
+        (["model.recompute_method=random"], r"model.recompute_method must be uniform or block"),
+        (["model.recompute_num_layers=0"], r"model.recompute_num_layers"),
     ],
 )
 def test_bad_fields_and_overrides(overrides, message):
@@ -152,6 +173,10 @@ def test_gpu_only_features_are_refused_on_cpu():
     cfg = TrainConfig.load(CPU_TINY, ["optimizer.distributed=true"])
     with pytest.raises(ValueError, match="optimizer.distributed needs a GPU"):
         cfg.validate(4)
+    for name in ("overlap_grad_reduce", "overlap_param_gather"):
+        cfg = TrainConfig.load(CPU_TINY, [f"optimizer.{name}=true"])
+        with pytest.raises(ValueError, match=f"optimizer.{name} needs a GPU"):
+            cfg.validate(4)
     assert resolve_impl("auto") == "local"
 
 

@@ -66,15 +66,19 @@ def all_gather_rows(
 class GroupCache:
     """Process groups of the runtime, created once, in the same order on every rank.
 
-    Rank order is Megatron's tp-cp-dp: global rank = t + T * (c + C * r). The CP group of
-    (t, r) holds its C cp ranks; the pool group of (t, c, pool k of size P) holds the P ranks of
-    that tp rank and cp index in the pool's replicas.
+    Rank order is Megatron's tp-cp-(ep)-dp-pp: global rank = t + T * (c + C * (r + D * s)) for
+    tp rank t, cp rank c, replica r and pipeline stage s. The CP group of (t, r, s) holds its C
+    cp ranks; the pool group of (t, c, s, pool k of size P) holds the P ranks of that tp rank,
+    cp index and stage in the pool's replicas. Every stage runs the same plan on its own layers,
+    so a stage only ever exchanges with the same stage of other replicas.
     """
 
-    def __init__(self, tp: int, cp: int, dp: int, timeout_s: float = 600.0):
-        if dist.get_world_size() != tp * cp * dp:
-            raise ValueError(f"world size {dist.get_world_size()} != tp*cp*dp = {tp * cp * dp}")
-        self.tp, self.cp, self.dp = tp, cp, dp
+    def __init__(self, tp: int, cp: int, dp: int, timeout_s: float = 600.0, pp: int = 1):
+        if dist.get_world_size() != tp * cp * dp * pp:
+            raise ValueError(
+                f"world size {dist.get_world_size()} != tp*cp*dp*pp = {tp * cp * dp * pp}"
+            )
+        self.tp, self.cp, self.dp, self.pp = tp, cp, dp, pp
         # A rank that stops early (bad input on that rank only) turns into a timeout error on the
         # others instead of a hang.
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -86,13 +90,18 @@ class GroupCache:
         )
         me = dist.get_rank()
         self.t, rest = me % tp, me // tp
-        self.c, self.r = rest % cp, rest // cp
-        for r in range(dp):
-            for t in range(tp):
-                ranks = [t + tp * (c + cp * r) for c in range(cp)]
-                g = dist.new_group(ranks, timeout=self.timeout)
-                if t == self.t and r == self.r:
-                    self._cp_group = g
+        self.c, rest = rest % cp, rest // cp
+        self.r, self.s = rest % dp, rest // dp
+        for s in range(pp):
+            for r in range(dp):
+                for t in range(tp):
+                    ranks = [self._rank(t, c, r, s) for c in range(cp)]
+                    g = dist.new_group(ranks, timeout=self.timeout)
+                    if t == self.t and r == self.r and s == self.s:
+                        self._cp_group = g
+
+    def _rank(self, t: int, c: int, r: int, s: int) -> int:
+        return t + self.tp * (c + self.cp * (r + self.dp * s))
 
     def cp_group(self):
         return self._cp_group
@@ -102,14 +111,15 @@ class GroupCache:
         collectively: every rank must ask for the same pool sizes in the same order)."""
         if pool not in self._pool:
             mine = None
-            for k in range(self.dp // pool):
-                for c in range(self.cp):
-                    for t in range(self.tp):
-                        ranks = [
-                            t + self.tp * (c + self.cp * r) for r in range(k * pool, (k + 1) * pool)
-                        ]
-                        g = dist.new_group(ranks, timeout=self.timeout) if pool > 1 else None
-                        if t == self.t and c == self.c and k == self.r // pool:
-                            mine = g
+            for s in range(self.pp):
+                for k in range(self.dp // pool):
+                    for c in range(self.cp):
+                        for t in range(self.tp):
+                            ranks = [
+                                self._rank(t, c, r, s) for r in range(k * pool, (k + 1) * pool)
+                            ]
+                            g = dist.new_group(ranks, timeout=self.timeout) if pool > 1 else None
+                            if t == self.t and c == self.c and s == self.s and k == self.r // pool:
+                                mine = g
             self._pool[pool] = mine
         return self._pool[pool]

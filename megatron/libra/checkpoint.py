@@ -70,9 +70,32 @@ def _rng_object(rank: int, world: int):
     )
 
 
+def _chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _model_state(model) -> dict:
+    """The model's sharded state: "model", or "model0", "model1", ... for virtual pipeline
+    chunks (as Megatron-LM names them). Tensors are keyed by their global names and layer
+    numbers, so a checkpoint loads under another tp / pp / vpp layout of the same model."""
+    chunks = _chunks(model)
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _load_model(model, loaded: dict) -> None:
+    chunks = _chunks(model)
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(loaded["model"])
+    else:
+        for i, c in enumerate(chunks):
+            c.load_state_dict(loaded[f"model{i}"])
+
+
 def _sharded(model, opt, is_loading: bool) -> dict:
-    msd = model.sharded_state_dict()
-    return {"model": msd, "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading)}
+    msd = _model_state(model)
+    return {**msd, "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading)}
 
 
 class Checkpointer:
@@ -289,7 +312,7 @@ def load(
     common, meta = _checked_meta(path, model_config)
     rank, world = dist.get_rank(), dist.get_world_size()
     if finetune:
-        state = {"model": model.sharded_state_dict()}
+        state = _model_state(model)
     else:
         state = _sharded(model, opt, is_loading=True)
     same_world = meta["world_size"] == world
@@ -299,7 +322,7 @@ def load(
         loaded = dist_checkpointing.load(state, str(path))
     except Exception as e:  # a missing or truncated shard
         raise damaged(path, f"its shards do not load: {_first_line(e)}") from None
-    model.load_state_dict(loaded["model"])
+    _load_model(model, loaded)
     if finetune:
         return Resumed(next_step=0, doc_base=0, planner_state=None, recent_bases={})
     opt.load_state_dict(loaded["optimizer"])

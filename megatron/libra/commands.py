@@ -86,6 +86,15 @@ def add_plan_parser(sub) -> None:
         "--micro-batch-size", type=int, default=1,
         help="sequences per micro-batch and replica in Megatron order (divides gbs / dp)",
     )
+    p.add_argument(
+        "--pp", type=int, default=1,
+        help="pipeline stages: with pp > 1, also model each replica's 1F1B schedule and report its "
+        "bubble with the plan's micro-batch order and with the balanced order (system.pp_order)",
+    )
+    p.add_argument(
+        "--hardware", default="h200-sxm",
+        help="hardware profile (name or file) of the --pp step model (default h200-sxm)",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -390,7 +399,16 @@ def run_plan(args) -> dict | None:
     )
     if args.gbs <= 0 or args.gbs % args.dp:
         raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
+    _positive(args.pp, "pp")
     planner = Planner(layout, model, options)
+    pipeline = []  # with --pp > 1: each step's PipelineOrder
+    if args.pp > 1:
+        from libra_ext.attention import DEFAULT_CHUNKS
+        from libra_ext.pipeline import order_slots
+        from libra_ext.simulator.cost import simulate_plan
+        from libra_ext.simulator.hardware import HardwareProfile
+
+        hardware = HardwareProfile.load(args.hardware)
     # Check every plan as it comes and keep only its metrics, so memory stays flat over steps.
     metrics, hashes, tiles = [], [], []
     inexact, unpreserved = [], []  # why pairs_exact / samples_preserved failed, if they did
@@ -417,6 +435,9 @@ def run_plan(args) -> dict | None:
         hashes.append(f"{plan.hash:016x}")
         tiles.append(plan.n_tiles)
         check(plan, seqs)
+        if args.pp > 1:
+            times = simulate_plan(plan, model, hardware, chunks=DEFAULT_CHUNKS)
+            pipeline.append(order_slots(times.slot, plan.exchange_pool, args.pp, "balanced"))
         if args.system == "wlb":
             inputs_docs.extend(l for q in seqs for l in q)
             arrival.extend([step] * sum(len(q) for q in seqs))
@@ -471,6 +492,16 @@ def run_plan(args) -> dict | None:
         "samples_preserved": not unpreserved,
         "hashes": hashes,
     }
+    if pipeline:
+        result["pp"] = args.pp
+        result["pp_bubble_before"] = float(np.mean([o.bubble_before for o in pipeline]))
+        result["pp_bubble_after"] = float(np.mean([o.bubble_after for o in pipeline]))
+        result["pp_step_after_over_before"] = float(
+            np.mean([o.step_after / o.step_before for o in pipeline])
+        )
+        result["samples_preserved"] = result["samples_preserved"] and all(
+            o.samples_preserved for o in pipeline
+        )
     if args.system == "wlb":
         # over the planned steps (the final flush that drains the queue is not counted)
         result["wlb_backlog_max"] = max(wlb_backlog)
@@ -515,6 +546,9 @@ def _print_plan_table(r: dict) -> None:
     print(f"  pool bytes sent per rank (fwd+bwd)     {r['bytes_moved_per_rank'] / 2**20:.1f} MiB")
     print(f"  plan time per step (median)            {r['plan_ms']:.3f} ms")
     print(f"  pairs exact / samples preserved        {r['pairs_exact']} / {r['samples_preserved']}")
+    if "pp" in r:
+        print(f"  1F1B bubble, pp={r['pp']}: plan order / balanced  {r['pp_bubble_before']:.4f} / "
+              f"{r['pp_bubble_after']:.4f} (step x{r['pp_step_after_over_before']:.4f})")
     if "wlb_backlog_max" in r:
         print(f"  wlb held documents max / final         {r['wlb_backlog_max']} / "
               f"{r['wlb_backlog_final']}")

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from libra_ext.attention import BACKENDS, DEFAULT_CHUNKS
+from libra_ext.pipeline import PP_ORDERS
 from libra_ext.planner import ORDERS, SYSTEMS
 from libra_ext.workload import ModelConfig, check_int, preset_names, read_lengths_file
 
@@ -35,6 +36,15 @@ class ParallelConfig:
     timeout_minutes: float = 10.0
     """Every process group's collective timeout (Megatron-LM's --distributed-timeout-minutes):
     a rank that stops or hangs ends the run with an error after this long instead of a hang."""
+    pp: int = 1
+    """Pipeline-parallel stages (megatron-core's 1F1B schedule; model.layers must divide over
+    pp * vpp). Ranks are laid out tp-cp-ep-dp-pp, as Megatron-LM does."""
+    vpp: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank: > 1 runs megatron-core's
+    interleaved 1F1B schedule (needs pp > 1 and gbs / dp micro-batches a multiple of pp)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism with TP: layer norms and dropout on a 1/tp share of the
+    tokens (needs tp > 1)."""
 
 
 @dataclass
@@ -72,6 +82,10 @@ class SystemConfig:
     """libra: TAP's refinement pass after the greedy."""
     distca_tolerance: float = 0.05
     """distca: a replica stops receiving once its deficit is within this share of the mean."""
+    pp_order: str = "none"
+    """With pipeline parallelism: none (micro-batches in the plan's slot order) or balanced
+    (each exchange pool's slots reordered to shorten the modeled 1F1B step; the same samples,
+    only their order changes; see `libra plan --pp`)."""
 
     # the planner's own knobs, named as in PlannerOptions
     PLANNER_KNOBS = (
@@ -128,6 +142,12 @@ class OptimizerSection:
     adam_eps: float = 1e-8
     """Adam's epsilon. Gradients far below it move parameters proportionally less, which keeps
     float-summation-order noise in near-zero gradients from becoming lr-sized steps."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass (megatron-core DDP's
+    overlap_grad_reduce). GPU only."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward
+    (overlap_param_gather; needs optimizer.distributed). GPU only."""
 
 
 @dataclass
@@ -177,10 +197,62 @@ class LoggingConfig:
     once per step) for the attn time max/mean column; false: no timing hooks."""
 
 
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass
+class TrainModelConfig(ModelConfig):
+    """The model's dimensions and how its activations are kept."""
+
+    recompute: str = "none"
+    """Activation recompute: none, selective (core attention recomputed in the backward; the
+    Libra operator runs its exchange again) or full (whole layers: megatron-core's
+    recompute_granularity=full)."""
+    recompute_method: str = "uniform"
+    """full recompute: uniform (every recompute_num_layers layers one checkpoint) or block
+    (the first recompute_num_layers layers of each pipeline stage recomputed)."""
+    recompute_num_layers: int = 1
+    """full recompute: layers per checkpoint (uniform) or layers recomputed per stage (block)."""
+
+    TRAINING_ONLY = ("recompute", "recompute_method", "recompute_num_layers")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(
+                f"model.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+            )
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(
+                f"model.recompute_method must be uniform or block, got {self.recompute_method!r}"
+            )
+        check_int(self.recompute_num_layers, "model.recompute_num_layers", 1, self.layers)
+
+    def weight_fields(self) -> dict:
+        """The fields a checkpoint's weights depend on (everything but how activations are
+        kept)."""
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if k not in self.TRAINING_ONLY}
+
+    def megatron_recompute(self, stages: int) -> dict:
+        """TransformerConfig's recompute fields for this setting."""
+        if self.recompute == "none":
+            return {}
+        if self.recompute == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+        per_stage = self.layers // max(stages, 1)
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": self.recompute_method,
+            "recompute_num_layers": min(self.recompute_num_layers, per_stage),
+        }
+
+
 @dataclass
 class TrainConfig:
-    model: ModelConfig = field(
-        default_factory=lambda: ModelConfig(
+    model: TrainModelConfig = field(
+        default_factory=lambda: TrainModelConfig(
             hidden=64,
             heads=4,
             kv_heads=2,
@@ -246,17 +318,51 @@ class TrainConfig:
     def validate(self, world_size: int) -> int:
         """Check everything knowable before process groups exist; returns the DP size."""
         p, m, d, s = self.parallel, self.model, self.data, self.system
-        for name in ("tp", "cp", "pool_size", "ep"):
+        for name in ("tp", "cp", "pool_size", "ep", "pp", "vpp"):
             if getattr(p, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
         if not p.timeout_minutes > 0:
             raise ValueError(f"parallel.timeout_minutes must be positive, got {p.timeout_minutes}")
-        if world_size % (p.tp * p.cp):
+        if world_size % (p.tp * p.cp * p.pp):
             raise ValueError(
-                f"world size {world_size} must be a multiple of parallel.tp * "
-                f"parallel.cp = {p.tp * p.cp}"
+                f"world size {world_size} must be a multiple of parallel.tp * parallel.cp * "
+                f"parallel.pp = {p.tp * p.cp * p.pp} (the data-parallel size is what remains)"
             )
-        dp = world_size // (p.tp * p.cp)
+        if p.vpp > 1 and p.pp <= 2:
+            raise ValueError(
+                f"parallel.vpp ({p.vpp}) > 1 needs parallel.pp > 2 (got {p.pp}): the interleaved "
+                "schedule's sends to the previous and the next stage go to one peer at pp = 2"
+                if p.pp == 2
+                else f"parallel.vpp ({p.vpp}) > 1 needs pipeline parallelism (parallel.pp > 2)"
+            )
+        if m.layers % (p.pp * p.vpp):
+            raise ValueError(
+                f"parallel.pp * parallel.vpp ({p.pp} * {p.vpp}) must divide model.layers "
+                f"({m.layers}): every (virtual) stage holds the same number of layers"
+            )
+        if p.sequence_parallel and p.tp == 1:
+            raise ValueError(
+                "parallel.sequence_parallel needs tensor parallelism (parallel.tp > 1)"
+            )
+        if m.recompute == "full" and m.recompute_method == "uniform":
+            per_stage = m.layers // (p.pp * p.vpp)
+            if per_stage % m.recompute_num_layers:
+                raise ValueError(
+                    f"model.recompute_num_layers ({m.recompute_num_layers}) must divide the "
+                    f"{per_stage} layers of each (virtual) pipeline stage with "
+                    "model.recompute_method = uniform"
+                )
+        if s.pp_order not in PP_ORDERS:
+            raise ValueError(
+                f"system.pp_order must be one of {', '.join(PP_ORDERS)}, got {s.pp_order!r}"
+            )
+        dp = world_size // (p.tp * p.cp * p.pp)
+        if p.vpp > 1 and d.gbs % dp == 0 and (d.gbs // dp) % p.pp:
+            raise ValueError(
+                f"parallel.vpp > 1: the micro-batches per replica (data.gbs / dp = "
+                f"{d.gbs // dp}) must be a multiple of parallel.pp ({p.pp}) for the interleaved "
+                "schedule"
+            )
         if dp % p.pool_size:
             raise ValueError(
                 f"parallel.pool_size (P={p.pool_size}) must divide the data-parallel size (D={dp})"
@@ -279,6 +385,17 @@ class TrainConfig:
             raise ValueError(
                 "optimizer.distributed needs a GPU: megatron-core's distributed optimizer "
                 "accepts CUDA tensors only (set optimizer.distributed=false on CPU)"
+            )
+        for name in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(self.optimizer, name) and not _cuda():
+                raise ValueError(
+                    f"optimizer.{name} needs a GPU (megatron-core overlaps it on CUDA streams); "
+                    f"set optimizer.{name}=false on CPU"
+                )
+        if self.optimizer.overlap_param_gather and not self.optimizer.distributed:
+            raise ValueError(
+                "optimizer.overlap_param_gather needs the distributed optimizer "
+                "(optimizer.distributed=true)"
             )
         if s.name not in SYSTEMS:
             raise ValueError(f"system.name must be one of {', '.join(SYSTEMS)}, got {s.name!r}")

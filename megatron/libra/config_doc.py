@@ -53,7 +53,7 @@ def render() -> str:
         if dataclasses.is_dataclass(value):
             cls = type(value)
             docs = field_docs(cls)
-            if cls is ModelConfig:
+            if issubclass(cls, ModelConfig):
                 docs = {**field_docs(ModelConfig), **docs}
             lines += [f"## `{f.name}`", "", "| key | default | meaning |", "|---|---|---|"]
             for sub in dataclasses.fields(cls):

@@ -19,6 +19,12 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
   synchronizes nothing.
 - `async_checkpoint`: the asynchronous checkpoint caller calls `torch.cuda.synchronize()` before
   it starts the writer process; on CPU there is nothing to synchronize.
+- `recompute_rng`: activation recompute (megatron-core's CheckpointFunction) saves and restores
+  the CUDA generator's state with the CPU one's; on CPU there is no CUDA generator, so only the
+  CPU state and the tracker's are kept.
+- `p2p_synchronize`: the pipeline stages' point-to-point exchange calls `torch.cuda.synchronize()`
+  after each batched send / receive (and its shape exchange); on CPU gloo's requests are already
+  waited for and there is nothing to synchronize.
 """
 
 from __future__ import annotations
@@ -211,11 +217,32 @@ class _CudaWithoutStreams(types.ModuleType):
         return None
 
 
-def _shim_async_checkpoint() -> None:
-    au = importlib.import_module("megatron.core.dist_checkpointing.strategies.async_utils")
+def _torch_without_cuda_streams() -> types.ModuleType:
     proxy = _torch_view("torch_without_cuda_streams")
     proxy.cuda = _CudaWithoutStreams("torch.cuda")
-    au.torch = proxy
+    return proxy
+
+
+def _shim_async_checkpoint() -> None:
+    au = importlib.import_module("megatron.core.dist_checkpointing.strategies.async_utils")
+    au.torch = _torch_without_cuda_streams()
+
+
+# --- recompute_rng --------------------------------------------------------------------------
+
+
+def _shim_recompute_rng() -> None:
+    random_mod = importlib.import_module("megatron.core.tensor_parallel.random")
+    random_mod._get_cuda_rng_state = lambda *args, **kwargs: None
+    random_mod._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
+# --- p2p_synchronize ------------------------------------------------------------------------
+
+
+def _shim_p2p_synchronize() -> None:
+    p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
+    p2p.torch = _torch_without_cuda_streams()
 
 
 SHIMS = {
@@ -226,6 +253,8 @@ SHIMS = {
     "moe_without_te": _shim_moe_without_te,
     "checkpoint_preload": _shim_checkpoint_preload,
     "async_checkpoint": _shim_async_checkpoint,
+    "p2p_synchronize": _shim_p2p_synchronize,
+    "recompute_rng": _shim_recompute_rng,
 }
 
 

@@ -16,6 +16,7 @@ from megatron.libra.config import resolve_impl
 
 with warnings.catch_warnings():  # megatron-core's notices about optional TE / apex
     warnings.simplefilter("ignore")
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -23,6 +24,10 @@ with warnings.catch_warnings():  # megatron-core's notices about optional TE / a
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        get_transformer_layer_offset,
+    )
 
 
 def transformer_config(
@@ -81,22 +86,90 @@ def build_gpt(
     dtype: torch.dtype = torch.float32,
     expert_parallel: int = 1,
     transformer_impl: str = "auto",
+    **config_overrides,
 ) -> GPTModel:
-    """GPTModel with `core_attention` replaced by LibraCoreAttention for `system`."""
-    spec = layer_spec(model, system, runtime, resolve_impl(transformer_impl))
-    return GPTModel(
-        config=transformer_config(model, dtype, expert_parallel),
-        transformer_layer_spec=spec,
-        vocab_size=model.vocab,
-        max_sequence_length=max_seq,
-        position_embedding_type="rope",
-        rotary_base=model.rope_base,
+    """GPTModel with `core_attention` replaced by LibraCoreAttention for `system` (one pipeline
+    stage: the whole model)."""
+    return build_model_chunks(
+        model, system, runtime, max_seq, dtype, expert_parallel, transformer_impl,
+        **config_overrides,
+    )[0]
+
+
+def build_model_chunks(
+    model: ModelConfig,
+    system: str,
+    runtime: Runtime,
+    max_seq: int,
+    dtype: torch.dtype = torch.float32,
+    expert_parallel: int = 1,
+    transformer_impl: str = "auto",
+    *,
+    pp: int = 1,
+    vpp: int = 1,
+    init_seed: int = 1234,
+    **config_overrides,
+) -> list[GPTModel]:
+    """This pipeline rank's model chunks (one, or `vpp` virtual stages), each a GPTModel over its
+    layers with Libra's core attention; the embedding on the first stage, the output layer and
+    loss on the last.
+
+    Initialisation is a function of (init_seed, global layer number): every transformer layer
+    draws its weights from a generator seeded by its global number, the embedding from the
+    seed, the output layer after the last layer - so any pp / vpp layout starts from the same
+    weights as pp 1 (with CPU initialisation; on-device initialisation draws from
+    megatron-core's CUDA RNG tracker as Megatron-LM does)."""
+    spec = layer_spec(model, system, runtime, resolve_impl(transformer_impl), init_seed=init_seed)
+    cfg = transformer_config(
+        model,
+        dtype,
+        expert_parallel,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        **config_overrides,
     )
+    saved = torch.get_rng_state()
+    chunks = []
+    try:
+        torch.manual_seed(init_seed)
+        for i in range(vpp):
+            vp = i if vpp > 1 else None
+            chunks.append(
+                GPTModel(
+                    config=cfg,
+                    transformer_layer_spec=spec,
+                    vocab_size=model.vocab,
+                    max_sequence_length=max_seq,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=vpp == 1, vp_stage=vp),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=vpp == 1, vp_stage=vp),
+                    position_embedding_type="rope",
+                    rotary_base=model.rope_base,
+                    vp_stage=vp,
+                )
+            )
+    finally:
+        torch.set_rng_state(saved)
+    return chunks
 
 
-def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str) -> ModuleSpec:
+class SeededTransformerLayer(TransformerLayer):
+    """megatron-core's TransformerLayer whose weights come from a generator seeded by its global
+    layer number (see build_model_chunks)."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, *args, init_seed: int = 0,
+                 **kwargs):
+        vp_stage = kwargs.get("vp_stage")
+        offset = get_transformer_layer_offset(
+            config, vp_stage, ps.get_pipeline_model_parallel_rank()
+        )
+        torch.manual_seed(init_seed * 100_003 + layer_number + offset)
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+
+def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str,
+               init_seed: int | None = None) -> ModuleSpec:
     """The transformer layer spec of `impl` (local | transformer_engine) with Libra's operator as
-    core attention."""
+    core attention (and, with init_seed, layers seeded by their global number)."""
     experts = model.experts if model.moe_topk > 0 else None
     if impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(
@@ -112,4 +185,7 @@ def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str) -> 
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=LibraCoreAttention, params={"system": system, "runtime": runtime}
     )
+    if init_seed is not None:
+        spec.module = SeededTransformerLayer
+        spec.params = dict(spec.params or {}, init_seed=init_seed)
     return spec

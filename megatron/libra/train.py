@@ -5,7 +5,6 @@ position and the planner's carried state."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -109,18 +108,24 @@ def run(
     from megatron.libra import checkpoint
     from megatron.libra.batch import make_micro_batch
     from megatron.libra.data import StepSampler
-    from megatron.libra.model import build_gpt
+    from megatron.libra.model import build_model_chunks
 
     P, C, T = cfg.parallel.pool_size, cfg.parallel.cp, cfg.parallel.tp
+    PP, VPP = cfg.parallel.pp, cfg.parallel.vpp
     ps.initialize_model_parallel(
         tensor_model_parallel_size=T,
+        pipeline_model_parallel_size=PP,
+        virtual_pipeline_model_parallel_size=VPP if VPP > 1 else None,
         context_parallel_size=C,
         expert_model_parallel_size=cfg.parallel.ep,
         distributed_timeout_minutes=cfg.parallel.timeout_minutes,
+        order="tp-cp-ep-dp-pp",
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.data.seed)
     runtime = Runtime(
-        groups=GroupCache(tp=T, cp=C, dp=dp, timeout_s=cfg.parallel.timeout_minutes * 60),
+        groups=GroupCache(
+            tp=T, cp=C, dp=dp, timeout_s=cfg.parallel.timeout_minutes * 60, pp=PP
+        ),
         chunks=cfg.system.chunks,
         pipelined=cfg.system.pipeline,
         backend=None if cfg.system.attention_backend == "auto" else cfg.system.attention_backend,
@@ -133,13 +138,13 @@ def run(
     if rank == 0:
         logger.info("libra train: resolved config: %s", json.dumps(cfg.to_dict(), sort_keys=True))
         logger.info(
-            "libra train: layout: world %d = tp %d x cp %d x dp %d (pp 1, ep %d); %d pool(s) of "
-            "%d replica(s); system %s; %s on %s",
-            world, T, C, dp, cfg.parallel.ep, dp // P, P, cfg.system.name, cfg.dtype,
+            "libra train: layout: world %d = tp %d x cp %d x dp %d x pp %d (vpp %d, ep %d); "
+            "%d pool(s) of %d replica(s); system %s; %s on %s",
+            world, T, C, dp, PP, VPP, cfg.parallel.ep, dp // P, P, cfg.system.name, cfg.dtype,
             "cuda" if torch.cuda.is_available() else "cpu (gloo)",
         )
         logger.info("libra train: building the model with megatron-core ...")
-    model = build_gpt(
+    chunks = build_model_chunks(
         cfg.model,
         cfg.system.name,
         runtime,
@@ -147,13 +152,24 @@ def run(
         dtype=dtype,
         expert_parallel=cfg.parallel.ep,
         transformer_impl=cfg.transformer_impl,
+        pp=PP,
+        vpp=VPP,
+        init_seed=cfg.data.seed,
+        tensor_model_parallel_size=T,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        # on a GPU the weights are made on the device (no host copy of the full model)
+        use_cpu_initialization=not torch.cuda.is_available(),
+        **cfg.model.megatron_recompute(PP * VPP),
     )
     if torch.cuda.is_available():
-        model.cuda()
-    timer = AttentionTimer(model, cfg.logging.attention_time)
-    n_params = sum(p.numel() for p in model.parameters())
+        for chunk in chunks:
+            chunk.cuda()
+    timer = AttentionTimer(chunks, cfg.logging.attention_time)
+    n_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     if rank == 0:
         shard = f" (a 1/{T} tensor-parallel shard)" if T > 1 else ""
+        if PP > 1:
+            shard += f" (pipeline stage 0 of {PP})"
         logger.info("libra train: %s parameters on this rank%s", f"{n_params:,}", shard)
         from libra_ext.attention.kernels import KernelParams, choose_backend
 
@@ -162,16 +178,28 @@ def run(
         )
         logger.info("libra train: attention backend: %s%s", name, f" ({why})" if why else "")
     o = cfg.optimizer
-    ddp = DistributedDataParallel(
-        model.config,
-        DistributedDataParallelConfig(
-            # bf16 runs keep fp32 gradient buffers (Megatron's accumulate-allreduce-grads-in-fp32)
-            grad_reduce_in_fp32=dtype == torch.bfloat16,
-            use_distributed_optimizer=o.distributed,
-        ),
-        model,
+    ddp_config = DistributedDataParallelConfig(
+        # bf16 runs keep fp32 gradient buffers (Megatron's accumulate-allreduce-grads-in-fp32)
+        grad_reduce_in_fp32=dtype == torch.bfloat16,
+        use_distributed_optimizer=o.distributed,
+        overlap_grad_reduce=o.overlap_grad_reduce,
+        overlap_param_gather=o.overlap_param_gather,
     )
-    model.config.finalize_model_grads_func = finalize_model_grads
+    model = [
+        DistributedDataParallel(
+            chunk.config, ddp_config, chunk,
+            # as Megatron-LM: only the first chunk's buffers use buckets
+            disable_bucketing=i > 0,
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    if o.overlap_grad_reduce:  # the schedule starts each chunk's reduction as its grads are done
+        config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+        config.grad_sync_func = (
+            [m.start_grad_sync for m in model] if len(model) > 1 else model[0].start_grad_sync
+        )
     opt = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -186,8 +214,12 @@ def run(
             bf16=dtype == torch.bfloat16,  # fp32 main weights and Adam states
             use_distributed_optimizer=o.distributed,
         ),
-        [ddp],
+        model,
     )
+    if o.overlap_param_gather:  # each chunk's parameters gathered as its forward needs them
+        config.param_sync_func = (
+            [m.start_param_sync for m in model] if len(model) > 1 else model[0].start_param_sync
+        )
     s = cfg.schedule
     sched = OptimizerParamScheduler(
         opt,
@@ -212,7 +244,7 @@ def run(
         cfg.system.planner_options(cfg.data.order, torch.tensor([], dtype=dtype).element_size()),
     )
     start, doc_base, recent = 0, 0, {}
-    model_fields = dataclasses.asdict(cfg.model)
+    model_fields = cfg.model.weight_fields()
     ck = cfg.checkpoint
     latest = (
         checkpoint.resume_step(ck.dir, model_fields, cfg.resume_fields(), ck.override_scheduler,
@@ -221,7 +253,7 @@ def run(
         else None
     )
     if latest is not None:
-        resumed = checkpoint.load(ck.dir, latest, model, opt, sched, model_fields, ck.finetune)
+        resumed = checkpoint.load(ck.dir, latest, chunks, opt, sched, model_fields, ck.finetune)
         if resumed.planner_state is not None:
             planner.load_state_dict(resumed.planner_state)
         start, doc_base, recent = resumed.next_step, resumed.doc_base, resumed.recent_bases
@@ -245,6 +277,8 @@ def run(
         else None
     )
     fb = get_forward_backward_func()
+    sp = cfg.parallel.sequence_parallel
+    pipeline_order = _micro_batch_order(cfg, PP)
     history, log_file, tb = [], None, None
     if rank == 0 and cfg.logging.tensorboard_dir:
         try:
@@ -270,7 +304,7 @@ def run(
             # this rank's attention metadata of every slot: one host-to-device copy each
             steps = runtime.prepare(plan, device, batch.programs)
             micro = []
-            for slot in range(m):
+            for slot in pipeline_order(plan, r):
                 seq = plan.sequence_at(r, slot)
                 docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
                 micro.append(make_micro_batch([batch.pieces[i] for i in docs], C, c, steps[slot]))
@@ -281,11 +315,16 @@ def run(
             # DDP averages gradients over the dp * cp ranks. The gradient is then exactly that of
             # sum(token losses) / global_tokens, whatever the layout.
             scale = dp * m / max(global_tokens, 1.0)
-            it = iter(micro)
 
-            def forward_step(_data, model_chunk):
-                mb = next(it)
+            def forward_step(data, model_chunk):
+                # each model chunk reads the micro-batches in order from its own iterator; the
+                # tokens matter on the first stage, the labels on the last, the plan everywhere
+                mb = next(data)
                 dev = next(model_chunk.parameters()).device
+                gpt = model_chunk.module
+                rows = mb.tokens.shape[1] // (T if sp else 1)  # this micro-batch's hidden rows
+                if not gpt.pre_process:  # the previous stage's activations, padded: our rows
+                    gpt.decoder.input_tensor = gpt.decoder.input_tensor[:rows]
                 out = model_chunk(
                     mb.tokens.to(dev),
                     mb.position_ids.to(dev),
@@ -293,6 +332,8 @@ def run(
                     labels=mb.labels.to(dev),
                     packed_seq_params=mb.packed_seq_params,
                 )
+                if not gpt.post_process:  # to the next stage at the step's one shape
+                    out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, stage_rows - rows))
 
                 def loss_fn(per_token):
                     local = (per_token.float() * mb.loss_mask.to(dev)).sum()
@@ -300,16 +341,23 @@ def run(
 
                 return out, loss_fn
 
-            ddp.zero_grad_buffer()
+            for chunk in model:
+                chunk.zero_grad_buffer()
             opt.zero_grad()
             runtime.counter.reset()
             timer.reset()
+            iters = [iter(micro) for _ in model]
+            # Pipeline stages pass activations at one shape per step: the longest micro-batch's
+            # rows (the same on every stage of this replica: the same plan); shorter ones are
+            # padded and sliced back, so no shape is exchanged (no host sync per transfer).
+            stage_rows = max(mb.tokens.shape[1] for mb in micro) // (T if sp else 1)
             outs = fb(
                 forward_step_func=forward_step,
-                data_iterator=iter([None] * m),
-                model=[ddp],
+                data_iterator=iters if len(iters) > 1 else iters[0],
+                model=model,
                 num_microbatches=m,
-                seq_length=micro[0].tokens.shape[1],
+                # the schedule divides it by cp (and tp with sequence parallelism)
+                seq_length=max(mb.tokens.shape[1] for mb in micro) * C,
                 micro_batch_size=1,
                 forward_only=False,
             )
@@ -379,7 +427,7 @@ def run(
                 saver.poll()
                 every = cfg.checkpoint.save_interval
                 if last or stopping or (every and (step + 1) % every == 0):
-                    saver.save(step + 1, model, opt, sched, batch)
+                    saver.save(step + 1, chunks, opt, sched, batch)
             if stopping and not last:
                 if rank == 0:
                     logger.info("libra train: stopping after iteration %d on a signal%s",
@@ -443,6 +491,29 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
+def _micro_batch_order(cfg: TrainConfig, stages: int):
+    """(plan, replica) -> the order replica runs its slots in: the plan's, or with pipeline
+    parallelism and system.pp_order = balanced, each exchange pool's order from the modeled
+    1F1B schedule (libra_ext.pipeline). Every rank computes the same order from the same plan."""
+    if stages == 1 or cfg.system.pp_order == "none":
+        return lambda plan, replica: range(plan.slots)
+    from libra_ext.pipeline import order_slots
+    from libra_ext.simulator.cost import simulate_plan
+    from libra_ext.simulator.hardware import HardwareProfile
+
+    hardware = HardwareProfile.load("h200-sxm")
+    memo: dict = {}
+
+    def order(plan, replica):
+        if memo.get("hash") != plan.hash:
+            times = simulate_plan(plan, cfg.model, hardware, chunks=cfg.system.chunks)
+            memo["hash"] = plan.hash
+            memo["order"] = order_slots(times.slot, plan.exchange_pool, stages, "balanced").order
+        return [int(x) for x in memo["order"][replica]]
+
+    return order
+
+
 def _timed_out(e: BaseException) -> bool:
     """Whether a communication error is a collective's timeout (gloo and NCCL word it so)."""
     text = str(e).lower()
@@ -490,7 +561,7 @@ class AttentionTimer:
     input gradients leaving). On GPU the hooks record CUDA events (no synchronization); the
     events are read once per step, after the optimizer step. Disabled: no hooks at all."""
 
-    def __init__(self, model: torch.nn.Module, enabled: bool = True):
+    def __init__(self, model, enabled: bool = True):
         from libra_ext.attention.core import LibraCoreAttention
 
         self.enabled, self.cuda = enabled, torch.cuda.is_available()
@@ -499,7 +570,8 @@ class AttentionTimer:
         self._host = 0.0
         if not enabled:
             return
-        for mod in model.modules():
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        for mod in (x for chunk in chunks for x in chunk.modules()):
             if isinstance(mod, LibraCoreAttention):
                 mod.register_forward_pre_hook(self._start("fwd"))
                 mod.register_forward_hook(self._stop("fwd"))

@@ -211,11 +211,10 @@ def run_train(args):
         check_indexed_dataset(cfg.data.path, cfg.model.vocab)
     ck = cfg.checkpoint
     if ck.resume and ck.dir:  # damaged, another model or changed settings: refused here
-        import dataclasses
 
         from megatron.libra.checkpoint import iteration_dir, resume_step
 
-        step = resume_step(ck.dir, dataclasses.asdict(cfg.model), cfg.resume_fields(),
+        step = resume_step(ck.dir, cfg.model.weight_fields(), cfg.resume_fields(),
                            ck.override_scheduler, ck.finetune, ck.load_iteration)
         if step is not None and not ck.finetune and step >= cfg.schedule.train_steps:
             print(
