@@ -106,6 +106,15 @@ class ModelConfig:
         return dims
 
 
+MODEL_PRESETS = {
+    "qwen3-30b-a3b": ModelConfig(),
+    "llama3-8b": ModelConfig(
+        hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, layers=32, moe_topk=0, moe_ffn=0
+    ),
+}
+"""Named model shapes of the planner and simulator command lines (`--model`)."""
+
+
 def causal_pairs(length: int) -> int:
     """Causal (query, key) pairs of a document: l(l+1)/2."""
     return length * (length + 1) // 2

@@ -38,3 +38,21 @@ def test_an_empty_sequence_becomes_one_padding_document_without_loss():
             assert mb.tokens.shape == (1, 2) and mb.num_tokens == 0
             assert float(mb.loss_mask.sum()) == 0.0
             assert mb.packed_seq_params.libra_doc_lengths == [2 * cp]
+
+
+def test_micro_batch_cu_seqlens_follow_megatron_real_and_padded():
+    """cu_seqlens_q/kv hold the documents' real lengths (Megatron's meaning); the *_padded ones
+    the lengths padded to multiples of 2 * cp that the zigzag layout and RoPE's split use."""
+    import numpy as np
+
+    from megatron.libra.batch import make_micro_batch
+    from megatron.libra.data import Piece
+
+    def piece(n):
+        return Piece(np.arange(n), np.arange(n), np.ones(n, dtype=np.float32))
+
+    mb = make_micro_batch([piece(5), piece(3)], 2, 0, None)
+    psp = mb.packed_seq_params
+    assert psp.cu_seqlens_q.tolist() == psp.cu_seqlens_kv.tolist() == [0, 5, 8]
+    assert psp.cu_seqlens_q_padded.tolist() == psp.cu_seqlens_kv_padded.tolist() == [0, 8, 12]
+    assert psp.libra_doc_lengths == [5, 3] and mb.tokens.shape == (1, 6)

@@ -72,6 +72,8 @@ class SimConfig:
     path: str = ""
     order: str = "megatron"
     """Production order of each step's sequences (megatron | contiguous; see PlannerOptions)."""
+    pp: int = 4
+    """Pipeline stages of the modeled 1F1B bubble (`pipeline_stages`; libra_ext.pipeline)."""
 
     @classmethod
     def load(cls, path: str | Path) -> "SimConfig":
@@ -96,6 +98,7 @@ class SimConfig:
             "dcp_steps",
             "seed",
             "pipeline_chunks",
+            "pipeline_stages",
             "systems",
             "reference",
             "scenarios",
@@ -191,6 +194,7 @@ class SimConfig:
             dcp_steps=_int(d, "dcp_steps", "config", 2),
             seed=_int(d, "seed", "config", 0, minimum=0),
             chunks=_int(d, "pipeline_chunks", "config", 4),
+            pp=_int(d, "pipeline_stages", "config", 4),
             systems=systems,
             scenarios=scenarios,
             reference=reference,

@@ -56,6 +56,8 @@ class HardwareProfile:
     internode: Link
     grad_bytes_per_param: int
     allreduce_exposed: float
+    memory_gb: float | None = None
+    """Device memory (GB, 10^9 bytes) for `libra memory`; None: not given."""
     measured: dict | None = None
     """What `libra calibrate` measured (device, date, kernel, ...); None: published figures."""
 
@@ -110,8 +112,13 @@ class HardwareProfile:
             for key in ("device", "date"):
                 if not isinstance(measured.get(key), str) or not measured[key]:
                     raise ValueError(f"{path}.measured.{key} must be a non-empty string")
+        memory = d.get("memory_gb")
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float))
+                                   or not memory > 0):
+            raise ValueError(f"{path}.memory_gb must be a positive number, got {memory!r}")
         return cls(
             measured=measured,
+            memory_gb=float(memory) if memory is not None else None,
             name=str(d.get("name", where)),
             bf16_peak=_get(d, "bf16_peak_tflops", path) * 1e12,
             attn_peak=_get(att, "peak_tflops", f"{path}.attention") * 1e12,

@@ -24,6 +24,10 @@ def _gap(ours, paper) -> str:
     return f"{ours - paper:+.3f} ({rel:+.0%})"
 
 
+def _bubble(b: dict | None) -> str:
+    return "–" if not b else f"{b['before']:.3f} → {b['after']:.3f}"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -195,6 +199,7 @@ def render_markdown(results: dict) -> str:
                     _fmt(lat["mean"], 2),
                     _fmt(lat["max"], 2),
                     _fmt(s["pp_worst_over_mean"].get(system), 2),
+                    _bubble(s.get("pp_bubble", {}).get(system)),
                     _fmt(s["planner_ms"].get(system), 2),
                     _fmt(sp, 2),
                     _fmt(p, 2) if p else "–",
@@ -216,6 +221,7 @@ def render_markdown(results: dict) -> str:
                     "attention mean s",
                     "attention max s",
                     "PP worst/mean",
+                    f"1F1B bubble pp={results.get('pipeline_stages', 4)}: plan → balanced",
                     "planner ms",
                     "speedup vs ulysses",
                     "paper",
@@ -226,7 +232,10 @@ def render_markdown(results: dict) -> str:
             "",
             "Attention time includes its communication (Ulysses all-to-all or KV all-gather, "
             "and the exposed pool exchange); PP worst/mean is the slowest micro-batch slot "
-            "over the mean one (1F1B bubbles scale with it); planner ms is the C++ planner "
+            "over the mean one (1F1B bubbles scale with it); the 1F1B bubble is the modeled "
+            "share of a pipelined step its slowest replica waits, with the plan's micro-batch "
+            "order and with each exchange pool's balanced order (system.pp_order); planner ms is "
+            "the C++ planner "
             "per step (megatron-dcp and megatron-dyncp: their Python schedulers; megatron-dcp is "
             "megatron-core's BalancedCPScheduler, megatron-dyncp Megatron's packing-aware dynamic "
             "CP, per-document power-of-two CP groups).",

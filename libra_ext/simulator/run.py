@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from libra_ext.pipeline import order_slots
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.simulator import dcp
 from libra_ext.simulator.config import Scenario, SimConfig
@@ -38,6 +39,10 @@ class PointResult:
     attn_max_over_mean: float
     exchange_cost: float
     pp_ratio: float
+    pp_bubble_before: float
+    """Modeled 1F1B bubble share with the plan's micro-batch order (SimConfig.pp stages)."""
+    pp_bubble_after: float
+    """The same with each exchange pool's balanced order (system.pp_order = balanced)."""
     plan_ms: float
     imbalance_before: float
     imbalance_after: float
@@ -77,7 +82,7 @@ def run_point(
         return _run_dcp(system, scenario, dp, steps_data, cfg, hw)
     opts, pipelined = SYSTEM_SPECS[system]
     planner = Planner(layout, model, PlannerOptions(**opts, order=cfg.order))
-    times, tokens, plan_ms, before, after, stats = [], [], [], [], [], []
+    times, tokens, plan_ms, before, after, stats, bubbles = [], [], [], [], [], [], []
     last: StepTimes | None = None
     for seqs in steps_data:
         plan = planner.plan(seqs)
@@ -100,8 +105,12 @@ def run_point(
                 t.slot.max() / max(t.slot.mean(), 1e-30),
             )
         )
+        if cfg.pp > 1:
+            o = order_slots(t.slot, plan.exchange_pool, cfg.pp, "balanced")
+            bubbles.append((o.bubble_before, o.bubble_after))
         last = t
     s = np.mean(stats, axis=0)
+    bubble = np.mean(bubbles, axis=0) if bubbles else (0.0, 0.0)
     return PointResult(
         step_time=float(np.mean(times)),
         tokens_per_step=float(np.mean(tokens)),
@@ -111,6 +120,8 @@ def run_point(
         attn_max_over_mean=float(s[3]),
         exchange_cost=float(s[4]),
         pp_ratio=float(s[5]),
+        pp_bubble_before=float(bubble[0]),
+        pp_bubble_after=float(bubble[1]),
         plan_ms=float(statistics.median(plan_ms)),
         imbalance_before=float(np.mean(before)),
         imbalance_after=float(np.mean(after)),
@@ -165,6 +176,8 @@ def _run_dcp(
         attn_max_over_mean=float(a.max() / a.mean()),
         exchange_cost=nan,
         pp_ratio=nan,
+        pp_bubble_before=nan,
+        pp_bubble_after=nan,
         plan_ms=float(statistics.median(sched)),
         imbalance_before=nan,
         imbalance_after=nan,
@@ -229,6 +242,7 @@ def simulate(
         "hardware_source": hw.source,
         "steps": cfg.steps,
         "dcp_steps": cfg.dcp_steps,
+        "pipeline_stages": cfg.pp,
         "workload": {},
         "scenarios": {},
     }
@@ -277,6 +291,7 @@ def _summarize(sc: Scenario, points: dict, sweep: dict, workload: str) -> dict:
         "step_time": {},
         "attention_latency": {},
         "pp_worst_over_mean": {},
+        "pp_bubble": {},
         "planner_ms": {},
         "speedup_over_ulysses": {},
         "attention_share": {},
@@ -298,6 +313,8 @@ def _summarize(sc: Scenario, points: dict, sweep: dict, workload: str) -> dict:
         p = by_dp[top]
         out["attention_latency"][system] = {"mean": p.attn_mean, "max": p.attn_max}
         out["pp_worst_over_mean"][system] = p.pp_ratio
+        if not system.startswith("megatron-"):
+            out["pp_bubble"][system] = {"before": p.pp_bubble_before, "after": p.pp_bubble_after}
         out["planner_ms"][system] = p.plan_ms
         out["attention_share"][system] = p.attention_share
         out["attn_max_over_mean"][system] = p.attn_max_over_mean

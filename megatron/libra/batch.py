@@ -48,14 +48,17 @@ def make_micro_batch(pieces: list, cp: int, cp_rank: int, step: AttentionStep | 
     real = z.token_index >= 0
     idx = np.where(real, z.token_index, 0)
     cu_padded_global = np.concatenate([[0], np.cumsum(thd.padded_lengths(lengths, cp))])
-    cu = torch.tensor(cu_padded_global, dtype=torch.int32)
+    # Megatron's meaning: cu_seqlens_* the documents' real lengths, *_padded the lengths padded
+    # to multiples of 2 * cp that the zigzag CP layout (and RoPE's per-document split) uses
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    cu_padded = torch.tensor(cu_padded_global, dtype=torch.int32)
     longest = int(max(np.diff(cu_padded_global), default=1))
     psp = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
     )

@@ -12,7 +12,13 @@ import os
 import sys
 from typing import Sequence
 
-from megatron.libra import commands, sim_commands, train_commands, verify_commands
+from megatron.libra import (
+    commands,
+    memory_commands,
+    sim_commands,
+    train_commands,
+    verify_commands,
+)
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -51,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_commands.add_verify_parser(sub)
     train_commands.add_train_parser(sub)
     train_commands.add_ab_parser(sub)
+    memory_commands.add_memory_parser(sub)
     return parser
 
 

@@ -21,7 +21,13 @@ from libra_ext.planner import (
     PlannerOptions,
 )
 from libra_ext.reference import plan_libra
-from libra_ext.workload import LengthSource, ModelConfig, check_seed, preset_names
+from libra_ext.workload import (
+    MODEL_PRESETS,
+    LengthSource,
+    ModelConfig,
+    check_seed,
+    preset_names,
+)
 
 
 class _DocView:
@@ -31,12 +37,6 @@ class _DocView:
         self.doc_ids, self.doc_lengths = doc_ids, doc_lengths
 
 
-MODEL_PRESETS = {
-    "qwen3-30b-a3b": ModelConfig(),
-    "llama3-8b": ModelConfig(
-        hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, layers=32, moe_topk=0, moe_ffn=0
-    ),
-}
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:

@@ -317,6 +317,13 @@ class TrainConfig:
     # ------------------------------------------------------------------ validation
     def validate(self, world_size: int) -> int:
         """Check everything knowable before process groups exist; returns the DP size."""
+        dp = self.check_layout(world_size)
+        self._check_rest(world_size, dp)
+        return dp
+
+    def check_layout(self, world_size: int) -> int:
+        """The parallel layout's checks (what `libra memory` needs; no GPU asked for); returns
+        the DP size."""
         p, m, d, s = self.parallel, self.model, self.data, self.system
         for name in ("tp", "cp", "pool_size", "ep", "pp", "vpp"):
             if getattr(p, name) < 1:
@@ -381,6 +388,14 @@ class TrainConfig:
                 raise ValueError(f"parallel.ep ({p.ep}) must divide model.experts ({m.experts})")
             if world_size % p.ep:
                 raise ValueError(f"parallel.ep ({p.ep}) must divide the world size {world_size}")
+        if d.gbs % dp or d.gbs <= 0:
+            raise ValueError(
+                f"data.gbs ({d.gbs}) must be a positive multiple of the data-parallel size ({dp})"
+            )
+        return dp
+
+    def _check_rest(self, world_size: int, dp: int) -> None:
+        d, s = self.data, self.system
         if self.optimizer.distributed and not _cuda():
             raise ValueError(
                 "optimizer.distributed needs a GPU: megatron-core's distributed optimizer "
@@ -405,10 +420,6 @@ class TrainConfig:
             raise ValueError(
                 f"system.attention_backend must be auto or one of {', '.join(BACKENDS)}, "
                 f"got {s.attention_backend!r}"
-            )
-        if d.gbs % dp or d.gbs <= 0:
-            raise ValueError(
-                f"data.gbs ({d.gbs}) must be a positive multiple of the data-parallel size ({dp})"
             )
         if d.context <= 0:
             raise ValueError(f"data.context must be positive, got {d.context}")
@@ -492,7 +503,6 @@ class TrainConfig:
             raise ValueError(f"logging.log_interval must be >= 1, got {lg.log_interval}")
         if d.source == "synthetic" and d.lengths_file is not None:
             read_lengths_file(d.lengths_file)  # names the file and line of a bad entry
-        return dp
 
 
 SCHEDULE_FIELDS = (
