@@ -173,6 +173,9 @@ def test_gpu_only_features_are_refused_on_cpu():
     cfg = TrainConfig.load(CPU_TINY, ["optimizer.distributed=true"])
     with pytest.raises(ValueError, match="optimizer.distributed needs a GPU"):
         cfg.validate(4)
+    cfg = TrainConfig.load(CPU_TINY, ["parallel.tp=2", "parallel.sequence_parallel=true"])
+    with pytest.raises(ValueError, match="parallel.sequence_parallel needs Transformer Engine"):
+        cfg.validate(8)
     for name in ("overlap_grad_reduce", "overlap_param_gather"):
         cfg = TrainConfig.load(CPU_TINY, [f"optimizer.{name}=true"])
         with pytest.raises(ValueError, match=f"optimizer.{name} needs a GPU"):

@@ -457,7 +457,13 @@ class TrainConfig:
             )
         if self.dtype not in ("fp32", "fp64", "bf16"):
             raise ValueError(f"dtype must be fp32, fp64 or bf16, got {self.dtype!r}")
-        resolve_impl(self.transformer_impl)  # unknown name, or TE asked for but unusable
+        impl = resolve_impl(self.transformer_impl)  # unknown name, or TE asked for but unusable
+        if self.parallel.sequence_parallel and impl != "transformer_engine":
+            raise ValueError(
+                "parallel.sequence_parallel needs Transformer Engine layers (megatron-core's "
+                "local layer norm does not split the sequence); use it on a GPU with TE "
+                "(transformer_impl auto or transformer_engine)"
+            )
         o, c, lg = self.optimizer, self.checkpoint, self.logging
         if o.lr <= 0:
             raise ValueError(f"optimizer.lr must be positive, got {o.lr}")
