@@ -51,6 +51,39 @@ def test_reference_kernel_block_diagonal_documents():
     assert torch.allclose(out, torch.cat([a, b]), atol=1e-12)
 
 
+@pytest.mark.parametrize("hq, hk", [(2, 2), (4, 2)])
+def test_batched_reference_matches_per_segment_math(monkeypatch, hq, hk):
+    """The reference backend's work decomposition (long segments by row pieces, short ones
+    batched by length with causal row blocks) against each segment alone, forward and
+    backward: query tiles shorter than their key prefix, empty and one-row segments, GQA."""
+    monkeypatch.setattr(kernels, "_PIECE_ELEMS", 600)  # some segments long, several batches
+    rng = np.random.default_rng(3)
+    ql = np.array([5, 1, 0, 17, 40, 3, 9, 9, 30, 2, 12, 1])
+    kl = ql + np.array([0, 4, 3, 0, 10, 0, 2, 0, 0, 5, 0, 0])
+    hq_off, hk_off = np.concatenate([[0], np.cumsum(ql)]), np.concatenate([[0], np.cumsum(kl)])
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(int(hq_off[-1]), hq, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(int(hk_off[-1]), hk, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(int(hk_off[-1]), hk, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    seg = kernels.segments_on(hq_off, hk_off, "cpu")
+    assert {type(w).__name__ for w in kernels._work(seg, "cpu")} == {"_Rows", "_Batch"}
+    out = kernels.ReferenceBackend().attend(q, k, v, seg, 0.4)
+    dout = torch.as_tensor(rng.standard_normal(out.shape))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want, want_grads = [], [torch.zeros_like(x) for x in (q, k, v)]
+    for s in range(len(ql)):
+        a, b, c, d = int(hq_off[s]), int(hq_off[s + 1]), int(hk_off[s]), int(hk_off[s + 1])
+        if b == a:
+            continue
+        o, _ = reference_attention(q[a:b], k[c:d], v[c:d], 0.4)
+        want.append(o)
+        for acc, gr in zip(want_grads, torch.autograd.grad(o, (q, k, v), dout[a:b])):
+            acc += gr
+    assert torch.allclose(out, torch.cat(want), atol=1e-12)
+    for got, ref in zip(grads, want_grads):
+        assert torch.allclose(got, ref, atol=1e-10)
+
+
 def test_zigzag_split_layout():
     # 10 tokens, C = 2: padded to 12, chunks of 3: rank 0 holds chunks 0 and 3, rank 1 chunks 1, 2
     r0, r1 = thd.zigzag_split([10], 2, 0), thd.zigzag_split([10], 2, 1)
