@@ -188,14 +188,19 @@ def test_config_reference_page_is_current_and_help_shows_defaults(capsys):
     assert "docs/config_reference.md" in capsys.readouterr().out
 
 
-def test_planner_cli_starts_without_torch_or_megatron_core():
+@pytest.mark.parametrize(
+    "module",
+    ["megatron.libra.cli", "libra_ext.cli.commands", "libra_ext.cli.sim_commands",
+     "libra_ext.cli.verify_commands", "megatron.libra.memory_commands"],
+)
+def test_planner_cli_starts_without_torch_or_megatron_core(module):
     import subprocess
     import sys
 
     code = (
-        "import sys; import megatron.libra.cli; "
+        f"import sys; import {module}; "
         "bad = [m for m in ('torch', 'megatron.core') if m in sys.modules]; "
         "print(','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "", f"importing the CLI pulled in {out.stdout.strip()}"
+    assert out.stdout.strip() == "", f"importing {module} pulled in {out.stdout.strip()}"

@@ -27,6 +27,7 @@ installed or cannot run these inputs raises, naming the package.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -88,14 +89,22 @@ class Segments:
     host_q: np.ndarray
     """[n_seg + 1] the same offsets on the host."""
     host_k: np.ndarray
+    work: tuple | None = None
+    """The reference kernel's work items with their index tensors, made ahead of the call (on
+    CPU, where the reference runs; None: made by the call)."""
 
     @classmethod
-    def from_host(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, host_q, host_k) -> "Segments":
-        """Device offsets with their host copies; the longest segments from the host copies."""
+    def from_host(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, host_q, host_k,
+                  reference_work: bool = False) -> "Segments":
+        """Device offsets with their host copies; the longest segments from the host copies;
+        with `reference_work`, the reference kernel's work items too."""
         hq = np.asarray(host_q, dtype=np.int64)
         hk = np.asarray(host_k, dtype=np.int64)
-        return cls(cu_q, cu_k, int(np.diff(hq).max(initial=0)), int(np.diff(hk).max(initial=0)),
-                   hq, hk)
+        seg = cls(cu_q, cu_k, int(np.diff(hq).max(initial=0)), int(np.diff(hk).max(initial=0)),
+                  hq, hk)
+        if reference_work:
+            seg = dataclasses.replace(seg, work=tuple(_work(seg, cu_q.device)))
+        return seg
 
 
 @dataclass(frozen=True)
@@ -431,7 +440,7 @@ class _ReferenceVarlen(torch.autograd.Function):
         g = hc // max(1, k.shape[1])
         out = torch.zeros(n_q, hc, d, dtype=acc, device=q.device)
         lse = torch.full((hc, n_q), float("-inf"), dtype=acc, device=q.device)
-        work = _work(seg, q.device)
+        work = seg.work if seg.work is not None else _work(seg, q.device)
         for item in work:
             if isinstance(item, _Rows):
                 (q0, q1), (k0, k1), mask = _rows_ranges(item, seg, q.device)
@@ -528,6 +537,7 @@ def segments_on(host_q, host_k, device) -> Segments:
         torch.as_tensor(np.asarray(host_k), dtype=torch.int32, device=device),
         host_q,
         host_k,
+        reference_work=torch.device(device).type == "cpu",
     )
 
 

@@ -836,7 +836,9 @@ def upload(prog, device: torch.device | str, pin: bool | None = None):
             cu_q = (v.to(torch.int32), hv)
         elif a == "cu_k":  # right after the same call's cu_q
             h.cu_q, h.cu_k = cu_q[0], v.to(torch.int32)
-            h.seg = Segments.from_host(h.cu_q, h.cu_k, cu_q[1], hv)
+            # on CPU the reference kernel runs: its work items are made here, ahead of the call
+            h.seg = Segments.from_host(h.cu_q, h.cu_k, cu_q[1], hv,
+                                       reference_work=device.type == "cpu")
         else:
             setattr(h, a, v)
     dev._keep = [host, buf]

@@ -12,13 +12,8 @@ import os
 import sys
 from typing import Sequence
 
-from megatron.libra import (
-    commands,
-    memory_commands,
-    sim_commands,
-    train_commands,
-    verify_commands,
-)
+from libra_ext.cli import commands, sim_commands, verify_commands
+from megatron.libra import memory_commands, train_commands
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):

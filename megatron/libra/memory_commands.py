@@ -39,10 +39,10 @@ def _workload(cfg, name: str | None) -> str:
 
 
 def run_memory(args) -> dict | None:
+    from libra_ext.cli.commands import _positive
     from libra_ext.planner import LayoutConfig, Planner
     from libra_ext.simulator.hardware import HardwareProfile
     from libra_ext.workload import LengthSource, check_seed
-    from megatron.libra.commands import _positive
     from megatron.libra.config import TrainConfig
 
     _positive(args.world, "world")

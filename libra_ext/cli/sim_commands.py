@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import sys
 
+from libra_ext.cli.commands import _int_list_arg, _positive, default_dtype
 from libra_ext.planner import ORDERS
 from libra_ext.simulator.config import SimConfig
 from libra_ext.simulator.hardware import HardwareProfile
 from libra_ext.simulator.report import write_report
 from libra_ext.simulator.run import pool_sweep, recommend_pool, simulate, source_for
 from libra_ext.workload import preset_names
-from megatron.libra.commands import _int_list_arg, _positive, default_dtype
 
 
 def _add_common(p) -> None:
