@@ -9,7 +9,7 @@ from libra_ext import _planner as core
 from libra_ext.planner import Planner, PlannerOptions
 from libra_ext.reference import lower_bound, lpt, plan_libra
 
-from .strategies import layouts, step_inputs
+from tests.strategies import layouts, step_inputs
 
 
 @settings(max_examples=30)

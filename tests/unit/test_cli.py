@@ -176,7 +176,7 @@ def test_config_reference_page_is_current_and_help_shows_defaults(capsys):
     from megatron.libra.cli import main
     from megatron.libra.config_doc import render
 
-    page = Path(__file__).resolve().parents[1] / "docs" / "config_reference.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "config_reference.md"
     assert page.read_text() == render(), "regenerate: python -m megatron.libra.config_doc"
     assert "| `parallel.timeout_minutes` | `10.0` |" in page.read_text()
     with pytest.raises(SystemExit):

@@ -51,7 +51,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     p = subprocess.run(
         [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--context", "1024",
          "--reps", "1", "--out", str(out)],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600,
     )
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(out.read_text())

@@ -10,7 +10,7 @@ import torch
 from megatron.libra.config import TrainConfig
 from megatron.libra.data import IndexedSource
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bid", ROOT / "tools" / "build_indexed_dataset.py")
 bid = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bid)

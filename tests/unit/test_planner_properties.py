@@ -9,7 +9,7 @@ from libra_ext import checks
 from libra_ext.planner import PLAN_PHASES, LayoutConfig, Planner, PlannerOptions, plan_step
 from libra_ext.workload import LengthSource, ModelConfig, block_pairs
 
-from .strategies import layouts, step_inputs
+from tests.strategies import layouts, step_inputs
 
 SYSTEMS = ["libra", "ulysses", "wlb", "distca"]
 

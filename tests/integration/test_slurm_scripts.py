@@ -12,7 +12,7 @@ import torch
 
 from libra_ext.attention.verify import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo stand-in"),
     pytest.mark.slow,  # spawns training processes
