@@ -81,14 +81,11 @@ def run(
     init_method: str | None = None,
 ) -> list[dict]:
     """Train; returns the per-step metrics (on every rank)."""
-    quiet_megatron_notices()
-    rank, world = _init_distributed(rank, world, init_method, cfg.parallel.timeout_minutes)
-    _progress_log()
-    dp = cfg.validate(world)
-    if not torch.cuda.is_available():
-        from megatron.libra import cpu_shims
+    return Trainer(cfg, rank, world, init_method).train()
 
-        cpu_shims.apply()
+
+def _megatron():
+    """megatron-core's training pieces (imported once the shims hold, its notices quiet)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state as ps
@@ -101,369 +98,476 @@ def run(
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.pipeline_parallel import get_forward_backward_func
+    return dict(
+        ps=ps, tensor_parallel=tensor_parallel, DistributedDataParallel=DistributedDataParallel,
+        DistributedDataParallelConfig=DistributedDataParallelConfig,
+        finalize_model_grads=finalize_model_grads, OptimizerConfig=OptimizerConfig,
+        get_megatron_optimizer=get_megatron_optimizer,
+        OptimizerParamScheduler=OptimizerParamScheduler,
+        get_forward_backward_func=get_forward_backward_func,
+    )
 
-    from libra_ext.attention.comm import GroupCache
-    from libra_ext.attention.core import Runtime, check_plan_hash
-    from libra_ext.planner import LayoutConfig, Planner
-    from megatron.libra import checkpoint
-    from megatron.libra.batch import make_micro_batch
-    from megatron.libra.data import StepSampler
-    from megatron.libra.model import build_model_chunks
 
-    P, C, T = cfg.parallel.pool_size, cfg.parallel.cp, cfg.parallel.tp
-    PP, VPP = cfg.parallel.pp, cfg.parallel.vpp
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=T,
-        pipeline_model_parallel_size=PP,
-        virtual_pipeline_model_parallel_size=VPP if VPP > 1 else None,
-        context_parallel_size=C,
-        expert_model_parallel_size=cfg.parallel.ep,
-        distributed_timeout_minutes=cfg.parallel.timeout_minutes,
-        order="tp-cp-ep-dp-pp",
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.data.seed)
-    runtime = Runtime(
-        groups=GroupCache(
-            tp=T, cp=C, dp=dp, timeout_s=cfg.parallel.timeout_minutes * 60, pp=PP
-        ),
-        chunks=cfg.system.chunks,
-        pipelined=cfg.system.pipeline,
-        backend=None if cfg.system.attention_backend == "auto" else cfg.system.attention_backend,
-    )
-    r, c = runtime.groups.r, runtime.groups.c
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
-        torch.device("cpu")
-    )
-    dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}[cfg.dtype]
-    if rank == 0:
-        logger.info("libra train: resolved config: %s", json.dumps(cfg.to_dict(), sort_keys=True))
-        logger.info(
-            "libra train: layout: world %d = tp %d x cp %d x dp %d x pp %d (vpp %d, ep %d); "
-            "%d pool(s) of %d replica(s); system %s; %s on %s",
-            world, T, C, dp, PP, VPP, cfg.parallel.ep, dp // P, P, cfg.system.name, cfg.dtype,
-            "cuda" if torch.cuda.is_available() else "cpu (gloo)",
+class Trainer:
+    """One training run in small steps: `__init__` builds (process groups, runtime, model
+    chunks, DDP, optimizer, schedule, planner, resume, data, checkpointer, log sinks);
+    `train()` runs `train_step` / `log` / `maybe_save` for every step and closes."""
+
+    def __init__(self, cfg: TrainConfig, rank=None, world=None, init_method=None):
+        quiet_megatron_notices()
+        self.rank, self.world = _init_distributed(
+            rank, world, init_method, cfg.parallel.timeout_minutes
         )
-        logger.info("libra train: building the model with megatron-core ...")
-    chunks = build_model_chunks(
-        cfg.model,
-        cfg.system.name,
-        runtime,
-        max_seq=cfg.data.context,
-        dtype=dtype,
-        expert_parallel=cfg.parallel.ep,
-        transformer_impl=cfg.transformer_impl,
-        pp=PP,
-        vpp=VPP,
-        init_seed=cfg.data.seed,
-        tensor_model_parallel_size=T,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        # on a GPU the weights are made on the device (no host copy of the full model)
-        use_cpu_initialization=not torch.cuda.is_available(),
-        **cfg.model.megatron_recompute(PP * VPP),
-    )
-    if torch.cuda.is_available():
-        for chunk in chunks:
-            chunk.cuda()
-    timer = AttentionTimer(chunks, cfg.logging.attention_time)
-    n_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-    if rank == 0:
-        shard = f" (a 1/{T} tensor-parallel shard)" if T > 1 else ""
-        if PP > 1:
-            shard += f" (pipeline stage 0 of {PP})"
-        logger.info("libra train: %s parameters on this rank%s", f"{n_params:,}", shard)
-        from libra_ext.attention.kernels import KernelParams, choose_backend
+        _progress_log()
+        self.cfg = cfg
+        self.dp = cfg.validate(self.world)
+        if not torch.cuda.is_available():
+            from megatron.libra import cpu_shims
 
-        name, why = choose_backend(
-            KernelParams(device.type, dtype, cfg.model.head_dim, runtime.backend)
+            cpu_shims.apply()
+        self.mc = _megatron()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
         )
-        logger.info("libra train: attention backend: %s%s", name, f" ({why})" if why else "")
-    o = cfg.optimizer
-    ddp_config = DistributedDataParallelConfig(
-        # bf16 runs keep fp32 gradient buffers (Megatron's accumulate-allreduce-grads-in-fp32)
-        grad_reduce_in_fp32=dtype == torch.bfloat16,
-        use_distributed_optimizer=o.distributed,
-        overlap_grad_reduce=o.overlap_grad_reduce,
-        overlap_param_gather=o.overlap_param_gather,
-    )
-    model = [
-        DistributedDataParallel(
-            chunk.config, ddp_config, chunk,
-            # as Megatron-LM: only the first chunk's buffers use buckets
-            disable_bucketing=i > 0,
+        self.dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}[
+            cfg.dtype
+        ]
+        self._build_parallel()
+        self._build_model()
+        self._build_optimizer()
+        self._build_data()
+        self._open_sinks()
+
+    # ------------------------------------------------------------------ build
+    def _build_parallel(self) -> None:
+        from libra_ext.attention.comm import GroupCache
+        from libra_ext.attention.core import Runtime
+
+        cfg, p = self.cfg, self.cfg.parallel
+        self.mc["ps"].initialize_model_parallel(
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
+            context_parallel_size=p.cp,
+            expert_model_parallel_size=p.ep,
+            distributed_timeout_minutes=p.timeout_minutes,
+            order="tp-cp-ep-dp-pp",
         )
-        for i, chunk in enumerate(chunks)
-    ]
-    config = chunks[0].config
-    config.finalize_model_grads_func = finalize_model_grads
-    if o.overlap_grad_reduce:  # the schedule starts each chunk's reduction as its grads are done
-        config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-        config.grad_sync_func = (
-            [m.start_grad_sync for m in model] if len(model) > 1 else model[0].start_grad_sync
+        self.mc["tensor_parallel"].model_parallel_cuda_manual_seed(cfg.data.seed)
+        self.runtime = Runtime(
+            groups=GroupCache(
+                tp=p.tp, cp=p.cp, dp=self.dp, timeout_s=p.timeout_minutes * 60, pp=p.pp
+            ),
+            chunks=cfg.system.chunks,
+            pipelined=cfg.system.pipeline,
+            backend=None
+            if cfg.system.attention_backend == "auto"
+            else cfg.system.attention_backend,
         )
-    opt = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,  # fp32 main weights and Adam states
-            use_distributed_optimizer=o.distributed,
-        ),
-        model,
-    )
-    if o.overlap_param_gather:  # each chunk's parameters gathered as its forward needs them
-        config.param_sync_func = (
-            [m.start_param_sync for m in model] if len(model) > 1 else model[0].start_param_sync
-        )
-    s = cfg.schedule
-    sched = OptimizerParamScheduler(
-        opt,
-        init_lr=0.0,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=s.warmup_steps,
-        lr_decay_steps=s.train_steps,
-        lr_decay_style=s.decay_style,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=s.train_steps,
-        wd_incr_style="constant",
-        # a schedule that differs from the checkpoint's is refused before launch unless
-        # checkpoint.override_scheduler says to use this config's
-        override_opt_param_scheduler=cfg.checkpoint.override_scheduler,
-        use_checkpoint_opt_param_scheduler=not cfg.checkpoint.override_scheduler,
-    )
-    planner = Planner(
-        LayoutConfig(dp=dp, cp=C, tp=T, pool_size=P, context=cfg.data.context),
-        cfg.model,
-        cfg.system.planner_options(cfg.data.order, torch.tensor([], dtype=dtype).element_size()),
-    )
-    start, doc_base, recent = 0, 0, {}
-    model_fields = cfg.model.weight_fields()
-    ck = cfg.checkpoint
-    latest = (
-        checkpoint.resume_step(ck.dir, model_fields, cfg.resume_fields(), ck.override_scheduler,
-                               ck.finetune, ck.load_iteration)
-        if ck.resume and ck.dir
-        else None
-    )
-    if latest is not None:
-        resumed = checkpoint.load(ck.dir, latest, chunks, opt, sched, model_fields, ck.finetune)
-        if resumed.planner_state is not None:
-            planner.load_state_dict(resumed.planner_state)
-        start, doc_base, recent = resumed.next_step, resumed.doc_base, resumed.recent_bases
-        if rank == 0:
-            what = "loaded the weights of" if ck.finetune else "resumed from"
-            logger.info("%s %s at step %d", what, checkpoint.iteration_dir(ck.dir, latest), start)
-    sampler = StepSampler(
-        cfg,
-        planner,
-        replica=r,
-        start_step=start,
-        doc_base=doc_base,
-        recent_bases=recent,
-        cp_rank=c,
-    )
-    saver = (
-        checkpoint.Checkpointer(
-            cfg.checkpoint.dir, cfg.checkpoint.async_save, model_fields, cfg.resume_fields()
-        )
-        if cfg.checkpoint.dir
-        else None
-    )
-    fb = get_forward_backward_func()
-    sp = cfg.parallel.sequence_parallel
-    pipeline_order = _micro_batch_order(cfg, PP)
-    history, log_file, tb = [], None, None
-    if rank == 0 and cfg.logging.tensorboard_dir:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            tb = SummaryWriter(cfg.logging.tensorboard_dir)
-        except ImportError:
-            logger.warning(
-                "logging.tensorboard_dir is set but tensorboard is not installed; "
-                "pip install tensorboard to get the scalars"
-            )
-    if rank == 0 and cfg.logging.metrics_file:
-        Path(cfg.logging.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-        log_file = open(cfg.logging.metrics_file, "a" if latest is not None else "w")
-    stop = _StopRequest(cfg.checkpoint.save_on_signal)
-    try:
-        for step in range(start, s.train_steps):
-            t0 = time.perf_counter()
-            batch = sampler.next()
-            plan = batch.plan
-            check_plan_hash(plan, group=runtime.groups.check_group)
-            m = plan.slots
-            # this rank's attention metadata of every slot: one host-to-device copy each
-            steps = runtime.prepare(plan, device, batch.programs)
-            micro = []
-            for slot in pipeline_order(plan, r):
-                seq = plan.sequence_at(r, slot)
-                docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
-                micro.append(make_micro_batch([batch.pieces[i] for i in docs], C, c, steps[slot]))
-            global_tokens = float(batch.label_tokens)
-            # Per-token loss over the whole global batch: each rank returns its token-loss sum
-            # times dp * m / global_tokens, because megatron-core's schedule multiplies a
-            # (loss, stats) result by the CP size and divides it by the micro-batch count, and
-            # DDP averages gradients over the dp * cp ranks. The gradient is then exactly that of
-            # sum(token losses) / global_tokens, whatever the layout.
-            scale = dp * m / max(global_tokens, 1.0)
-
-            def forward_step(data, model_chunk):
-                # each model chunk reads the micro-batches in order from its own iterator; the
-                # tokens matter on the first stage, the labels on the last, the plan everywhere
-                mb = next(data)
-                dev = next(model_chunk.parameters()).device
-                gpt = model_chunk.module
-                rows = mb.tokens.shape[1] // (T if sp else 1)  # this micro-batch's hidden rows
-                if not gpt.pre_process:  # the previous stage's activations, padded: our rows
-                    gpt.decoder.input_tensor = gpt.decoder.input_tensor[:rows]
-                out = model_chunk(
-                    mb.tokens.to(dev),
-                    mb.position_ids.to(dev),
-                    None,
-                    labels=mb.labels.to(dev),
-                    packed_seq_params=mb.packed_seq_params,
-                )
-                if not gpt.post_process:  # to the next stage at the step's one shape
-                    out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, stage_rows - rows))
-
-                def loss_fn(per_token):
-                    local = (per_token.float() * mb.loss_mask.to(dev)).sum()
-                    return local * scale, {"local_sum": local.detach()}
-
-                return out, loss_fn
-
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            opt.zero_grad()
-            runtime.counter.reset()
-            timer.reset()
-            iters = [iter(micro) for _ in model]
-            # Pipeline stages pass activations at one shape per step: the longest micro-batch's
-            # rows (the same on every stage of this replica: the same plan); shorter ones are
-            # padded and sliced back, so no shape is exchanged (no host sync per transfer).
-            stage_rows = max(mb.tokens.shape[1] for mb in micro) // (T if sp else 1)
-            outs = fb(
-                forward_step_func=forward_step,
-                data_iterator=iters if len(iters) > 1 else iters[0],
-                model=model,
-                num_microbatches=m,
-                # the schedule divides it by cp (and tp with sequence parallelism)
-                seq_length=max(mb.tokens.shape[1] for mb in micro) * C,
-                micro_batch_size=1,
-                forward_only=False,
-            )
-            updated, grad_norm, _ = opt.step()
-            sched.step(1)
-            local = sum(float(x["local_sum"]) for x in outs) if outs else 0.0
-            # step statistics over host tensors on the gloo group (no device sync under NCCL)
-            stats = torch.tensor(
-                [local, float(runtime.counter.total()), float(stop.requested)], dtype=torch.float64
-            )
-            dist.all_reduce(stats, group=runtime.groups.check_group)
-            attn_t = None
-            if timer.enabled:
-                attn = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-                dist.all_gather(
-                    attn,
-                    torch.tensor([timer.seconds()], dtype=torch.float64),
-                    group=runtime.groups.check_group,
-                )
-                attn_t = torch.cat(attn)
-            dt = time.perf_counter() - t0
-            rec = {
-                "step": step + 1,
-                # every tensor-parallel rank holds the same loss sum: count it once
-                "loss": float(stats[0]) / T / max(global_tokens, 1.0),
-                "lr": opt.param_groups[0]["lr"],
-                "grad_norm": float(grad_norm or 0.0),
-                "tokens": global_tokens,
-                "step_time": dt,
-                "tokens_per_s": global_tokens / dt,
-                "attn_work_max_over_mean": plan.max_over_mean,
-                "inter_pool_imbalance": plan.inter_pool_imbalance,
-                "attn_time_max_over_mean": (
-                    float(attn_t.max() / max(attn_t.mean(), 1e-12)) if attn_t is not None else None
-                ),
-                "attn_time_per_rank": attn_t.tolist() if attn_t is not None else None,
-                "bytes_exchanged": float(stats[1]),
-                "skipped": not updated,
-                # model FLOPs of the step (forward + backward), per GPU per second
-                "tflops_per_gpu": step_flops(cfg.model, global_tokens, plan, T) / world / dt / 1e12,
-            }
-            history.append(rec)
-            if rank == 0:
-                if (step + 1) % cfg.logging.log_interval == 0:
-                    window = history[-cfg.logging.log_interval :]
-                    logger.info(_log_line(window, s.train_steps, cfg.data.gbs, world))
-                if log_file:
-                    log_file.write(json.dumps(rec) + "\n")
-                    log_file.flush()
-                if tb is not None:
-                    for key in (
-                        "loss",
-                        "lr",
-                        "grad_norm",
-                        "tokens_per_s",
-                        "step_time",
-                        "attn_work_max_over_mean",
-                        "attn_time_max_over_mean",
-                        "inter_pool_imbalance",
-                        "bytes_exchanged",
-                    ):
-                        if rec[key] is not None:
-                            tb.add_scalar(key, rec[key], step + 1)
-            last = step + 1 == s.train_steps
-            stopping = stats[2] > 0  # a rank got SIGTERM/SIGINT (checkpoint.save_on_signal)
-            if saver is not None:
-                saver.poll()
-                every = cfg.checkpoint.save_interval
-                if last or stopping or (every and (step + 1) % every == 0):
-                    saver.save(step + 1, chunks, opt, sched, batch)
-            if stopping and not last:
-                if rank == 0:
-                    logger.info("libra train: stopping after iteration %d on a signal%s",
-                                step + 1, " (checkpoint saved)" if saver is not None else "")
-                break
-        if saver is not None:
-            saver.close()
-        if rank == 0 and history:
-            done = history  # the steps this run trained
-            secs = sum(h["step_time"] for h in done)
+        self.r, self.c = self.runtime.groups.r, self.runtime.groups.c
+        if self.rank == 0:
             logger.info(
-                "libra train: done: %d step(s) in %.1f s, %.1f tokens/s, final lm loss %.6E, "
-                "attn work max/mean %.3f (mean over steps)",
-                len(done), secs, sum(h["tokens"] for h in done) / max(secs, 1e-12),
-                history[-1]["loss"],
-                sum(h["attn_work_max_over_mean"] for h in done) / max(len(done), 1),
+                "libra train: resolved config: %s", json.dumps(cfg.to_dict(), sort_keys=True)
             )
-    except RuntimeError as e:
-        if _timed_out(e):
-            raise RuntimeError(
-                f"rank {rank}: a collective did not complete within parallel.timeout_minutes = "
-                f"{cfg.parallel.timeout_minutes} (another rank stopped or hangs): "
-                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
-            ) from e
-        raise
-    finally:
-        stop.restore()
-        sampler.close()
-        if log_file:
-            log_file.close()
-        if tb is not None:
-            tb.close()
+            logger.info(
+                "libra train: layout: world %d = tp %d x cp %d x dp %d x pp %d (vpp %d, ep %d); "
+                "%d pool(s) of %d replica(s); system %s; %s on %s",
+                self.world, p.tp, p.cp, self.dp, p.pp, p.vpp, p.ep, self.dp // p.pool_size,
+                p.pool_size, cfg.system.name, cfg.dtype,
+                "cuda" if torch.cuda.is_available() else "cpu (gloo)",
+            )
+            logger.info("libra train: building the model with megatron-core ...")
+
+    def _build_model(self) -> None:
+        from megatron.libra.model import build_model_chunks
+
+        cfg, p = self.cfg, self.cfg.parallel
+        self.chunks = build_model_chunks(
+            cfg.model,
+            cfg.system.name,
+            self.runtime,
+            max_seq=cfg.data.context,
+            dtype=self.dtype,
+            expert_parallel=p.ep,
+            transformer_impl=cfg.transformer_impl,
+            pp=p.pp,
+            vpp=p.vpp,
+            init_seed=cfg.data.seed,
+            tensor_model_parallel_size=p.tp,
+            sequence_parallel=p.sequence_parallel,
+            # on a GPU the weights are made on the device (no host copy of the full model)
+            use_cpu_initialization=not torch.cuda.is_available(),
+            **cfg.model.megatron_recompute(p.pp * p.vpp),
+        )
+        if torch.cuda.is_available():
+            for chunk in self.chunks:
+                chunk.cuda()
+        self.timer = AttentionTimer(self.chunks, cfg.logging.attention_time)
+        if self.rank == 0:
+            n_params = sum(x.numel() for chunk in self.chunks for x in chunk.parameters())
+            shard = f" (a 1/{p.tp} tensor-parallel shard)" if p.tp > 1 else ""
+            if p.pp > 1:
+                shard += f" (pipeline stage 0 of {p.pp})"
+            logger.info("libra train: %s parameters on this rank%s", f"{n_params:,}", shard)
+            from libra_ext.attention.kernels import KernelParams, choose_backend
+
+            name, why = choose_backend(
+                KernelParams(self.device.type, self.dtype, cfg.model.head_dim,
+                             self.runtime.backend)
+            )
+            logger.info("libra train: attention backend: %s%s", name, f" ({why})" if why else "")
+
+    def _build_optimizer(self) -> None:
+        mc, o, s = self.mc, self.cfg.optimizer, self.cfg.schedule
+        ddp_config = mc["DistributedDataParallelConfig"](
+            # bf16 runs keep fp32 gradient buffers (Megatron's accumulate-allreduce-grads-in-fp32)
+            grad_reduce_in_fp32=self.dtype == torch.bfloat16,
+            use_distributed_optimizer=o.distributed,
+            overlap_grad_reduce=o.overlap_grad_reduce,
+            overlap_param_gather=o.overlap_param_gather,
+        )
+        self.model = [
+            mc["DistributedDataParallel"](
+                chunk.config, ddp_config, chunk,
+                # as Megatron-LM: only the first chunk's buffers use buckets
+                disable_bucketing=i > 0,
+            )
+            for i, chunk in enumerate(self.chunks)
+        ]
+        model = self.model
+        config = self.chunks[0].config
+        config.finalize_model_grads_func = mc["finalize_model_grads"]
+
+        def per_chunk(name):
+            return [getattr(m, name) for m in model] if len(model) > 1 else getattr(model[0], name)
+
+        if o.overlap_grad_reduce:  # the schedule starts each chunk's reduction as grads are done
+            config.no_sync_func = per_chunk("no_sync")
+            config.grad_sync_func = per_chunk("start_grad_sync")
+        self.opt = mc["get_megatron_optimizer"](
+            mc["OptimizerConfig"](
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps,
+                clip_grad=o.clip_grad,
+                params_dtype=self.dtype,
+                bf16=self.dtype == torch.bfloat16,  # fp32 main weights and Adam states
+                use_distributed_optimizer=o.distributed,
+            ),
+            model,
+        )
+        if o.overlap_param_gather:  # each chunk's parameters gathered as its forward needs them
+            config.param_sync_func = per_chunk("start_param_sync")
+        self.sched = mc["OptimizerParamScheduler"](
+            self.opt,
+            init_lr=0.0,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=s.warmup_steps,
+            lr_decay_steps=s.train_steps,
+            lr_decay_style=s.decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=s.train_steps,
+            wd_incr_style="constant",
+            # a schedule that differs from the checkpoint's is refused before launch unless
+            # checkpoint.override_scheduler says to use this config's
+            override_opt_param_scheduler=self.cfg.checkpoint.override_scheduler,
+            use_checkpoint_opt_param_scheduler=not self.cfg.checkpoint.override_scheduler,
+        )
+        self.fb = mc["get_forward_backward_func"]()
+
+    def _build_data(self) -> None:
+        from libra_ext.planner import LayoutConfig, Planner
+        from megatron.libra import checkpoint
+        from megatron.libra.data import StepSampler
+
+        cfg, p, ck = self.cfg, self.cfg.parallel, self.cfg.checkpoint
+        planner = Planner(
+            LayoutConfig(dp=self.dp, cp=p.cp, tp=p.tp, pool_size=p.pool_size,
+                         context=cfg.data.context),
+            cfg.model,
+            cfg.system.planner_options(
+                cfg.data.order, torch.tensor([], dtype=self.dtype).element_size()
+            ),
+        )
+        self.start, doc_base, recent = 0, 0, {}
+        model_fields = cfg.model.weight_fields()
+        self.latest = (
+            checkpoint.resume_step(ck.dir, model_fields, cfg.resume_fields(),
+                                   ck.override_scheduler, ck.finetune, ck.load_iteration)
+            if ck.resume and ck.dir
+            else None
+        )
+        if self.latest is not None:
+            resumed = checkpoint.load(ck.dir, self.latest, self.chunks, self.opt, self.sched,
+                                      model_fields, ck.finetune)
+            if resumed.planner_state is not None:
+                planner.load_state_dict(resumed.planner_state)
+            self.start, doc_base, recent = (
+                resumed.next_step, resumed.doc_base, resumed.recent_bases
+            )
+            if self.rank == 0:
+                what = "loaded the weights of" if ck.finetune else "resumed from"
+                logger.info("%s %s at step %d", what,
+                            checkpoint.iteration_dir(ck.dir, self.latest), self.start)
+        self.sampler = StepSampler(
+            cfg, planner, replica=self.r, start_step=self.start, doc_base=doc_base,
+            recent_bases=recent, cp_rank=self.c,
+        )
+        self.saver = (
+            checkpoint.Checkpointer(ck.dir, ck.async_save, model_fields, cfg.resume_fields())
+            if ck.dir
+            else None
+        )
+        self.pipeline_order = _micro_batch_order(cfg, p.pp)
+
+    def _open_sinks(self) -> None:
+        cfg = self.cfg
+        self.history: list[dict] = []
+        self.log_file, self.tb = None, None
+        if self.rank == 0 and cfg.logging.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(cfg.logging.tensorboard_dir)
+            except ImportError:
+                logger.warning(
+                    "logging.tensorboard_dir is set but tensorboard is not installed; "
+                    "pip install tensorboard to get the scalars"
+                )
+        if self.rank == 0 and cfg.logging.metrics_file:
+            Path(cfg.logging.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            self.log_file = open(
+                cfg.logging.metrics_file, "a" if self.latest is not None else "w"
+            )
+
+    # ------------------------------------------------------------------ steps
+    def micro_batches(self, batch) -> list:
+        """This rank's micro-batches of the step, in the order the schedule runs them."""
+        from megatron.libra.batch import make_micro_batch
+
+        plan, C = batch.plan, self.cfg.parallel.cp
+        # this rank's attention metadata of every slot: one host-to-device copy each
+        steps = self.runtime.prepare(plan, self.device, batch.programs)
+        micro = []
+        for slot in self.pipeline_order(plan, self.r):
+            seq = plan.sequence_at(self.r, slot)
+            docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
+            micro.append(
+                make_micro_batch([batch.pieces[i] for i in docs], C, self.c, steps[slot])
+            )
+        return micro
+
+    def forward_backward(self, micro: list, global_tokens: float) -> list:
+        """megatron-core's schedule over the micro-batches; returns the last stage's outputs."""
+        p = self.cfg.parallel
+        T, C, m = p.tp, p.cp, len(micro)
+        sp = p.sequence_parallel
+        # Per-token loss over the whole global batch: each rank returns its token-loss sum
+        # times dp * m / global_tokens, because megatron-core's schedule multiplies a
+        # (loss, stats) result by the CP size and divides it by the micro-batch count, and
+        # DDP averages gradients over the dp * cp ranks. The gradient is then exactly that of
+        # sum(token losses) / global_tokens, whatever the layout.
+        scale = self.dp * m / max(global_tokens, 1.0)
+        # Pipeline stages pass activations at one shape per step: the longest micro-batch's
+        # rows (the same on every stage of this replica: the same plan); shorter ones are
+        # padded and sliced back, so no shape is exchanged (no host sync per transfer).
+        longest = max(mb.tokens.shape[1] for mb in micro)
+        stage_rows = longest // (T if sp else 1)
+
+        def forward_step(data, model_chunk):
+            # each model chunk reads the micro-batches in order from its own iterator; the
+            # tokens matter on the first stage, the labels on the last, the plan everywhere
+            mb = next(data)
+            dev = next(model_chunk.parameters()).device
+            gpt = model_chunk.module
+            rows = mb.tokens.shape[1] // (T if sp else 1)  # this micro-batch's hidden rows
+            if not gpt.pre_process:  # the previous stage's activations, padded: our rows
+                gpt.decoder.input_tensor = gpt.decoder.input_tensor[:rows]
+            out = model_chunk(
+                mb.tokens.to(dev),
+                mb.position_ids.to(dev),
+                None,
+                labels=mb.labels.to(dev),
+                packed_seq_params=mb.packed_seq_params,
+            )
+            if not gpt.post_process:  # to the next stage at the step's one shape
+                out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, stage_rows - rows))
+
+            def loss_fn(per_token):
+                local = (per_token.float() * mb.loss_mask.to(dev)).sum()
+                return local * scale, {"local_sum": local.detach()}
+
+            return out, loss_fn
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.opt.zero_grad()
+        iters = [iter(micro) for _ in self.model]
+        return self.fb(
+            forward_step_func=forward_step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.model,
+            num_microbatches=m,
+            # the schedule divides it by cp (and tp with sequence parallelism)
+            seq_length=longest * C,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+
+    def train_step(self, step: int, stop: "_StopRequest") -> tuple[dict, object, bool]:
+        """One optimizer step: (metrics record, the step's batch, whether a rank asked to
+        stop)."""
+        from libra_ext.attention.core import check_plan_hash
+
+        t0 = time.perf_counter()
+        batch = self.sampler.next()
+        plan = batch.plan
+        check_plan_hash(plan, group=self.runtime.groups.check_group)
+        micro = self.micro_batches(batch)
+        global_tokens = float(batch.label_tokens)
+        self.runtime.counter.reset()
+        self.timer.reset()
+        outs = self.forward_backward(micro, global_tokens)
+        updated, grad_norm, _ = self.opt.step()
+        self.sched.step(1)
+        local = sum(float(x["local_sum"]) for x in outs) if outs else 0.0
+        # step statistics over host tensors on the gloo group (no device sync under NCCL)
+        group = self.runtime.groups.check_group
+        stats = torch.tensor(
+            [local, float(self.runtime.counter.total()), float(stop.requested)],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(stats, group=group)
+        attn_t = None
+        if self.timer.enabled:
+            attn = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
+            dist.all_gather(
+                attn, torch.tensor([self.timer.seconds()], dtype=torch.float64), group=group
+            )
+            attn_t = torch.cat(attn)
+        dt = time.perf_counter() - t0
+        T = self.cfg.parallel.tp
+        rec = {
+            "step": step + 1,
+            # every tensor-parallel rank holds the same loss sum: count it once
+            "loss": float(stats[0]) / T / max(global_tokens, 1.0),
+            "lr": self.opt.param_groups[0]["lr"],
+            "grad_norm": float(grad_norm or 0.0),
+            "tokens": global_tokens,
+            "step_time": dt,
+            "tokens_per_s": global_tokens / dt,
+            "attn_work_max_over_mean": plan.max_over_mean,
+            "inter_pool_imbalance": plan.inter_pool_imbalance,
+            "attn_time_max_over_mean": (
+                float(attn_t.max() / max(attn_t.mean(), 1e-12)) if attn_t is not None else None
+            ),
+            "attn_time_per_rank": attn_t.tolist() if attn_t is not None else None,
+            "bytes_exchanged": float(stats[1]),
+            "skipped": not updated,
+            # model FLOPs of the step (forward + backward), per GPU per second
+            "tflops_per_gpu": step_flops(self.cfg.model, global_tokens, plan, T)
+            / self.world / dt / 1e12,
+        }
+        return rec, batch, bool(stats[2] > 0)
+
+    def log(self, rec: dict) -> None:
+        """Megatron's iteration line every log_interval steps, the metrics file, TensorBoard."""
+        self.history.append(rec)
+        if self.rank != 0:
+            return
+        cfg, step = self.cfg, rec["step"]
+        if step % cfg.logging.log_interval == 0:
+            window = self.history[-cfg.logging.log_interval :]
+            logger.info(_log_line(window, cfg.schedule.train_steps, cfg.data.gbs, self.world))
+        if self.log_file:
+            self.log_file.write(json.dumps(rec) + "\n")
+            self.log_file.flush()
+        if self.tb is not None:
+            for key in (
+                "loss",
+                "lr",
+                "grad_norm",
+                "tokens_per_s",
+                "step_time",
+                "attn_work_max_over_mean",
+                "attn_time_max_over_mean",
+                "inter_pool_imbalance",
+                "bytes_exchanged",
+            ):
+                if rec[key] is not None:
+                    self.tb.add_scalar(key, rec[key], step)
+
+    def maybe_save(self, step: int, batch, last: bool, stopping: bool) -> None:
+        """A checkpoint at the save interval, at the end, or when a rank asked to stop."""
+        if self.saver is None:
+            return
+        self.saver.poll()
+        every = self.cfg.checkpoint.save_interval
+        if last or stopping or (every and step % every == 0):
+            self.saver.save(step, self.chunks, self.opt, self.sched, batch)
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> list[dict]:
+        cfg, rank = self.cfg, self.rank
+        stop = _StopRequest(cfg.checkpoint.save_on_signal)
+        try:
+            for step in range(self.start, cfg.schedule.train_steps):
+                rec, batch, stopping = self.train_step(step, stop)
+                self.log(rec)
+                last = step + 1 == cfg.schedule.train_steps
+                self.maybe_save(step + 1, batch, last, stopping)
+                if stopping and not last:
+                    if rank == 0:
+                        logger.info("libra train: stopping after iteration %d on a signal%s",
+                                    step + 1, " (checkpoint saved)" if self.saver else "")
+                    break
+            if self.saver is not None:
+                self.saver.close()
+            self._summary()
+        except RuntimeError as e:
+            if _timed_out(e):
+                raise RuntimeError(
+                    f"rank {rank}: a collective did not complete within "
+                    f"parallel.timeout_minutes = {cfg.parallel.timeout_minutes} (another rank "
+                    f"stopped or hangs): "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                ) from e
+            raise
+        finally:
+            stop.restore()
+            self.close()
+        return self.history
+
+    def _summary(self) -> None:
+        if self.rank != 0 or not self.history:
+            return
+        done = self.history  # the steps this run trained
+        secs = sum(h["step_time"] for h in done)
+        logger.info(
+            "libra train: done: %d step(s) in %.1f s, %.1f tokens/s, final lm loss %.6E, "
+            "attn work max/mean %.3f (mean over steps)",
+            len(done), secs, sum(h["tokens"] for h in done) / max(secs, 1e-12),
+            done[-1]["loss"],
+            sum(h["attn_work_max_over_mean"] for h in done) / max(len(done), 1),
+        )
+
+    def close(self) -> None:
+        self.sampler.close()
+        if self.log_file:
+            self.log_file.close()
+        if self.tb is not None:
+            self.tb.close()
         # megatron-core's parallel state is process-global: release it so that another run can
         # follow in this process (`libra ab` under torchrun trains every system in turn)
-        ps.destroy_model_parallel()
-    return history
+        self.mc["ps"].destroy_model_parallel()
 
 
 class _StopRequest:
