@@ -14,6 +14,12 @@ query [t, h, d], key/value [t, h_kv, d] (h, h_kv already divided by tp). Output 
 What a micro-batch needs of the plan is compiled ahead, once per step (`meta`), and copied to
 the device in one transfer (`Runtime.prepare`); the operator then runs only device gathers,
 collectives and kernel calls.
+
+Shape legend (shared by the attention modules; `meta` gives the index-array details):
+  S tokens of a packed sequence; C cp ranks; t = S / C (padded) tokens of one cp rank;
+  h, h_kv query and KV heads of a rank (after tp); hl = h / C, kvl = max(1, h_kv / C) heads of
+  its Ulysses slice; d head dim; W = hl + 2 kvl vectors per token of the Ulysses buffer
+  X [C*t, W, d]; P pool members; n_q, n_k rows and hc, hk heads of one batched kernel call.
 """
 
 from __future__ import annotations

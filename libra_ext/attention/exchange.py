@@ -24,6 +24,12 @@ through `kernels.Backend.attend` with their own autograd graph: the forward keep
 
 Legend: t local slots, C cp ranks, h/hkv query/KV heads of this tp rank, hl/kvl the Ulysses
 slice, W = hl + 2 kvl, d head dim; counts in the programs are vectors of d elements.
+
+Shape legend (shared by the attention modules; `meta` gives the index-array details):
+  S tokens of a packed sequence; C cp ranks; t = S / C (padded) tokens of one cp rank;
+  h, h_kv query and KV heads of a rank (after tp); hl = h / C, kvl = max(1, h_kv / C) heads of
+  its Ulysses slice; d head dim; W = hl + 2 kvl vectors per token of the Ulysses buffer
+  X [C*t, W, d]; P pool members; n_q, n_k rows and hc, hk heads of one batched kernel call.
 """
 
 from __future__ import annotations

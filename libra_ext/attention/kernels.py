@@ -23,6 +23,12 @@ for the pick and one debug line per backend skipped and why):
 
 `system.attention_backend` (or LIBRA_ATTENTION_BACKEND) forces one; a forced backend that is not
 installed or cannot run these inputs raises, naming the package.
+
+Shape legend (shared by the attention modules; `meta` gives the index-array details):
+  S tokens of a packed sequence; C cp ranks; t = S / C (padded) tokens of one cp rank;
+  h, h_kv query and KV heads of a rank (after tp); hl = h / C, kvl = max(1, h_kv / C) heads of
+  its Ulysses slice; d head dim; W = hl + 2 kvl vectors per token of the Ulysses buffer
+  X [C*t, W, d]; P pool members; n_q, n_k rows and hc, hk heads of one batched kernel call.
 """
 
 from __future__ import annotations

@@ -2,6 +2,12 @@
 context-parallel ranks (each document padded to a multiple of 2C, rank c holds chunks c and
 2C-1-c), written without Transformer Engine. Everything is vectorized numpy (no loop over
 documents): these run once per step when the runtime's metadata is prepared.
+
+Shape legend (shared by the attention modules; `meta` gives the index-array details):
+  S tokens of a packed sequence; C cp ranks; t = S / C (padded) tokens of one cp rank;
+  h, h_kv query and KV heads of a rank (after tp); hl = h / C, kvl = max(1, h_kv / C) heads of
+  its Ulysses slice; d head dim; W = hl + 2 kvl vectors per token of the Ulysses buffer
+  X [C*t, W, d]; P pool members; n_q, n_k rows and hc, hk heads of one batched kernel call.
 """
 
 from __future__ import annotations
