@@ -68,8 +68,10 @@ def parameter_counts(model: ModelConfig, lay: Layout) -> dict:
         dense_mlp, experts = 3 * H * model.ffn / T, 0.0
     layers = model.layers / lay.pp
     embedding = model.vocab * H / T
-    # the first stage holds the input embedding; with pp == 1 also the output layer and final norm
-    head = embedding + (embedding + H if lay.pp == 1 else 0.0)
+    # the first stage holds the input embedding; with pp == 1 also the output layer (unless it
+    # is the embedding itself) and the final norm
+    tied = getattr(model, "tie_embeddings", False)
+    head = embedding + ((0.0 if tied else embedding) + H if lay.pp == 1 else 0.0)
     return {
         "dense": layers * (attn + dense_mlp) + head,
         "expert": layers * experts,

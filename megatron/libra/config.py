@@ -214,6 +214,10 @@ class TrainModelConfig(ModelConfig):
     (the first recompute_num_layers layers of each pipeline stage recomputed)."""
     recompute_num_layers: int = 1
     """full recompute: layers per checkpoint (uniform) or layers recomputed per stage (block)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer (megatron-core's
+    share_embeddings_and_output_weights: with pipeline stages the last stage keeps a copy that
+    its gradients are summed with across the first and last stage)."""
 
     TRAINING_ONLY = ("recompute", "recompute_method", "recompute_num_layers")
 

@@ -22,6 +22,9 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
 - `recompute_rng`: activation recompute (megatron-core's CheckpointFunction) saves and restores
   the CUDA generator's state with the CPU one's; on CPU there is no CUDA generator, so only the
   CPU state and the tracker's are kept.
+- `tied_embeddings`: with the input embedding shared by the output layer, megatron-core moves
+  the shared weight to the GPU (`.cuda()`) before summing the first and last stage's copies; on
+  CPU the weight stays where it is.
 - `p2p_synchronize`: the pipeline stages' point-to-point exchange calls `torch.cuda.synchronize()`
   after each batched send / receive (and its shape exchange); on CPU gloo's requests are already
   waited for and there is nothing to synchronize.
@@ -237,6 +240,25 @@ def _shim_recompute_rng() -> None:
     random_mod._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
+# --- tied_embeddings ------------------------------------------------------------------------
+
+
+def _shim_tied_embeddings() -> None:
+    lm = importlib.import_module("megatron.core.models.common.language_module.language_module")
+    setup = lm.LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_on_cpu(self):
+        """megatron-core's set-up with the shared weight's `.cuda()` kept on the CPU."""
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *args, **kwargs: t
+        try:
+            return setup(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    lm.LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
+
+
 # --- p2p_synchronize ------------------------------------------------------------------------
 
 
@@ -255,6 +277,7 @@ SHIMS = {
     "async_checkpoint": _shim_async_checkpoint,
     "p2p_synchronize": _shim_p2p_synchronize,
     "recompute_rng": _shim_recompute_rng,
+    "tied_embeddings": _shim_tied_embeddings,
 }
 
 

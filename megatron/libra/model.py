@@ -144,6 +144,7 @@ def build_model_chunks(
                     post_process=ps.is_pipeline_last_stage(ignore_virtual=vpp == 1, vp_stage=vp),
                     position_embedding_type="rope",
                     rotary_base=model.rope_base,
+                    share_embeddings_and_output_weights=getattr(model, "tie_embeddings", False),
                     vp_stage=vp,
                 )
             )

@@ -109,6 +109,29 @@ def stage(rank, port):  # (forked: the shims applied above hold in both stages)
         assert torch.equal(got, torch.arange(6.0).view(3, 1, 2)), got
 mp.start_processes(stage, args=(sys.argv[2],), nprocs=2, start_method="fork")
 """,
+    "tied_embeddings": """
+import torch.multiprocessing as mp
+def stage(rank, port):  # (forked: the shims applied above hold in both stages)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from megatron.core import parallel_state as ps, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    cfg = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                            use_cpu_initialization=True, pipeline_model_parallel_size=2,
+                            pipeline_dtype=torch.float32)
+    m = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8,
+                 pre_process=rank == 0, post_process=rank == 1,
+                 share_embeddings_and_output_weights=True)
+    w = m.shared_embedding_or_output_weight().detach().clone()
+    both = [torch.zeros_like(w), torch.zeros_like(w)]
+    dist.all_gather(both, w)
+    assert torch.equal(both[0], both[1])  # the last stage's copy is the first stage's embedding
+mp.start_processes(stage, args=(sys.argv[2],), nprocs=2, start_method="fork")
+""",
     "grad_clip_fp32": """
 from megatron.core.optimizer import clip_grads
 p = torch.nn.Parameter(torch.ones(4))

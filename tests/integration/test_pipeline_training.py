@@ -36,6 +36,18 @@ def test_two_stages_match_one_stage_and_libra_matches_ulysses():
     _close(pp2, uly, 1e-4)
 
 
+def test_tied_embeddings_across_the_first_and_last_stage():
+    """With model.tie_embeddings the last stage's output layer starts as the first stage's
+    embedding and their gradients are summed (megatron-core's embedding group): PP 2 = PP 1."""
+    over = BASE + ["model.tie_embeddings=true"]
+    pp1 = launch(TrainConfig.load(CPU_TINY, over), 2, 2)
+    pp2 = launch(TrainConfig.load(CPU_TINY, over + ["parallel.pp=2"]), 4, 4)
+    _close(pp2, pp1, 1e-5)
+    _close(pp2, pp1, 1e-4, "grad_norm")
+    untied = launch(TrainConfig.load(CPU_TINY, BASE), 2, 2)
+    assert untied[-1]["loss"] != pp1[-1]["loss"]  # the switch changes the model
+
+
 def test_interleaved_stages_match_one_stage():
     """PP 4 with 2 virtual stages each (8 layers, 4 micro-batches) against PP 1."""
     over = BASE + ["model.layers=8", "parallel.pool_size=1", "data.gbs=4"]
