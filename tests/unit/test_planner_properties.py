@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from libra_ext import checks
 from libra_ext.planner import PLAN_PHASES, LayoutConfig, Planner, PlannerOptions, plan_step
 from libra_ext.workload import LengthSource, ModelConfig, block_pairs
-
 from tests.strategies import layouts, step_inputs
 
 SYSTEMS = ["libra", "ulysses", "wlb", "distca"]

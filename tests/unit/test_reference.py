@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from libra_ext import _planner as core
 from libra_ext.planner import Planner, PlannerOptions
 from libra_ext.reference import lower_bound, lpt, plan_libra
-
 from tests.strategies import layouts, step_inputs
 
 
