@@ -20,15 +20,13 @@ void push_tile(StepPlan& p, i64 seq, i64 doc, i64 doc_off, i64 a, i64 b, i64 h0,
               block_pairs(a, b)});
 }
 
-// Cut sequence s into SH-tiles: documents of at least `block` tokens into query blocks of `block`
-// rows against their causal prefix; runs of shorter consecutive documents coalesced into tiles of
-// at most `block` tokens; every tile split into head groups of `head_group` heads. A tile whose
-// load (pairs x heads) exceeds `max_load` (> 0) is split further: a run of several documents at
-// the document boundary that best halves its work (a single document becomes a one-document
-// tile); a one-document tile by rows at the midpoint of work while it has at least 2 * min_rows
-// rows, then by heads in halves. Calls emit(tile) for each, executor = owner.
+// TAP's refinement stops when a move would lower the pair's maximum by less than this share of
+// the member mean (see place_group).
 constexpr double kRefineMinGain = 5e-4;
 
+// One-document tile t (rows of the document starting at doc_off against their causal prefix):
+// emitted as it is while its load is within max_load; else cut by rows at the midpoint of work
+// (pieces of at least min_rows rows), then by heads in halves.
 template <typename Emit>
 void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows, Emit& emit) {
   const double load = static_cast<double>(t.pairs) * static_cast<double>(t.head_count);
@@ -101,6 +99,13 @@ void split_run(const StepPlan& p, StepPlan::Tile t, double max_load, i64 min_row
   split_run(p, hi, max_load, min_rows, emit);
 }
 
+// Cut sequence s into SH-tiles: documents of at least `block` tokens into query blocks of `block`
+// rows against their causal prefix; runs of shorter consecutive documents coalesced into tiles of
+// at most `block` tokens; every tile split into head groups of `head_group` heads. A tile whose
+// load (pairs x heads) exceeds `max_load` (> 0) is split further: a run of several documents at
+// the document boundary that best halves its work (a single document becomes a one-document
+// tile); a one-document tile by rows at the midpoint of work while it has at least 2 * min_rows
+// rows, then by heads in halves. Calls emit(tile) for each, executor = owner.
 template <typename Emit>
 void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double max_load,
                     Emit&& emit) {
