@@ -244,6 +244,27 @@ class StepBatch:
     n_inputs: int  # input documents this step consumed
     recent_bases: dict  # step -> doc_base of the steps whose documents may still run (WLB-LLM)
     programs: list | None = None  # this rank's attention programs per slot, staged for upload
+    slot_order: list | None = None  # the order this replica runs its slots in (micro_batch_order)
+
+
+def micro_batch_order(cfg: TrainConfig):
+    """plan -> [D, m] the order each replica runs its slots in: the plan's, or with pipeline
+    parallelism and system.pp_order = balanced, each exchange pool's order from the modeled
+    1F1B schedule (libra_ext.pipeline). Every rank computes the same order from the same plan."""
+    stages = cfg.parallel.pp
+    if stages == 1 or cfg.system.pp_order == "none":
+        return lambda plan: np.tile(np.arange(plan.slots), (plan.dp, 1))
+    from libra_ext.pipeline import order_slots
+    from libra_ext.simulator.cost import simulate_plan
+    from libra_ext.simulator.hardware import HardwareProfile
+
+    hardware = HardwareProfile.load("h200-sxm")  # only the slots' relative times matter
+
+    def order(plan):
+        times = simulate_plan(plan, cfg.model, hardware, chunks=cfg.system.chunks)
+        return order_slots(times.slot, plan.exchange_pool, stages, "balanced").order
+
+    return order
 
 
 class StepSampler:
@@ -251,7 +272,8 @@ class StepSampler:
     global batch (the plan is the same everywhere and checked by hash) but reads only the
     documents of its own replica's sequences. With `cp_rank` given, the same thread also
     compiles this rank's attention programs (index arrays, cu_seqlens, split sizes) for every
-    slot and stages them in one (pinned, on CUDA) host buffer each, ready for one copy."""
+    slot and stages them in one (pinned, on CUDA) host buffer each, ready for one copy, and
+    orders the replica's slots for the pipeline schedule (micro_batch_order)."""
 
     def __init__(
         self,
@@ -265,6 +287,7 @@ class StepSampler:
     ):
         self.cfg, self.planner, self.replica, self.cp_rank = cfg, planner, replica, cp_rank
         self._pin = torch.cuda.is_available()  # staged programs in pinned memory on a GPU
+        self._order = micro_batch_order(cfg)
         self.source = SyntheticSource(cfg) if cfg.data.source == "synthetic" else IndexedSource(cfg)
         self.keep_steps = held_steps(cfg)
         self._bases = dict(recent_bases or {})
@@ -315,6 +338,7 @@ class StepSampler:
             n_in,
             dict(self._bases),
             programs,
+            [int(x) for x in self._order(plan)[self.replica]],
         )
         self._doc_base += n_in
         return batch

@@ -326,7 +326,6 @@ class Trainer:
             if ck.dir
             else None
         )
-        self.pipeline_order = _micro_batch_order(cfg, p.pp)
 
     def _open_sinks(self) -> None:
         cfg = self.cfg
@@ -357,7 +356,7 @@ class Trainer:
         # this rank's attention metadata of every slot: one host-to-device copy each
         steps = self.runtime.prepare(plan, self.device, batch.programs)
         micro = []
-        for slot in self.pipeline_order(plan, self.r):
+        for slot in batch.slot_order:
             seq = plan.sequence_at(self.r, slot)
             docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
             micro.append(
@@ -593,29 +592,6 @@ class _StopRequest:
 
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _micro_batch_order(cfg: TrainConfig, stages: int):
-    """(plan, replica) -> the order replica runs its slots in: the plan's, or with pipeline
-    parallelism and system.pp_order = balanced, each exchange pool's order from the modeled
-    1F1B schedule (libra_ext.pipeline). Every rank computes the same order from the same plan."""
-    if stages == 1 or cfg.system.pp_order == "none":
-        return lambda plan, replica: range(plan.slots)
-    from libra_ext.pipeline import order_slots
-    from libra_ext.simulator.cost import simulate_plan
-    from libra_ext.simulator.hardware import HardwareProfile
-
-    hardware = HardwareProfile.load("h200-sxm")
-    memo: dict = {}
-
-    def order(plan, replica):
-        if memo.get("hash") != plan.hash:
-            times = simulate_plan(plan, cfg.model, hardware, chunks=cfg.system.chunks)
-            memo["hash"] = plan.hash
-            memo["order"] = order_slots(times.slot, plan.exchange_pool, stages, "balanced").order
-        return [int(x) for x in memo["order"][replica]]
-
-    return order
 
 
 def _timed_out(e: BaseException) -> bool:
