@@ -29,6 +29,11 @@ class ByteCounter:
         self.sent.clear()
 
 
+LAST_COLLECTIVE: list = [None]
+"""(kind, group) of the last collective the operator entered on this rank (names the group when a
+collective times out; reset by the caller)."""
+
+
 def all_to_all(
     out: torch.Tensor,
     inp: torch.Tensor,
@@ -40,6 +45,7 @@ def all_to_all(
     async_op: bool = False,
 ):
     """all_to_all_single over flat buffers, counting the bytes this rank sends to others."""
+    LAST_COLLECTIVE[0] = (kind, group)
     if counter is not None:
         me = dist.get_rank(group)
         sent = sum(n for i, n in enumerate(in_splits) if i != me)
@@ -54,6 +60,7 @@ def all_gather_rows(
     world = dist.get_world_size(group)
     out = x.new_empty(world * x.shape[0], *x.shape[1:])
     inp = x.contiguous()
+    LAST_COLLECTIVE[0] = (kind, group)
     if counter is not None:
         counter.add(kind, (world - 1) * inp.numel() * inp.element_size())
     if dist.get_backend(group) == "nccl":
@@ -73,7 +80,12 @@ class GroupCache:
     so a stage only ever exchanges with the same stage of other replicas.
     """
 
-    def __init__(self, tp: int, cp: int, dp: int, timeout_s: float = 600.0, pp: int = 1):
+    def __init__(
+        self, tp: int, cp: int, dp: int, timeout_s: float = 600.0, pp: int = 1, cp_group=None
+    ):
+        """`cp_group`: an existing CP group of this rank to use (megatron-core's
+        parallel_state.get_context_parallel_group(), same rank order); checked against the
+        layout's ranks. Every rank must pass one, or none."""
         if dist.get_world_size() != tp * cp * dp * pp:
             raise ValueError(
                 f"world size {dist.get_world_size()} != tp*cp*dp*pp = {tp * cp * dp * pp}"
@@ -92,13 +104,30 @@ class GroupCache:
         self.t, rest = me % tp, me // tp
         self.c, rest = rest % cp, rest // cp
         self.r, self.s = rest % dp, rest // dp
-        for s in range(pp):
-            for r in range(dp):
-                for t in range(tp):
-                    ranks = [self._rank(t, c, r, s) for c in range(cp)]
-                    g = dist.new_group(ranks, timeout=self.timeout)
-                    if t == self.t and r == self.r and s == self.s:
-                        self._cp_group = g
+        self.labels: dict = {self.check_group: f"all {dist.get_world_size()} ranks (gloo)"}
+        if cp_group is not None:
+            want = [self._rank(self.t, c, self.r, self.s) for c in range(cp)]
+            have = dist.get_process_group_ranks(cp_group)
+            if have != want:
+                raise ValueError(
+                    f"cp_group holds ranks {have}, the layout's CP group of rank {me} is {want} "
+                    f"(rank order tp-cp-dp-pp)"
+                )
+            self._cp_group = cp_group
+        else:
+            for s in range(pp):
+                for r in range(dp):
+                    for t in range(tp):
+                        ranks = [self._rank(t, c, r, s) for c in range(cp)]
+                        g = dist.new_group(ranks, timeout=self.timeout)
+                        if t == self.t and r == self.r and s == self.s:
+                            self._cp_group = g
+        cp_ranks = [self._rank(self.t, c, self.r, self.s) for c in range(cp)]
+        self.labels[self._cp_group] = f"context-parallel group {cp_ranks}"
+
+    def label(self, group) -> str:
+        """Which group this is, in words, for error messages."""
+        return self.labels.get(group, "a megatron-core group")
 
     def _rank(self, t: int, c: int, r: int, s: int) -> int:
         return t + self.tp * (c + self.cp * (r + self.dp * s))
@@ -121,5 +150,6 @@ class GroupCache:
                             g = dist.new_group(ranks, timeout=self.timeout) if pool > 1 else None
                             if t == self.t and c == self.c and s == self.s and k == self.r // pool:
                                 mine = g
+                                self.labels[g] = f"exchange pool {k} (P={pool}) group {ranks}"
             self._pool[pool] = mine
         return self._pool[pool]

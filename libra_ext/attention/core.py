@@ -232,6 +232,12 @@ class LibraCoreAttention(torch.nn.Module):
         super().__init__()
         if system not in SYSTEMS:
             raise ValueError(f"system must be one of {', '.join(SYSTEMS)}, got {system!r}")
+        if cp_comm_type not in (None, "a2a"):
+            # the operator's context parallelism is Ulysses' all-to-all inside the CP group
+            raise ValueError(
+                f"cp_comm_type must be 'a2a' (or unset) for LibraCoreAttention, got "
+                f"{cp_comm_type!r}: set TransformerConfig.cp_comm_type = 'a2a'"
+            )
         self.config, self.layer_number, self.attn_mask_type = config, layer_number, attn_mask_type
         self.attention_type, self.cp_comm_type = attention_type, cp_comm_type
         self.softmax_scale, self.system, self.runtime = softmax_scale, system, runtime

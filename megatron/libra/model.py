@@ -78,6 +78,32 @@ def transformer_config(
     return TransformerConfig(**kw)
 
 
+def check_parallel_agreement(config: TransformerConfig) -> None:
+    """Refuse a TransformerConfig whose parallel sizes differ from megatron-core's parallel_state
+    (the groups the model's layers actually use), naming the field and both values."""
+    if not ps.model_parallel_is_initialized():
+        return
+    pairs = [
+        ("tensor_model_parallel_size", ps.get_tensor_model_parallel_world_size()),
+        ("context_parallel_size", ps.get_context_parallel_world_size()),
+        ("pipeline_model_parallel_size", ps.get_pipeline_model_parallel_world_size()),
+    ]
+    if config.num_moe_experts:
+        pairs += [
+            ("expert_model_parallel_size", ps.get_expert_model_parallel_world_size()),
+            ("expert_tensor_parallel_size", ps.get_expert_tensor_parallel_world_size()),
+        ]
+    for name, have in pairs:
+        mine = getattr(config, name)
+        if mine is not None and mine != have:
+            raise ValueError(
+                f"TransformerConfig.{name} = {mine} but megatron-core's parallel_state has "
+                f"{have}: build the model with the layout parallel_state was initialised with"
+            )
+    if config.sequence_parallel and config.tensor_model_parallel_size == 1:
+        raise ValueError("TransformerConfig.sequence_parallel needs tensor_model_parallel_size > 1")
+
+
 def build_gpt(
     model: ModelConfig,
     system: str,
@@ -128,6 +154,7 @@ def build_model_chunks(
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         **config_overrides,
     )
+    check_parallel_agreement(cfg)
     saved = torch.get_rng_state()
     chunks = []
     try:

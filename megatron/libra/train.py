@@ -158,7 +158,9 @@ class Trainer:
         self.mc["tensor_parallel"].model_parallel_cuda_manual_seed(cfg.data.seed)
         self.runtime = Runtime(
             groups=GroupCache(
-                tp=p.tp, cp=p.cp, dp=self.dp, timeout_s=p.timeout_minutes * 60, pp=p.pp
+                tp=p.tp, cp=p.cp, dp=self.dp, timeout_s=p.timeout_minutes * 60, pp=p.pp,
+                # the operator's Ulysses all-to-all runs on megatron-core's own CP group
+                cp_group=self.mc["ps"].get_context_parallel_group(),
             ),
             chunks=cfg.system.chunks,
             pipelined=cfg.system.pipeline,
@@ -197,6 +199,8 @@ class Trainer:
             init_seed=cfg.data.seed,
             tensor_model_parallel_size=p.tp,
             sequence_parallel=p.sequence_parallel,
+            context_parallel_size=p.cp,
+            cp_comm_type="a2a",
             # on a GPU the weights are made on the device (no host copy of the full model)
             use_cpu_initialization=not torch.cuda.is_available(),
             **cfg.model.megatron_recompute(p.pp * p.vpp),
@@ -424,22 +428,31 @@ class Trainer:
     def train_step(self, step: int, stop: "_StopRequest") -> tuple[dict, object, bool]:
         """One optimizer step: (metrics record, the step's batch, whether a rank asked to
         stop)."""
+        from libra_ext.attention.comm import LAST_COLLECTIVE
         from libra_ext.attention.core import check_plan_hash
 
         t0 = time.perf_counter()
         batch = self.sampler.next()
         plan = batch.plan
+        LAST_COLLECTIVE[0] = None
+        self.phase = "the plan-hash check (group of all ranks, gloo)"
         check_plan_hash(plan, group=self.runtime.groups.check_group)
         micro = self.micro_batches(batch)
         global_tokens = float(batch.label_tokens)
         self.runtime.counter.reset()
         self.timer.reset()
+        self.phase = (
+            "forward/backward (the attention operator's CP and pool groups, megatron-core's "
+            "tensor/pipeline groups, then the gradient reduction over the data-parallel group)"
+        )
         outs = self.forward_backward(micro, global_tokens)
+        self.phase = "the optimizer step (megatron-core's grad-norm and parameter collectives)"
         updated, grad_norm, _ = self.opt.step()
         self.sched.step(1)
         local = sum(float(x["local_sum"]) for x in outs) if outs else 0.0
         # step statistics over host tensors on the gloo group (no device sync under NCCL)
         group = self.runtime.groups.check_group
+        self.phase = "the step statistics' all-reduce (group of all ranks, gloo)"
         stats = torch.tensor(
             [local, float(self.runtime.counter.total()), float(stop.requested)],
             dtype=torch.float64,
@@ -535,8 +548,8 @@ class Trainer:
             if _timed_out(e):
                 raise RuntimeError(
                     f"rank {rank}: a collective did not complete within "
-                    f"parallel.timeout_minutes = {cfg.parallel.timeout_minutes} (another rank "
-                    f"stopped or hangs): "
+                    f"parallel.timeout_minutes = {cfg.parallel.timeout_minutes} during "
+                    f"{self.where()} (another rank stopped or hangs): "
                     f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
                 ) from e
             raise
@@ -544,6 +557,20 @@ class Trainer:
             stop.restore()
             self.close()
         return self.history
+
+    def where(self) -> str:
+        """The phase of the step this rank is in, and the group of the attention operator's last
+        collective in it (for a timeout's message)."""
+        from libra_ext.attention.comm import LAST_COLLECTIVE
+
+        text = getattr(self, "phase", "start-up")
+        if LAST_COLLECTIVE[0] is not None and text.startswith("forward"):
+            kind, group = LAST_COLLECTIVE[0]
+            text += (
+                f"; the attention operator's last collective: {kind} on the "
+                f"{self.runtime.groups.label(group)}"
+            )
+        return text
 
     def _summary(self) -> None:
         if self.rank != 0 or not self.history:

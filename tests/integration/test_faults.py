@@ -2,6 +2,7 @@
 a worker that dies leaves nothing behind (workers, async checkpoint writers)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,6 +120,8 @@ def test_a_stalled_rank_ends_the_run_with_a_timeout_not_a_hang(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert rc == 1, err[-2000:]
     assert "failed:" in err and "parallel.timeout_minutes = 0.1" in err, err[-2000:]
+    # the message names where the rank waited: the step's phase and its group
+    assert re.search(r"during (the|forward/backward) .*group", err), err[-2000:]
     assert _alive(workers) == []
 
 
