@@ -20,7 +20,15 @@ LINEAR_BWD_FACTOR = 2.0
 MAX_TOKENS = int(_core.MAX_TOKENS)
 """Largest document or packed-sequence length the core accepts (2^30)."""
 
-PRESET_CONTEXT = {"libra-256k": 262_144, "libra-1m": 1_048_576}
+SAMPLE_SHUFFLE_WINDOW = 8
+"""Default steps per sample-shuffle window of `LengthSource` (Megatron's GPTDataset shuffle)."""
+
+PRESET_CONTEXT = {
+    "libra-256k": 262_144,
+    "libra-1m": 1_048_576,
+    "libra-256k-v1": 262_144,
+    "libra-1m-v1": 1_048_576,
+}
 """Default packed-sequence length of each workload preset."""
 
 
@@ -219,8 +227,15 @@ class LengthSource:
     """Preset name (see `preset_names()`); ignored when `lengths_file` is set."""
     lengths_file: str | None = None
     """File with one positive integer per line, drawn with replacement by seed."""
+    shuffle_window: int = SAMPLE_SHUFFLE_WINDOW
+    """Steps whose packed sequences are shuffled together, as Megatron's GPTDataset serves its
+    packed samples through a random shuffle index: a step's sequences are a random draw from the
+    packed stream, and the pieces of one long document land in different steps. 1: each step is
+    its own production-packed stream, in packing order."""
 
     def __post_init__(self) -> None:
+        self.shuffle_window = check_int(self.shuffle_window, "shuffle_window", 1)
+        self._window: tuple | None = None
         if self.lengths_file is not None:
             self._dist = _core.LengthDist()
             self._dist.kind = "empirical"
@@ -251,14 +266,17 @@ class LengthSource:
         return list(_core.sample_lengths(self._dist, n, check_seed(seed)))
 
     def step(self, gbs: int, context: int, seed: int, step: int) -> list[list[int]]:
-        """The gbs packed sequences of one step (production packing of a seeded stream)."""
-        return _core.step_sequences(
-            self._dist,
-            check_int(gbs, "gbs", 1),
-            check_int(context, "context", 1, MAX_TOKENS),
-            check_seed(seed),
-            check_int(step, "step", 0),
-        )
+        """The gbs packed sequences of one step: production packing of a seeded document stream,
+        served through a shuffle of `shuffle_window` steps' samples (a function of (seed, step))."""
+        gbs = check_int(gbs, "gbs", 1)
+        context = check_int(context, "context", 1, MAX_TOKENS)
+        seed = check_seed(seed)
+        w, k = divmod(check_int(step, "step", 0), self.shuffle_window)
+        key = (gbs, context, seed, w)
+        if self._window is None or self._window[0] != key:
+            seqs = _core.window_sequences(self._dist, gbs, context, seed, w, self.shuffle_window)
+            self._window = (key, seqs)
+        return [list(s) for s in self._window[1][k * gbs : (k + 1) * gbs]]
 
 
 SEED_LIMIT = 1 << 64

@@ -134,6 +134,10 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("tail_weight", &LengthDist::tail_weight)
       .def_readwrite("tail_xm", &LengthDist::tail_xm)
       .def_readwrite("tail_alpha", &LengthDist::tail_alpha)
+      .def_readwrite("long_weight", &LengthDist::long_weight)
+      .def_readwrite("long_median", &LengthDist::long_median)
+      .def_readwrite("long_sigma", &LengthDist::long_sigma)
+      .def_readwrite("long_cap", &LengthDist::long_cap)
       .def_readwrite("min_len", &LengthDist::min_len)
       .def_readwrite("cap", &LengthDist::cap)
       .def_readwrite("values", &LengthDist::values)
@@ -165,7 +169,11 @@ PYBIND11_MODULE(_planner, m) {
   m.def("preset_names", &preset_names);
   m.def("sample_lengths", &sample_lengths, py::arg("dist"), py::arg("n"), py::arg("seed"));
   m.def("step_sequences", &step_sequences, py::arg("dist"), py::arg("gbs"), py::arg("context"),
-        py::arg("seed"), py::arg("step"), py::call_guard<py::gil_scoped_release>());
+        py::arg("seed"), py::arg("step"), py::arg("shuffle_window") = 1,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("window_sequences", &window_sequences, py::arg("dist"), py::arg("gbs"),
+        py::arg("context"), py::arg("seed"), py::arg("window"), py::arg("shuffle_window"),
+        py::call_guard<py::gil_scoped_release>());
 
   m.def("exact_cardinality_lpt", &exact_cardinality_lpt, py::arg("loads"), py::arg("n_groups"),
         py::arg("cardinality"));

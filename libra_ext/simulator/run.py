@@ -71,7 +71,9 @@ def run_point(
     steps_data: list,
     cfg: SimConfig,
     hw: HardwareProfile,
+    model_bubble: bool = True,
 ) -> PointResult:
+    """`model_bubble`: also model each step's 1F1B bubble (reported at the top DP point only)."""
     model = cfg.model
     layout = LayoutConfig(
         dp=dp, cp=scenario.cp, tp=scenario.tp, pool_size=pool, context=scenario.context
@@ -105,7 +107,7 @@ def run_point(
                 t.slot.max() / max(t.slot.mean(), 1e-30),
             )
         )
-        if cfg.pp > 1:
+        if model_bubble and cfg.pp > 1:
             o = order_slots(t.slot, plan.exchange_pool, cfg.pp, "balanced")
             bubbles.append((o.bubble_before, o.bubble_after))
         last = t
@@ -206,7 +208,9 @@ def pool_sweep(
     if scenario.sweep_dp > scenario.gbs:
         raise ValueError(f"scenarios.{scenario.name}.pool_sweep.dp exceeds gbs")
     for p in scenario.sweep_pools:
-        r = run_point("libra", scenario, scenario.sweep_dp, p, sweep_data, cfg, hw)
+        r = run_point(
+            "libra", scenario, scenario.sweep_dp, p, sweep_data, cfg, hw, model_bubble=False
+        )
         out[p] = {
             "imbalance_before": r.imbalance_before,
             "imbalance_after": r.imbalance_after,
@@ -256,7 +260,9 @@ def simulate(
                 points[system] = {}
                 for dp in sc.dp:
                     pool = _pool_for(sc.pool_size, dp)
-                    points[system][dp] = run_point(system, sc, dp, pool, steps_data, cfg, hw)
+                    points[system][dp] = run_point(
+                        system, sc, dp, pool, steps_data, cfg, hw, model_bubble=dp == max(sc.dp)
+                    )
                     if bar is not None:
                         bar.update(1)
             sweep = pool_sweep(sc, steps_data, cfg, hw, bar)

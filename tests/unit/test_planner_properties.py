@@ -136,7 +136,7 @@ def test_libra_balances_a_skewed_step_and_ulysses_does_not():
     from libra_ext.planner import LayoutConfig
     from libra_ext.workload import LengthSource, ModelConfig
 
-    src = LengthSource(preset="libra-256k")
+    src = LengthSource(preset="libra-256k-v1", shuffle_window=1)
     layout = LayoutConfig(dp=16, cp=8, pool_size=8, context=262144)
     seqs = src.step(128, 262144, seed=0, step=1)
     libra = Planner(layout, ModelConfig(), PlannerOptions(system="libra")).plan(seqs)

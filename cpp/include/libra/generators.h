@@ -21,8 +21,11 @@ class Rng {
   u64 s_[4];
 };
 
-// A length distribution. kind: "lognormal" (median, sigma), "mixture" (lognormal body plus a
-// Pareto tail with probability tail_weight), "empirical" (draw from `values` with replacement).
+// A length distribution. kind: "lognormal" (median, sigma), "mixture" (lognormal body, plus a
+// Pareto tail with probability tail_weight clipped to `cap`, plus long documents with probability
+// long_weight: lognormal(long_median, long_sigma) clipped to `long_cap`, which may exceed any
+// context; production packing cuts them at sequence boundaries into context-length pieces),
+// "empirical" (draw from `values` with replacement).
 struct LengthDist {
   std::string kind = "lognormal";
   double median = 644.0;
@@ -30,6 +33,10 @@ struct LengthDist {
   double tail_weight = 0.0;
   double tail_xm = 8192.0;
   double tail_alpha = 1.0;
+  double long_weight = 0.0;
+  double long_median = 4194304.0;
+  double long_sigma = 0.5;
+  i64 long_cap = i64(1) << 26;
   i64 min_len = 1;
   i64 cap = 1 << 20;
   std::vector<i64> values;
@@ -44,9 +51,17 @@ std::vector<std::string> preset_names();
 
 std::vector<i64> sample_lengths(const LengthDist& dist, i64 n, u64 seed);
 
-// The B packed sequences of one step: draw documents from a stream seeded by (seed, step) until
-// B*S tokens are filled, then production-pack them.
+// The B packed sequences of one step. With shuffle_window = 1: draw documents from a stream
+// seeded by (seed, step) until B*S tokens are filled, then production-pack them. With W > 1 the
+// step is one slice of a shuffled window (window_sequences of step / W): Megatron's GPTDataset
+// packs its document stream into samples and then serves them through a random shuffle index, so
+// the pieces of one long document land in different steps and a step's sequences are a random
+// draw from the packed stream rather than neighbours in it.
 std::vector<std::vector<i64>> step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed,
-                                             i64 step);
+                                             i64 step, i64 shuffle_window = 1);
+
+// The W*B packed sequences of steps [window*W, (window+1)*W) in their shuffled order.
+std::vector<std::vector<i64>> window_sequences(const LengthDist& dist, i64 gbs, i64 context,
+                                               u64 seed, i64 window, i64 shuffle_window);
 
 }  // namespace libra
