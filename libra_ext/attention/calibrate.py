@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import yaml
 
+from libra_ext import hostmem
 from libra_ext.attention.kernels import backend_for, segments_on
 from libra_ext.simulator.hardware import HARDWARE_DIR, MEASURED_SCHEMA, HardwareProfile
 
@@ -112,6 +113,8 @@ def calibrate(
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda asked for, but no GPU is available")
+    if dev.type == "cpu":
+        hostmem.retain_freed_memory()  # no page faults inside the timed calls
     b = _Bench(dev, DTYPES[dtype], heads, kv_heads, head_dim, backend)
     flop = 4.0 * head_dim * heads  # forward FLOPs per causal pair, all heads
     rows = []

@@ -319,8 +319,11 @@ def backend_for(q: torch.Tensor, forced: str | None = None) -> Backend:
 # The reference: exact math, host-side segment boundaries, bounded memory per piece of work.
 # --------------------------------------------------------------------------------------------
 
-_PIECE_ELEMS = 1 << 22
-"""Score elements per head computed at once by the reference (rows x keys)."""
+_PIECE_ELEMS = 1 << 17
+"""Score elements per head computed at once by the reference (rows x keys). Small enough that
+a piece's scores over a rank's heads stay in cache-sized temporaries (a few MiB), so the cost of
+a piece follows its elements whatever the segment lengths; large pieces (4M elements) run
+2-3x slower per element and made the measured time of a rank depend on how its work was cut."""
 _BATCH_SPREAD = 1.125
 """Largest ratio of key lengths batched together (bounds the padded-out work)."""
 _ROW_BLOCKS = 4

@@ -4,7 +4,10 @@ device with the kernel the runtime would use there.
 For each rank of the layout, the calls its compiled programs make (every slot, local tiles and
 tiles received from the pool; WLB-LLM: its two chunks of each document against the gathered
 KV) run forward and backward with the same segments and the same batching as in training, one
-rank at a time, timed with device events (wall time on CPU). The cp ranks of a replica execute
+rank at a time, timed with device events (wall time on CPU). Every rank is timed in each of
+`rounds` rounds, the ranks taken in turn within a round, and its time is the median of its rounds,
+so that a burst of load on a shared machine lands on one round of every rank rather than on all
+of one rank's calls. The cp ranks of a replica execute
 the same tiles on their own head slices (not WLB-LLM, whose chunks differ per cp rank), so one
 of them stands for all. Beside the measured per-rank max/mean: the planner's modeled one, the
 total over all ranks against the same documents run untiled (one call per packed sequence, as a
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from libra_ext import hostmem
 from libra_ext.attention import meta
 from libra_ext.attention.core import compile_rank
 from libra_ext.attention.kernels import backend_for, segments_on
@@ -154,31 +158,41 @@ def check_memory(name: str, calls_of: dict, head_dim: int, elem: int, device: to
 
 
 def replay_plan(
-    plan: StepPlan, name: str, model: ModelConfig, timer: Timer, progress: bool = False
+    plan: StepPlan, name: str, model: ModelConfig, timer: Timer, progress: bool = False,
+    rounds: int = 1,
 ) -> dict:
-    """Measured and modeled per-rank attention of one plan."""
+    """Measured and modeled per-rank attention of one plan: each rank's time is the median of
+    `rounds` rounds (ranks in turn within a round); so is the untiled total."""
+    if rounds <= 0:
+        raise ValueError(f"rounds must be positive, got {rounds}")
     wlb = plan.system == "wlb"
     ranks = [(r, c) for r in range(plan.dp) for c in (range(plan.cp) if wlb else [0])]
     calls_of = {rank: rank_calls(plan, *rank, model) for rank in ranks}
+    untiled = untiled_calls(plan)
     elem = torch.tensor([], dtype=timer.dtype).element_size()
     check_memory(name, calls_of, timer.d, elem, timer.device)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(ranks), desc=f"replay {name}", unit="rank", file=sys.stderr,
-                   leave=False)
-    rank_ms = []
-    for rank in ranks:
-        rank_ms.append(timer.ms(calls_of[rank]))
+        bar = tqdm(total=rounds * (len(ranks) + 1), desc=f"replay {name}", unit="rank",
+                   file=sys.stderr, leave=False)
+    times = np.zeros((rounds, len(ranks)))
+    untiled_ms = np.zeros(rounds)
+    for rnd in range(rounds):
+        for i, rank in enumerate(ranks):
+            times[rnd, i] = timer.ms(calls_of[rank])
+            if bar is not None:
+                bar.update(1)
+        untiled_ms[rnd] = timer.ms(untiled)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    rank_ms = np.asarray(rank_ms)
+    rank_ms = np.median(times, axis=0)
     # every cp rank of a replica runs what cp rank 0 runs (on its own heads), except wlb
     tiled_total = float(rank_ms.sum() * (1 if wlb else plan.cp))
-    untiled_total = timer.ms(untiled_calls(plan)) * plan.cp
+    untiled_total = float(np.median(untiled_ms)) * plan.cp
     modeled = plan.rank_load if wlb else plan.rank_load[:, 0]
 
     def max_over_mean(x) -> float:
@@ -186,6 +200,11 @@ def replay_plan(
 
     return {
         "rank_ms": rank_ms.tolist(),
+        "rounds": rounds,
+        # how far the rounds of a rank spread: the largest (max - min) / median over the ranks
+        "round_spread": float(
+            np.max((times.max(0) - times.min(0)) / np.maximum(rank_ms, 1e-12))
+        ),
         "measured_max_over_mean": max_over_mean(rank_ms),
         "modeled_max_over_mean": max_over_mean(modeled),
         "tiled_total_ms": tiled_total,
@@ -207,6 +226,7 @@ def run(
     backend: str | None = None,
     progress: bool = False,
     order: str = "megatron",
+    rounds: int = 3,
 ) -> dict:
     """Replay every step under every system; per system, per-step figures and their mean."""
     if dtype not in DTYPES:
@@ -216,9 +236,26 @@ def run(
             raise ValueError(
                 f"systems[{i}] = {s!r} is not one of {', '.join(SYSTEM_OPTIONS)}"
             )
+    if rounds <= 0:
+        raise ValueError(f"rounds must be positive, got {rounds}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda asked for, but no GPU is available")
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        hostmem.retain_freed_memory()  # no page faults inside the timed calls
+        # One thread per rank on the CPU: with intra-op threads over small pieces, the time of
+        # a rank follows the other cores' load more than its own work (medians move by 20-40%
+        # between rounds on a shared 2-core machine; one thread, a few percent).
+        torch.set_num_threads(1)
+    try:
+        return _run(steps_data, layout, model, systems, dev, dtype, backend, progress, order,
+                    rounds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(steps_data, layout, model, systems, dev, dtype, backend, progress, order, rounds):
     timer = Timer(dev, DTYPES[dtype], model.head_dim, backend)
     timer.ms(untiled_calls(  # warm-up: the kernel's first call (allocator, dispatch) untimed
         Planner(layout, model, PlannerOptions(system="ulysses")).plan(steps_data[0])
@@ -228,15 +265,18 @@ def run(
         "backend": timer.kernel.name,
         "dtype": dtype,
         "steps": len(steps_data),
+        "rounds": rounds,
+        "threads": torch.get_num_threads() if dev.type == "cpu" else None,
         "systems": {},
     }
     for name in systems:
         planner = Planner(layout, model, PlannerOptions(**SYSTEM_OPTIONS[name], order=order))
         per_step = [
-            replay_plan(planner.plan(seqs), name, model, timer, progress) for seqs in steps_data
+            replay_plan(planner.plan(seqs), name, model, timer, progress, rounds)
+            for seqs in steps_data
         ]
         keys = ("measured_max_over_mean", "modeled_max_over_mean", "tiling_efficiency",
-                "bytes_sent_per_rank", "bytes_sent_max_rank")
+                "bytes_sent_per_rank", "bytes_sent_max_rank", "round_spread")
         out = {k: float(np.mean([s[k] for s in per_step])) for k in keys}
         out["measured_max_over_mean_worst"] = max(s["measured_max_over_mean"] for s in per_step)
         out["rank_ms"] = np.sum([s["rank_ms"] for s in per_step], axis=0).tolist()

@@ -177,6 +177,10 @@ def add_bench_parser(sub) -> None:
         help="input dtype (default: bf16 on cuda, fp32 on cpu, where bf16 matmuls are slow)",
     )
     r.add_argument("--backend", default="auto", help="auto, te, flash, varlen or reference")
+    r.add_argument(
+        "--rounds", type=int, default=3,
+        help="times each rank is measured, ranks in turn; its time is the median (default 3)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=run_bench_replay)
@@ -262,6 +266,7 @@ def run_bench_replay(args) -> dict | None:
 
     systems = [x for x in args.system.split(",") if x]
     _positive(args.steps, "steps")
+    _positive(args.rounds, "rounds")
     source, context = _source(args)
     if args.gbs <= 0 or args.gbs % args.dp:
         raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
@@ -271,7 +276,7 @@ def run_bench_replay(args) -> dict | None:
     r = replay.run(
         steps, layout, model, systems, device=args.device, dtype=default_dtype(args),
         backend=None if args.backend == "auto" else args.backend, progress=not args.no_progress,
-        order=args.order,
+        order=args.order, rounds=args.rounds,
     )
     r["layout"] = {"gbs": args.gbs, "dp": args.dp, "cp": args.cp, "pool_size": args.pool_size,
                    "context": context, "workload": source.name}
@@ -280,14 +285,16 @@ def run_bench_replay(args) -> dict | None:
     print(
         f"libra bench replay: {r['device']}, {r['backend']} kernel, {r['dtype']}, "
         f"{source.name}, S={context} B={args.gbs} D={args.dp} C={args.cp} P={args.pool_size}, "
-        f"{r['steps']} step(s); per-rank attention forward + backward"
+        f"{r['steps']} step(s); per-rank attention forward + backward, median of "
+        f"{r['rounds']} round(s)"
     )
     print(f"  {'system':14s} {'measured max/mean':>18s} {'modeled max/mean':>17s} "
-          f"{'tiling eff.':>12s} {'calls':>7s} {'MiB sent/rank':>14s}")
+          f"{'tiling eff.':>12s} {'calls':>7s} {'MiB sent/rank':>14s} {'round spread':>13s}")
     for name, x in r["systems"].items():
         print(f"  {name:14s} {x['measured_max_over_mean']:18.3f} "
               f"{x['modeled_max_over_mean']:17.3f} {x['tiling_efficiency']:12.3f} "
-              f"{x['kernel_calls']:7d} {x['bytes_sent_per_rank'] / 2**20:14.1f}")
+              f"{x['kernel_calls']:7d} {x['bytes_sent_per_rank'] / 2**20:14.1f} "
+              f"{x['round_spread']:13.3f}")
     return None
 
 

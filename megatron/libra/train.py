@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from libra_ext import hostmem
 from megatron.libra.config import TrainConfig
 
 logger = logging.getLogger("libra.train")
@@ -125,6 +126,7 @@ class Trainer:
             from megatron.libra import cpu_shims
 
             cpu_shims.apply()
+            hostmem.retain_freed_memory()  # attention pieces reuse freed host memory
         self.mc = _megatron()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from libra_ext.attention import replay
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
@@ -37,12 +38,15 @@ def test_rank_calls_cover_exactly_the_plans_attention_pairs():
 
 
 def test_replay_reports_measured_and_modeled_balance_per_system():
+    threads = torch.get_num_threads()
     r = replay.run(_steps(), LAYOUT, MODEL, ["ulysses", "libra", "wlb"], device="cpu",
-                   dtype="fp32")
-    assert r["backend"] and r["steps"] == 1
+                   dtype="fp32", rounds=2)
+    assert r["backend"] and r["steps"] == 1 and r["rounds"] == 2 and r["threads"] == 1
+    assert torch.get_num_threads() == threads  # one thread while measuring, then restored
     for name, x in r["systems"].items():
         ranks = LAYOUT.dp * (LAYOUT.cp if name == "wlb" else 1)
         assert len(x["rank_ms"]) == ranks and min(x["rank_ms"]) > 0
+        assert x["round_spread"] >= 0.0
         assert x["measured_max_over_mean"] >= 1.0 and x["modeled_max_over_mean"] >= 1.0
         assert x["tiling_efficiency"] > 0 and x["kernel_calls"] > 0
     assert r["systems"]["libra"]["modeled_max_over_mean"] < r["systems"]["ulysses"][
@@ -54,10 +58,15 @@ def test_replay_reports_measured_and_modeled_balance_per_system():
 def test_replay_command_json_and_bad_system(capsys):
     args = ["bench", "replay", "--workload", "libra-256k", "--context", "1024", "--gbs", "4",
             "--dp", "2", "--cp", "2", "--pool-size", "2", "--heads", "4", "--kv-heads", "2",
-            "--head-dim", "16", "--system", "ulysses,libra-no-tap", "--no-progress", "--json"]
+            "--head-dim", "16", "--system", "ulysses,libra-no-tap", "--rounds", "1", "--no-progress",
+            "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["systems"]) == {"ulysses", "libra-no-tap"}
     assert out["layout"]["dp"] == 2
     with pytest.raises(ValueError, match="systems\\[0\\]"):
         replay.run(_steps(), LAYOUT, MODEL, ["nope"])
+    with pytest.raises(ValueError, match="rounds must be positive"):
+        replay.run(_steps(), LAYOUT, MODEL, ["ulysses"], rounds=0)
+    assert main(args[:-1] + ["--rounds", "0", "--json"]) != 0
+    assert "rounds must be positive, got 0" in capsys.readouterr().err
