@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "libra/generators.h"
+#include "libra/moe.h"
 #include "libra/packing.h"
 #include "libra/plan.h"
 #include "libra/vrsp.h"
@@ -118,6 +119,15 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("micro_batch_size", &PlanOptions::micro_batch)
       .def("validate", &PlanOptions::validate);
 
+  py::class_<MoeOptions>(m, "MoeOptions")
+      .def(py::init<>())
+      .def_readwrite("ep", &MoeOptions::ep)
+      .def_readwrite("experts", &MoeOptions::experts)
+      .def_readwrite("replica_slots", &MoeOptions::replica_slots)
+      .def_readwrite("local_slots", &MoeOptions::local_slots)
+      .def_readwrite("expert_bytes", &MoeOptions::expert_bytes)
+      .def("validate", &MoeOptions::validate);
+
   py::class_<PlannerState>(m, "PlannerState")
       .def(py::init<>())
       .def_readonly("next_doc_id", &PlannerState::next_doc_id)
@@ -179,6 +189,39 @@ PYBIND11_MODULE(_planner, m) {
         py::arg("cardinality"));
   m.def("exact_cardinality_lower_bound", &exact_cardinality_lower_bound, py::arg("loads"),
         py::arg("n_groups"), py::arg("cardinality"));
+
+  m.def(
+      "moe_plan",
+      [](py::array_t<i64, py::array::c_style | py::array::forcecast> counts,
+         const MoeOptions& options) {
+        std::vector<i64> c(counts.data(), counts.data() + counts.size());
+        MoePlan p;
+        {
+          py::gil_scoped_release release;
+          p = moe_plan(c, options);
+        }
+        py::dict d;
+        d["ep"] = p.ep;
+        d["experts"] = p.experts;
+        d["host_offsets"] = to_numpy(std::move(p.host_offsets));
+        d["hosts"] = to_numpy(std::move(p.hosts));
+        d["assign"] = to_numpy(std::move(p.assign));
+        d["rank_tokens_before"] = to_numpy(std::move(p.rank_tokens_before));
+        d["rank_tokens_after"] = to_numpy(std::move(p.rank_tokens_after));
+        for (auto [k, v] : {std::pair<const char*, i64>{"replicas_local", p.replicas_local},
+                            {"replicas_balance", p.replicas_balance},
+                            {"remote_tokens_before", p.remote_tokens_before},
+                            {"remote_tokens_after", p.remote_tokens_after}})
+          d[k] = v;
+        for (auto [k, v] : {std::pair<const char*, double>{"max_over_mean_before",
+                                                            p.max_over_mean_before},
+                            {"max_over_mean_after", p.max_over_mean_after},
+                            {"bytes_moved", p.bytes_moved},
+                            {"plan_ms", p.plan_ms}})
+          d[k] = v;
+        return d;
+      },
+      py::arg("counts"), py::arg("options"));
 
   m.def(
       "plan_step",

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from libra_ext import checks
+from libra_ext.cli import moe_commands
 from libra_ext.planner import (
     ORDERS,
     PLAN_PHASES,
@@ -184,6 +185,7 @@ def add_bench_parser(sub) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=run_bench_replay)
+    moe_commands.add_parser(bsub)
 
 
 def _int_list_arg(text: str, field: str) -> list[int]:

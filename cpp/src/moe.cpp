@@ -1,0 +1,256 @@
+#include "libra/moe.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+namespace libra {
+
+void MoeOptions::validate() const {
+  require_positive(ep, "ep");
+  require_positive(experts, "experts");
+  if (experts % ep != 0)
+    fail("experts (" + std::to_string(experts) + ") must be divisible by ep (" +
+         std::to_string(ep) + ")");
+  const i64 foreign = experts - experts / ep;  // experts a rank does not own
+  if (replica_slots < 0 || replica_slots > foreign)
+    fail("replica_slots (" + std::to_string(replica_slots) + ") must be in [0, " +
+         std::to_string(foreign) + "]: a rank can hold a copy of each expert it does not own, "
+         "at most");
+  if (local_slots < -1 || local_slots > replica_slots)
+    fail("local_slots (" + std::to_string(local_slots) + ") must be -1 (a quarter of the replica "
+         "slots) or in [0, replica_slots = " + std::to_string(replica_slots) + "]");
+  if (!(expert_bytes >= 0)) fail("expert_bytes must be >= 0");
+}
+
+namespace {
+
+double max_over_mean(const std::vector<i64>& load) {
+  const i64 total = std::accumulate(load.begin(), load.end(), i64{0});
+  if (total == 0) return 1.0;
+  const double mean = static_cast<double>(total) / static_cast<double>(load.size());
+  return static_cast<double>(*std::max_element(load.begin(), load.end())) / mean;
+}
+
+// The layer's state while replicas are placed: hosts of every expert, the tokens each host
+// computes of it, and the resulting rank loads.
+class Balancer {
+ public:
+  Balancer(const std::vector<i64>& counts, i64 ep, i64 experts)
+      : c_(counts), ep_(ep), E_(experts), per_rank_(experts / ep),
+        hosts_(static_cast<std::size_t>(experts)),
+        is_host_(static_cast<std::size_t>(experts * ep), 0),
+        share_(static_cast<std::size_t>(experts * ep), 0),
+        load_(static_cast<std::size_t>(ep), 0),
+        level_(static_cast<std::size_t>(ep)) {
+    for (i64 e = 0; e < E_; ++e) {
+      const i64 owner = e / per_rank_;
+      hosts_[e].push_back(owner);
+      is_host_[e * ep_ + owner] = 1;
+      i64 all = 0;
+      for (i64 s = 0; s < ep_; ++s) all += count(s, e);
+      share_[e * ep_ + owner] = all;
+      load_[owner] += all;
+    }
+  }
+
+  i64 count(i64 s, i64 e) const { return c_[s * E_ + e]; }
+  bool hosts(i64 e, i64 r) const { return is_host_[e * ep_ + r] != 0; }
+  i64 share(i64 e, i64 r) const { return share_[e * ep_ + r]; }
+  const std::vector<i64>& load() const { return load_; }
+  const std::vector<i64>& hosts_of(i64 e) const { return hosts_[e]; }
+  i64 max_load() const { return *std::max_element(load_.begin(), load_.end()); }
+
+  // Remote tokens of expert e (those of sources that hold no copy of it) for each host: water
+  // filling onto the hosts' loads without e, each host's own tokens of e staying local; the
+  // units left after the integer level go to the lowest levels, then the earliest hosts.
+  void remote_quota(i64 e, std::vector<i64>& quota) {
+    const auto& H = hosts_[e];
+    const std::size_t m = H.size();
+    i64 remote = 0;
+    for (i64 s = 0; s < ep_; ++s)
+      if (!hosts(e, s)) remote += count(s, e);
+    std::vector<std::pair<i64, std::size_t>>& lv = level_;
+    lv.resize(m);
+    for (std::size_t i = 0; i < m; ++i)
+      lv[i] = {load_[H[i]] - share(e, H[i]) + count(H[i], e), i};
+    std::sort(lv.begin(), lv.begin() + static_cast<std::ptrdiff_t>(m));
+    // the k lowest hosts are raised to a common level: the smallest k whose level stays at or
+    // below the next host's
+    std::size_t k = 1;
+    i64 sum = lv[0].first;
+    while (k < m && (remote + sum) >= static_cast<i64>(k) * lv[k].first) {
+      sum += lv[k].first;
+      ++k;
+    }
+    const i64 level = (remote + sum) / static_cast<i64>(k);
+    i64 left = (remote + sum) - level * static_cast<i64>(k);
+    quota.assign(m, 0);
+    for (std::size_t i = 0; i < k; ++i) {
+      quota[lv[i].second] = level - lv[i].first + (left > 0 ? 1 : 0);
+      if (left > 0) --left;
+    }
+  }
+
+  // Re-shard expert e over its hosts (after a host was added or removed).
+  void reshard(i64 e) {
+    remote_quota(e, quota_);
+    const auto& H = hosts_[e];
+    for (std::size_t i = 0; i < H.size(); ++i) {
+      const i64 h = H[i];
+      const i64 now = count(h, e) + quota_[i];
+      load_[h] += now - share_[e * ep_ + h];
+      share_[e * ep_ + h] = now;
+    }
+  }
+
+  void add_host(i64 e, i64 r) {
+    hosts_[e].push_back(r);
+    is_host_[e * ep_ + r] = 1;
+    reshard(e);
+  }
+
+  void remove_last_host(i64 e) {
+    const i64 r = hosts_[e].back();
+    hosts_[e].pop_back();
+    is_host_[e * ep_ + r] = 0;
+    load_[r] -= share_[e * ep_ + r];
+    share_[e * ep_ + r] = 0;
+    reshard(e);
+  }
+
+  // The final assignment: each host's own tokens stay; remote sources fill the hosts' remote
+  // shares (as last sharded) in (source, host) order.
+  void assignment(std::vector<i64>& assign) {
+    assign.assign(static_cast<std::size_t>(ep_ * E_ * ep_), 0);
+    for (i64 e = 0; e < E_; ++e) {
+      const auto& H = hosts_[e];
+      quota_.resize(H.size());
+      for (std::size_t i = 0; i < H.size(); ++i) quota_[i] = share(e, H[i]) - count(H[i], e);
+      std::size_t i = 0;
+      for (i64 s = 0; s < ep_; ++s) {
+        i64* row = &assign[static_cast<std::size_t>((s * E_ + e) * ep_)];
+        if (hosts(e, s)) {
+          row[s] = count(s, e);
+          continue;
+        }
+        for (i64 left = count(s, e); left > 0;) {
+          while (quota_[i] == 0) ++i;  // quotas sum to the remote tokens
+          const i64 take = std::min(left, quota_[i]);
+          row[H[i]] += take;
+          quota_[i] -= take;
+          left -= take;
+        }
+      }
+    }
+  }
+
+ private:
+  const std::vector<i64>& c_;
+  i64 ep_, E_, per_rank_;
+  std::vector<std::vector<i64>> hosts_;
+  std::vector<char> is_host_;
+  std::vector<i64> share_, load_;
+  std::vector<std::pair<i64, std::size_t>> level_;
+  std::vector<i64> quota_;
+};
+
+}  // namespace
+
+MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  options.validate();
+  const i64 ep = options.ep, E = options.experts, N = options.replica_slots;
+  if (static_cast<i64>(counts.size()) != ep * E)
+    fail("counts must hold ep * experts = " + std::to_string(ep * E) + " entries (source rank "
+         "major), got " + std::to_string(counts.size()));
+  for (std::size_t i = 0; i < counts.size(); ++i)
+    if (counts[i] < 0 || counts[i] > kMaxTokens)
+      fail(field_at("counts", static_cast<i64>(i)) + " (source rank " +
+           std::to_string(static_cast<i64>(i) / E) + ", expert " +
+           std::to_string(static_cast<i64>(i) % E) + ") must be in [0, 2^30], got " +
+           std::to_string(counts[i]));
+  const i64 local_slots = options.local_slots < 0 ? N / 4 : options.local_slots;
+
+  Balancer b(counts, ep, E);
+  MoePlan p;
+  p.ep = ep;
+  p.experts = E;
+  p.rank_tokens_before = b.load();
+  for (i64 s = 0; s < ep; ++s)
+    for (i64 e = 0; e < E; ++e)
+      if (e / (E / ep) != s) p.remote_tokens_before += b.count(s, e);
+  std::vector<i64> used(static_cast<std::size_t>(ep), 0);
+
+  // Phase 1, locality: each rank imports the non-resident experts that receive the most of its
+  // own tokens (they then stay on it), while that does not raise the heaviest rank.
+  std::vector<i64> cand;
+  for (i64 r = 0; r < ep && local_slots > 0; ++r) {
+    cand.clear();
+    for (i64 e = 0; e < E; ++e)
+      if (!b.hosts(e, r) && b.count(r, e) > 0) cand.push_back(e);
+    std::stable_sort(cand.begin(), cand.end(),
+                     [&](i64 x, i64 y) { return b.count(r, x) > b.count(r, y); });
+    for (i64 e : cand) {
+      if (used[r] >= local_slots) break;
+      const i64 before = b.max_load();
+      b.add_host(e, r);
+      if (b.max_load() > before) {
+        b.remove_last_host(e);
+        continue;
+      }
+      ++used[r];
+      ++p.replicas_local;
+    }
+  }
+
+  // Phase 2, balance: replicate the hottest expert of the most loaded rank onto the least loaded
+  // rank with a free slot that holds no copy of it, while that lowers the maximum.
+  std::vector<i64> hot;
+  for (i64 round = 0; round < ep * N + 1; ++round) {
+    const auto& load = b.load();
+    const i64 hi = std::max_element(load.begin(), load.end()) - load.begin();
+    const i64 top = load[hi];
+    hot.clear();
+    for (i64 e = 0; e < E; ++e)
+      if (b.share(e, hi) > b.count(hi, e)) hot.push_back(e);  // it computes remote tokens of e
+    std::stable_sort(hot.begin(), hot.end(),
+                     [&](i64 x, i64 y) { return b.share(x, hi) > b.share(y, hi); });
+    bool moved = false;
+    for (i64 e : hot) {
+      i64 target = -1;
+      for (i64 t = 0; t < ep; ++t)
+        if (used[t] < N && !b.hosts(e, t) && (target < 0 || load[t] < load[target])) target = t;
+      if (target < 0) continue;
+      b.add_host(e, target);
+      if (b.max_load() < top) {
+        ++used[target];
+        ++p.replicas_balance;
+        moved = true;
+        break;
+      }
+      b.remove_last_host(e);
+    }
+    if (!moved) break;
+  }
+
+  p.rank_tokens_after = b.load();
+  p.host_offsets.assign(static_cast<std::size_t>(E + 1), 0);
+  for (i64 e = 0; e < E; ++e) {
+    const auto& H = b.hosts_of(e);
+    p.hosts.insert(p.hosts.end(), H.begin(), H.end());
+    p.host_offsets[e + 1] = static_cast<i64>(p.hosts.size());
+  }
+  b.assignment(p.assign);
+  for (i64 s = 0; s < ep; ++s)
+    for (i64 e = 0; e < E; ++e)
+      for (i64 h = 0; h < ep; ++h)
+        if (h != s) p.remote_tokens_after += p.assign[(s * E + e) * ep + h];
+  p.max_over_mean_before = max_over_mean(p.rank_tokens_before);
+  p.max_over_mean_after = max_over_mean(p.rank_tokens_after);
+  p.bytes_moved = static_cast<double>(p.replicas_local + p.replicas_balance) * options.expert_bytes;
+  p.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return p;
+}
+
+}  // namespace libra
