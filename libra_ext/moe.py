@@ -16,9 +16,9 @@ in tokens (every routed expert has the same FLOPs per token); the weights a repl
 reported as bytes.
 
 The decision for layer l+1 is made one layer early from a lookahead prediction: layer l+1's router
-applied to layer l's input (hidden states change slowly across layers). `apply_plan` turns a plan
-made from predicted counts into per-host token counts for the actual routing: every (source,
-expert) pair keeps the planned split between hosts, in proportion.
+applied to layer l's input (hidden states change slowly across layers); the copies' weights move
+then. Once the layer's actual routing is known, `shard` splits the actual tokens over the hosts
+that plan chose (the copies stay, the shares follow the actual loads).
 """
 
 from __future__ import annotations
@@ -84,29 +84,22 @@ def plan_layer(
     return MoeLayerPlan(**d)
 
 
-def apply_plan(plan: MoeLayerPlan, counts: np.ndarray) -> np.ndarray:
-    """[ep (source), experts, ep (host)] tokens of the actual counts under a plan made from other
-    (predicted) counts: each (source, expert) pair is split between hosts in the plan's
-    proportions (cumulative rounding, so the parts sum to the count); a pair the plan did not
-    expect goes to the source itself when it holds the expert, else to the expert's owner."""
-    counts = np.asarray(counts, dtype=np.int64)
+def shard(plan: MoeLayerPlan, counts: np.ndarray, replica_slots: int,
+          expert_bytes: float = 0.0) -> MoeLayerPlan:
+    """The actual counts sharded over the hosts a plan chose (a plan made one layer early from
+    predicted counts): the copies stay where their weights were sent, the tokens are split by
+    the actual loads."""
+    counts = np.asarray(counts)
     if counts.shape != (plan.ep, plan.experts):
         raise ValueError(
             f"counts must be [ep={plan.ep}, experts={plan.experts}], got {counts.shape}"
         )
-    planned = plan.assign.astype(np.float64)
-    total = planned.sum(-1, keepdims=True)
-    ep, E = plan.ep, plan.experts
-    fallback = np.zeros((ep, E, ep))
-    held = plan.host_mask().T  # [ep, experts]
-    owner = np.arange(E) // (E // ep)
-    src = np.arange(ep)[:, None]
-    target = np.where(held, src, owner[None, :])  # [ep, experts]
-    np.put_along_axis(fallback, target[..., None], 1.0, axis=-1)
-    frac = np.where(total > 0, planned / np.maximum(total, 1), fallback)
-    cum = np.floor(counts[..., None] * np.cumsum(frac, -1) + 1e-9).astype(np.int64)
-    cum[..., -1] = counts
-    return np.diff(cum, axis=-1, prepend=0)
+    o = _core.MoeOptions()
+    o.ep, o.experts, o.replica_slots, o.expert_bytes = plan.ep, plan.experts, replica_slots, \
+        expert_bytes
+    d = _core.moe_shard(counts.astype(np.int64).ravel(), o, plan.host_offsets, plan.hosts)
+    d["assign"] = d["assign"].reshape(o.ep, o.experts, o.ep)
+    return MoeLayerPlan(**d)
 
 
 def max_over_mean(load: np.ndarray) -> float:
@@ -186,12 +179,19 @@ class SyntheticRouting:
         return topk_overlap(self._predicted[layer], self._actual[layer])
 
 
-def routing_counts(topk_ids: np.ndarray, ep: int, experts: int) -> np.ndarray:
-    """[ep, experts] counts from [tokens, k] expert ids, tokens split evenly over ep sources."""
+def routing_counts(topk_ids: np.ndarray, ep: int, experts: int,
+                   sizes: np.ndarray | None = None) -> np.ndarray:
+    """[ep, experts] counts from [tokens, k] expert ids in source-rank order: `sizes` tokens
+    from each source rank (default: split evenly)."""
     n = topk_ids.shape[0]
-    if n % ep:
-        raise ValueError(f"tokens ({n}) must be divisible by ep ({ep})")
-    src = np.repeat(np.arange(ep), n // ep)[:, None]
+    if sizes is None:
+        if n % ep:
+            raise ValueError(f"tokens ({n}) must be divisible by ep ({ep})")
+        sizes = np.full(ep, n // ep)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if sizes.shape != (ep,) or sizes.sum() != n or (sizes < 0).any():
+        raise ValueError(f"sizes must be {ep} non-negative token counts summing to {n}")
+    src = np.repeat(np.arange(ep), sizes)[:, None]
     out = np.zeros((ep, experts), dtype=np.int64)
     np.add.at(out, (np.broadcast_to(src, topk_ids.shape), topk_ids), 1)
     return out
@@ -212,14 +212,15 @@ def bench_layers(
     overlaps: list[float] | None = None,
 ) -> dict:
     """Per-layer balance of plans made from the lookahead counts (or the actual ones where there
-    is no prediction), evaluated on the actual counts."""
+    is no prediction), the actual counts sharded over the hosts they chose."""
     rows = []
     for layer, act in enumerate(actual):
         pred = predicted[layer] if predicted is not None else act
         t0 = time.perf_counter()
         plan = plan_layer(pred, replica_slots, local_slots, expert_bytes)
         call_ms = (time.perf_counter() - t0) * 1e3
-        after = apply_plan(plan, act).sum(axis=(0, 1))
+        used = shard(plan, act, replica_slots) if predicted is not None else plan
+        after = used.rank_tokens_after
         before = act.sum(0).reshape(plan.ep, -1).sum(1)
         err = float(np.abs(pred.sum(0) - act.sum(0)).sum() / max(1, act.sum()))
         rows.append({
@@ -267,9 +268,14 @@ ROUTING_SCHEMA = 1
 
 
 def save_routing(path, topk_ids: list[np.ndarray], predicted_ids: list[np.ndarray | None],
-                 experts: int, ep: int, hidden: int, moe_ffn: int) -> None:
+                 experts: int, ep: int, hidden: int, moe_ffn: int,
+                 source_sizes: np.ndarray | None = None) -> None:
     """One step's routing of every MoE layer: [tokens, k] expert ids per layer (tokens of the
-    EP group in source-rank order) and the lookahead's prediction (None for the first layer)."""
+    EP group in source-rank order, `source_sizes` of each source rank; default an even split)
+    and the lookahead's prediction (None for the first layer)."""
+    n = topk_ids[0].shape[0]
+    if source_sizes is None:
+        source_sizes = np.full(ep, n // ep)
     k = topk_ids[0].shape[1]
     has = np.array([p is not None for p in predicted_ids])
     pred = np.stack([p if p is not None else np.full_like(a, -1)
@@ -277,7 +283,7 @@ def save_routing(path, topk_ids: list[np.ndarray], predicted_ids: list[np.ndarra
     np.savez_compressed(
         path, schema=ROUTING_SCHEMA, topk_ids=np.stack(topk_ids).astype(np.int32),
         predicted_ids=pred.astype(np.int32), has_prediction=has, experts=experts, ep=ep,
-        topk=k, hidden=hidden, moe_ffn=moe_ffn,
+        topk=k, hidden=hidden, moe_ffn=moe_ffn, source_sizes=np.asarray(source_sizes),
     )
 
 
@@ -291,6 +297,11 @@ class RoutingRecord:
     topk: int
     hidden: int
     moe_ffn: int
+    source_sizes: np.ndarray  # tokens of each source rank
+
+    def counts(self, layer: int, predicted: bool = False) -> np.ndarray:
+        ids = (self.predicted_ids if predicted else self.topk_ids)[layer]
+        return routing_counts(ids, self.ep, self.experts, self.source_sizes)
 
 
 def load_routing(path, experts: int | None = None, ep: int | None = None,
@@ -302,7 +313,7 @@ def load_routing(path, experts: int | None = None, ep: int | None = None,
     except (OSError, ValueError) as e:
         raise ValueError(f"routing file {path}: not a routing record ({e})") from None
     need = ("schema", "topk_ids", "predicted_ids", "has_prediction", "experts", "ep", "topk",
-            "hidden", "moe_ffn")
+            "hidden", "moe_ffn", "source_sizes")
     for key in need:
         if key not in z.files:
             raise ValueError(f"routing file {path}: field {key!r} is missing")
@@ -312,6 +323,7 @@ def load_routing(path, experts: int | None = None, ep: int | None = None,
     rec = RoutingRecord(
         z["topk_ids"], z["predicted_ids"], z["has_prediction"].astype(bool),
         *(int(z[k]) for k in ("experts", "ep", "topk", "hidden", "moe_ffn")),
+        z["source_sizes"].astype(np.int64),
     )
     for name, want in (("experts", experts), ("ep", ep), ("topk", topk)):
         if want is not None and getattr(rec, name) != want:
@@ -324,7 +336,8 @@ def load_routing(path, experts: int | None = None, ep: int | None = None,
     if ids.size and (ids.min() < 0 or ids.max() >= rec.experts):
         raise ValueError(f"routing file {path}: topk_ids holds expert ids outside "
                          f"[0, experts={rec.experts})")
-    if ids.shape[1] % rec.ep:
-        raise ValueError(f"routing file {path}: tokens ({ids.shape[1]}) must be divisible by "
-                         f"ep ({rec.ep})")
+    sz = rec.source_sizes
+    if sz.shape != (rec.ep,) or (sz < 0).any() or sz.sum() != ids.shape[1]:
+        raise ValueError(f"routing file {path}: source_sizes must be {rec.ep} token counts "
+                         f"summing to the {ids.shape[1]} tokens")
     return rec

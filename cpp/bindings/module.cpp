@@ -190,16 +190,8 @@ PYBIND11_MODULE(_planner, m) {
   m.def("exact_cardinality_lower_bound", &exact_cardinality_lower_bound, py::arg("loads"),
         py::arg("n_groups"), py::arg("cardinality"));
 
-  m.def(
-      "moe_plan",
-      [](py::array_t<i64, py::array::c_style | py::array::forcecast> counts,
-         const MoeOptions& options) {
-        std::vector<i64> c(counts.data(), counts.data() + counts.size());
-        MoePlan p;
-        {
-          py::gil_scoped_release release;
-          p = moe_plan(c, options);
-        }
+  using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
+  auto moe_dict = [](MoePlan&& p) {
         py::dict d;
         d["ep"] = p.ep;
         d["experts"] = p.experts;
@@ -220,8 +212,33 @@ PYBIND11_MODULE(_planner, m) {
                             {"plan_ms", p.plan_ms}})
           d[k] = v;
         return d;
+  };
+  auto vec = [](const I64Array& a) { return std::vector<i64>(a.data(), a.data() + a.size()); };
+  m.def(
+      "moe_plan",
+      [moe_dict, vec](const I64Array& counts, const MoeOptions& options) {
+        std::vector<i64> c = vec(counts);
+        MoePlan p;
+        {
+          py::gil_scoped_release release;
+          p = moe_plan(c, options);
+        }
+        return moe_dict(std::move(p));
       },
       py::arg("counts"), py::arg("options"));
+  m.def(
+      "moe_shard",
+      [moe_dict, vec](const I64Array& counts, const MoeOptions& options,
+                      const I64Array& host_offsets, const I64Array& hosts) {
+        std::vector<i64> c = vec(counts), off = vec(host_offsets), h = vec(hosts);
+        MoePlan p;
+        {
+          py::gil_scoped_release release;
+          p = moe_shard(c, options, off, h);
+        }
+        return moe_dict(std::move(p));
+      },
+      py::arg("counts"), py::arg("options"), py::arg("host_offsets"), py::arg("hosts"));
 
   m.def(
       "plan_step",

@@ -157,10 +157,9 @@ class Balancer {
 
 }  // namespace
 
-MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
-  const auto t0 = std::chrono::steady_clock::now();
-  options.validate();
-  const i64 ep = options.ep, E = options.experts, N = options.replica_slots;
+namespace {
+
+void check_counts(const std::vector<i64>& counts, i64 ep, i64 E) {
   if (static_cast<i64>(counts.size()) != ep * E)
     fail("counts must hold ep * experts = " + std::to_string(ep * E) + " entries (source rank "
          "major), got " + std::to_string(counts.size()));
@@ -170,6 +169,18 @@ MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
            std::to_string(static_cast<i64>(i) / E) + ", expert " +
            std::to_string(static_cast<i64>(i) % E) + ") must be in [0, 2^30], got " +
            std::to_string(counts[i]));
+}
+
+void finish(Balancer& b, const MoeOptions& options,
+            std::chrono::steady_clock::time_point t0, MoePlan& p);
+
+}  // namespace
+
+MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  options.validate();
+  const i64 ep = options.ep, E = options.experts, N = options.replica_slots;
+  check_counts(counts, ep, E);
   const i64 local_slots = options.local_slots < 0 ? N / 4 : options.local_slots;
 
   Balancer b(counts, ep, E);
@@ -234,6 +245,15 @@ MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
     if (!moved) break;
   }
 
+  finish(b, options, t0, p);
+  return p;
+}
+
+namespace {
+
+void finish(Balancer& b, const MoeOptions& options,
+            std::chrono::steady_clock::time_point t0, MoePlan& p) {
+  const i64 ep = options.ep, E = options.experts;
   p.rank_tokens_after = b.load();
   p.host_offsets.assign(static_cast<std::size_t>(E + 1), 0);
   for (i64 e = 0; e < E; ++e) {
@@ -250,6 +270,71 @@ MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
   p.max_over_mean_after = max_over_mean(p.rank_tokens_after);
   p.bytes_moved = static_cast<double>(p.replicas_local + p.replicas_balance) * options.expert_bytes;
   p.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+MoePlan moe_shard(const std::vector<i64>& counts, const MoeOptions& options,
+                  const std::vector<i64>& host_offsets, const std::vector<i64>& hosts) {
+  const auto t0 = std::chrono::steady_clock::now();
+  options.validate();
+  const i64 ep = options.ep, E = options.experts;
+  check_counts(counts, ep, E);
+  if (static_cast<i64>(host_offsets.size()) != E + 1 || host_offsets.front() != 0 ||
+      host_offsets.back() != static_cast<i64>(hosts.size()))
+    fail("host_offsets must hold experts + 1 = " + std::to_string(E + 1) +
+         " offsets from 0 to len(hosts) = " + std::to_string(hosts.size()));
+  std::vector<i64> extra(static_cast<std::size_t>(ep), 0);
+  for (i64 e = 0; e < E; ++e) {
+    const i64 a = host_offsets[e], z = host_offsets[e + 1];
+    if (z <= a || z > static_cast<i64>(hosts.size()))
+      fail(field_at("host_offsets", e + 1) + " must exceed host_offsets[" + std::to_string(e) +
+           "]: every expert has its owner as a host");
+    if (hosts[a] != e / (E / ep))
+      fail(field_at("hosts", a) + " must be expert " + std::to_string(e) + "'s owner (rank " +
+           std::to_string(e / (E / ep)) + "), got " + std::to_string(hosts[a]));
+    for (i64 i = a + 1; i < z; ++i) {
+      if (hosts[i] < 0 || hosts[i] >= ep)
+        fail(field_at("hosts", i) + " must be a rank in [0, ep = " + std::to_string(ep) +
+             "), got " + std::to_string(hosts[i]));
+      for (i64 j = a; j < i; ++j)
+        if (hosts[j] == hosts[i])
+          fail(field_at("hosts", i) + ": rank " + std::to_string(hosts[i]) +
+               " holds expert " + std::to_string(e) + " twice");
+      if (++extra[hosts[i]] > options.replica_slots)
+        fail(field_at("hosts", i) + ": rank " + std::to_string(hosts[i]) + " holds more than "
+             "replica_slots = " + std::to_string(options.replica_slots) + " copies");
+    }
+  }
+  Balancer b(counts, ep, E);
+  MoePlan p;
+  p.ep = ep;
+  p.experts = E;
+  p.rank_tokens_before = b.load();
+  for (i64 s = 0; s < ep; ++s)
+    for (i64 e = 0; e < E; ++e)
+      if (e / (E / ep) != s) p.remote_tokens_before += b.count(s, e);
+  // experts with copies, most tokens first: their copies join one by one, each time re-sharding
+  // the expert over its hosts, and a copy that would raise the heaviest rank (its own tokens
+  // must stay on it) is left idle; a second pass re-shards each against the final loads
+  std::vector<i64> order, total(static_cast<std::size_t>(E), 0);
+  for (i64 e = 0; e < E; ++e) {
+    for (i64 s = 0; s < ep; ++s) total[e] += b.count(s, e);
+    if (host_offsets[e + 1] - host_offsets[e] > 1) order.push_back(e);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](i64 x, i64 y) { return total[x] > total[y]; });
+  for (i64 e : order)
+    for (i64 i = host_offsets[e] + 1; i < host_offsets[e + 1]; ++i) {
+      const i64 before = b.max_load();
+      b.add_host(e, hosts[i]);
+      if (b.max_load() > before) {
+        b.remove_last_host(e);
+      } else {
+        ++p.replicas_balance;
+      }
+    }
+  for (i64 e : order) b.reshard(e);
+  finish(b, options, t0, p);
   return p;
 }
 

@@ -56,9 +56,9 @@ def run_bench_moe(args) -> dict | None:
     if args.routing:
         rec = moe.load_routing(args.routing, args.experts, args.ep, args.topk)
         ebytes = moe.expert_bytes(rec.hidden, rec.moe_ffn)
-        act = [moe.routing_counts(a, rec.ep, rec.experts) for a in rec.topk_ids]
-        pred = [moe.routing_counts(p, rec.ep, rec.experts) if has else a
-                for p, has, a in zip(rec.predicted_ids, rec.has_prediction, act)]
+        act = [rec.counts(layer) for layer in range(len(rec.topk_ids))]
+        pred = [rec.counts(layer, predicted=True) if has else a
+                for layer, (has, a) in enumerate(zip(rec.has_prediction, act))]
         overlaps = [moe.topk_overlap(p, a) if has else 1.0
                     for p, a, has in zip(rec.predicted_ids, rec.topk_ids, rec.has_prediction)]
         for n in slots:

@@ -186,6 +186,26 @@ class CheckpointConfig:
     when the latest is damaged)."""
 
 
+BALANCERS = ("none", "libra")
+
+
+@dataclass
+class MoeConfig:
+    balancer: str = "none"
+    """Expert-load balancing of MoE layers under expert parallelism: none (megatron-core's
+    layer; balance only through its router losses) or libra (hot experts replicated onto lightly
+    loaded EP ranks and their tokens sharded over the copies, planned per layer by the C++
+    planner; needs model.moe_topk > 0, parallel.ep > 1 and megatron-core's local layers). The
+    model's math is unchanged: the same (token, expert) pairs are computed, on other ranks."""
+    replica_slots: int = 2
+    """libra: extra expert slots per EP rank (copies of other ranks' experts it may hold)."""
+    local_slots: int = -1
+    """libra: of those, how many the locality phase may use (-1: replica_slots / 4)."""
+    lookahead: bool = True
+    """libra: plan layer l+1 from its router applied to layer l's input, one layer early, and
+    start moving the copies' weights then; false: plan each layer from its actual routing."""
+
+
 @dataclass
 class LoggingConfig:
     log_interval: int = 1
@@ -195,6 +215,12 @@ class LoggingConfig:
     attention_time: bool = True
     """Measure each rank's core-attention time (forward + backward; CUDA events on GPU, read
     once per step) for the attn time max/mean column; false: no timing hooks."""
+    record_routing: bool = False
+    """moe.balancer libra: write each step's routing (first micro-batch, every balanced MoE
+    layer, the EP group's tokens) and its lookahead prediction to
+    routing_dir/routing_step<N>.npz, for `libra bench moe --routing`."""
+    routing_dir: str = "routing"
+    """Where record_routing writes."""
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -271,6 +297,7 @@ class TrainConfig:
     )
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -513,6 +540,44 @@ class TrainConfig:
             raise ValueError(f"logging.log_interval must be >= 1, got {lg.log_interval}")
         if d.source == "synthetic" and d.lengths_file is not None:
             read_lengths_file(d.lengths_file)  # names the file and line of a bad entry
+        self._check_moe(impl)
+
+    def _check_moe(self, impl: str) -> None:
+        mo, m, p = self.moe, self.model, self.parallel
+        if mo.balancer not in BALANCERS:
+            raise ValueError(
+                f"moe.balancer must be one of {', '.join(BALANCERS)}, got {mo.balancer!r}"
+            )
+        if self.logging.record_routing and mo.balancer != "libra":
+            raise ValueError("logging.record_routing records the balanced layers' routing: it "
+                             "needs moe.balancer = libra")
+        if mo.balancer == "none":
+            return
+        if m.moe_topk <= 0:
+            raise ValueError("moe.balancer = libra needs an MoE model (model.moe_topk > 0)")
+        if p.ep <= 1:
+            raise ValueError(
+                f"moe.balancer = libra needs expert parallelism (parallel.ep > 1, got {p.ep}): "
+                "with one EP rank there is no other rank to move work to"
+            )
+        foreign = m.experts - m.experts // p.ep
+        check_int(mo.replica_slots, "moe.replica_slots", 0)
+        if mo.replica_slots > foreign:
+            raise ValueError(
+                f"moe.replica_slots ({mo.replica_slots}) is larger than the expert slots a rank "
+                f"can fill: it owns {m.experts // p.ep} of model.experts ({m.experts}) and can "
+                f"hold copies of the other {foreign} at most"
+            )
+        check_int(mo.local_slots, "moe.local_slots", -1, mo.replica_slots)
+        if p.tp != 1:
+            raise ValueError(f"moe.balancer = libra needs parallel.tp = 1 (got {p.tp}): the "
+                             "balanced layer runs on the all-gather dispatcher over EP only")
+        if impl != "local":
+            raise ValueError("moe.balancer = libra needs megatron-core's local layers "
+                             "(transformer_impl = local): it runs SequentialMLP experts")
+        if m.recompute == "full":
+            raise ValueError("moe.balancer = libra does not support model.recompute = full (a "
+                             "recomputed layer would plan again from other inputs)")
 
 
 SCHEDULE_FIELDS = (

@@ -134,6 +134,7 @@ def build_model_chunks(
     pp: int = 1,
     vpp: int = 1,
     init_seed: int = 1234,
+    moe=None,
     **config_overrides,
 ) -> list[GPTModel]:
     """This pipeline rank's model chunks (one, or `vpp` virtual stages), each a GPTModel over its
@@ -144,8 +145,14 @@ def build_model_chunks(
     draws its weights from a generator seeded by its global number, the embedding from the
     seed, the output layer after the last layer - so any pp / vpp layout starts from the same
     weights as pp 1 (with CPU initialisation; on-device initialisation draws from
-    megatron-core's CUDA RNG tracker as Megatron-LM does)."""
-    spec = layer_spec(model, system, runtime, resolve_impl(transformer_impl), init_seed=init_seed)
+    megatron-core's CUDA RNG tracker as Megatron-LM does).
+
+    `moe` (a MoeConfig) with balancer libra makes every MoE layer a LibraMoELayer on the
+    all-gather dispatcher, the layers of each chunk chained for the lookahead."""
+    if moe is not None and moe.balancer == "libra":
+        config_overrides.setdefault("moe_token_dispatcher_type", "allgather")
+    spec = layer_spec(model, system, runtime, resolve_impl(transformer_impl), init_seed=init_seed,
+                      moe=moe)
     cfg = transformer_config(
         model,
         dtype,
@@ -177,6 +184,11 @@ def build_model_chunks(
             )
     finally:
         torch.set_rng_state(saved)
+    if moe is not None and moe.balancer == "libra":
+        from megatron.libra.moe_layer import link_moe_layers
+
+        for chunk in chunks:
+            link_moe_layers(chunk)
     return chunks
 
 
@@ -195,9 +207,10 @@ class SeededTransformerLayer(TransformerLayer):
 
 
 def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str,
-               init_seed: int | None = None) -> ModuleSpec:
+               init_seed: int | None = None, moe=None) -> ModuleSpec:
     """The transformer layer spec of `impl` (local | transformer_engine) with Libra's operator as
-    core attention (and, with init_seed, layers seeded by their global number)."""
+    core attention (and, with init_seed, layers seeded by their global number; with a MoeConfig
+    whose balancer is libra, LibraMoELayer as the MoE layer)."""
     experts = model.experts if model.moe_topk > 0 else None
     if impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(
@@ -213,6 +226,21 @@ def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str,
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=LibraCoreAttention, params={"system": system, "runtime": runtime}
     )
+    if experts is not None and moe is not None and moe.balancer == "none":
+        from megatron.libra.moe_layer import VarlenMoELayer
+
+        spec.submodules.mlp.module = VarlenMoELayer  # megatron-core's layer, varlen all-gather
+    if experts is not None and moe is not None and moe.balancer == "libra":
+        from megatron.libra.moe_layer import LibraMoELayer
+
+        spec.submodules.mlp.module = LibraMoELayer
+        spec.submodules.mlp.params = dict(
+            spec.submodules.mlp.params or {},
+            replica_slots=moe.replica_slots,
+            local_slots=moe.local_slots,
+            lookahead=moe.lookahead,
+            record_routing=getattr(moe, "record_routing", False),
+        )
     if init_seed is not None:
         spec.module = SeededTransformerLayer
         spec.params = dict(spec.params or {}, init_seed=init_seed)

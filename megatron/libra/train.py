@@ -5,6 +5,7 @@ position and the planner's carried state."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -12,6 +13,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -199,6 +201,9 @@ class Trainer:
             pp=p.pp,
             vpp=p.vpp,
             init_seed=cfg.data.seed,
+            moe=SimpleNamespace(
+                **dataclasses.asdict(cfg.moe), record_routing=cfg.logging.record_routing
+            ),
             tensor_model_parallel_size=p.tp,
             sequence_parallel=p.sequence_parallel,
             context_parallel_size=p.cp,
@@ -443,6 +448,10 @@ class Trainer:
         global_tokens = float(batch.label_tokens)
         self.runtime.counter.reset()
         self.timer.reset()
+        if self.cfg.moe.balancer == "libra":
+            from megatron.libra.moe_layer import STATS
+
+            STATS.reset()
         self.phase = (
             "forward/backward (the attention operator's CP and pool groups, megatron-core's "
             "tensor/pipeline groups, then the gradient reduction over the data-parallel group)"
@@ -490,7 +499,34 @@ class Trainer:
             "tflops_per_gpu": step_flops(self.cfg.model, global_tokens, plan, T)
             / self.world / dt / 1e12,
         }
+        if self.cfg.moe.balancer == "libra":
+            rec.update(self._moe_stats(step + 1))
         return rec, batch, bool(stats[2] > 0)
+
+    def _moe_stats(self, step: int) -> dict:
+        """The balanced MoE layers' expert-token balance of the step (this rank's EP group; the
+        means over micro-batches per layer and over layers), and the routing record."""
+        from libra_ext import moe as moe_plan
+        from megatron.libra.moe_layer import STATS
+
+        per = STATS.summary()
+        out = {"moe_layers": per}
+        for key in ("expert_tokens_max_over_mean_before", "expert_tokens_max_over_mean_after",
+                    "lookahead_topk_overlap"):
+            if key in per:
+                out[key] = sum(per[key].values()) / len(per[key])
+        lg = self.cfg.logging
+        if lg.record_routing and self.rank == 0 and STATS.routing:
+            layers = sorted(STATS.routing)
+            m = self.cfg.model
+            Path(lg.routing_dir).mkdir(parents=True, exist_ok=True)
+            moe_plan.save_routing(
+                Path(lg.routing_dir) / f"routing_step{step}.npz",
+                [STATS.routing[k][0] for k in layers], [STATS.routing[k][1] for k in layers],
+                experts=m.experts, ep=self.cfg.parallel.ep, hidden=m.hidden, moe_ffn=m.moe_ffn,
+                source_sizes=STATS.routing[layers[0]][2],
+            )
+        return out
 
     def log(self, rec: dict) -> None:
         """Megatron's iteration line every log_interval steps, the metrics file, TensorBoard."""

@@ -182,3 +182,39 @@ def test_torchrun_launch_trains_like_the_local_launcher(tmp_path):
     assert [r["step"] for r in runs] == [1, 2]
     for a, b in zip(local, runs):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (local, runs)
+
+
+def test_moe_expert_balancer_keeps_the_math_and_evens_expert_load(tmp_path, capsys):
+    """moe.balancer=libra on EP 2 (gloo): the same losses and gradient norms as megatron-core's
+    layer, lower expert-token max/mean per EP rank, and a routing record `libra bench moe`
+    reads; without the lookahead too."""
+    moe = [
+        "model.moe_topk=2", "model.experts=16", "model.moe_ffn=32", "model.layers=3",
+        "parallel.ep=2", "parallel.cp=1", "parallel.pool_size=2", "data.gbs=4",
+        "transformer_impl=local", "schedule.train_steps=4", "schedule.warmup_steps=1",
+        "moe.replica_slots=2",
+    ]
+    base = launch(TrainConfig.load(CPU_TINY, moe), 2, 2)
+    rec = tmp_path / "routing"
+    bal = launch(TrainConfig.load(CPU_TINY, moe + [
+        "moe.balancer=libra", "logging.record_routing=true", f"logging.routing_dir={rec}"]), 2, 2)
+    exact = launch(TrainConfig.load(CPU_TINY, moe + ["moe.balancer=libra",
+                                                     "moe.lookahead=false"]), 2, 2)
+    for a, b, c in zip(base, bal, exact):
+        for x in (b, c):
+            assert abs(a["loss"] - x["loss"]) <= 1e-5 * abs(a["loss"]), (base, bal)
+            assert abs(a["grad_norm"] - x["grad_norm"]) <= 1e-5 * a["grad_norm"], (base, bal)
+    before = sum(h["expert_tokens_max_over_mean_before"] for h in bal) / len(bal)
+    after = sum(h["expert_tokens_max_over_mean_after"] for h in bal) / len(bal)
+    assert after < before, bal
+    assert all(0.5 < h["lookahead_topk_overlap"] <= 1.0 for h in bal)
+    assert all("lookahead_topk_overlap" not in h for h in exact)
+    assert sorted(int(k) for k in bal[0]["moe_layers"]["expert_tokens_max_over_mean_after"]) == [
+        1, 2, 3]
+    files = sorted(rec.glob("routing_step*.npz"))
+    assert len(files) == 4
+    capsys.readouterr()
+    assert main(["bench", "moe", "--routing", str(files[-1]), "--experts", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ep"] == 2 and out["layers"] == 3
+    assert out["max_over_mean_after"] <= out["max_over_mean_before"]

@@ -63,14 +63,23 @@ def test_no_slots_means_no_moves_and_balanced_input_stays():
     assert len(plan.replicas) == 0 and plan.max_over_mean_after == plan.max_over_mean_before
 
 
-def test_apply_plan_splits_actual_counts_in_the_planned_proportions():
+def test_shard_splits_actual_counts_over_the_planned_hosts():
     rng = np.random.default_rng(3)
     pred, act = _zipf_counts(rng), _zipf_counts(rng)
     plan = moe.plan_layer(pred, 2)
-    a = moe.apply_plan(plan, act)
-    assert (a.sum(-1) == act).all() and (a >= 0).all()
-    assert not (a.sum(0) > 0)[~plan.host_mask()].any()
-    assert (moe.apply_plan(plan, pred) == plan.assign).all()  # exact on its own counts
+    got = moe.shard(plan, act, 2)
+    assert (got.assign.sum(-1) == act).all() and (got.assign >= 0).all()
+    assert not (got.host_mask() & ~plan.host_mask()).any()  # copies only where the plan put them
+    assert not (got.assign.sum(0) > 0)[~got.host_mask()].any()
+    assert got.max_over_mean_after <= got.max_over_mean_before
+    assert plan.replicas
+    with pytest.raises(ValueError, match="more than replica_slots = 0 copies"):
+        moe.shard(plan, act, 0)
+    bad = moe.plan_layer(pred, 2)
+    bad.hosts = bad.hosts.copy()
+    bad.hosts[0] = 3
+    with pytest.raises(ValueError, match=r"hosts\[0\] must be expert 0's owner"):
+        moe.shard(bad, act, 2)
 
 
 def test_bad_input_names_the_field():

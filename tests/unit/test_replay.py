@@ -58,8 +58,8 @@ def test_replay_reports_measured_and_modeled_balance_per_system():
 def test_replay_command_json_and_bad_system(capsys):
     args = ["bench", "replay", "--workload", "libra-256k", "--context", "1024", "--gbs", "4",
             "--dp", "2", "--cp", "2", "--pool-size", "2", "--heads", "4", "--kv-heads", "2",
-            "--head-dim", "16", "--system", "ulysses,libra-no-tap", "--rounds", "1", "--no-progress",
-            "--json"]
+            "--head-dim", "16", "--system", "ulysses,libra-no-tap", "--rounds", "1",
+            "--no-progress", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["systems"]) == {"ulysses", "libra-no-tap"}

@@ -31,6 +31,10 @@ def test_cpu_tiny_loads_and_overrides_apply():
     assert cfg.validate(4) == 2  # 4 ranks, cp 2 -> dp 2
 
 
+MOE = ["moe.balancer=libra", "model.moe_topk=2", "model.experts=8", "model.moe_ffn=8",
+       "parallel.ep=4"]
+
+
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
@@ -91,6 +95,16 @@ def test_cpu_tiny_loads_and_overrides_apply():
         (["data.order=sorted"], 4, r"data.order must be one of megatron, contiguous"),
         (["system.max_tile_share=-1"], 4, r"system.max_tile_share must be >= 0"),
         (["system.distca_tolerance=-0.5"], 4, r"system.distca_tolerance must be >= 0"),
+        (["moe.balancer=greedy"], 4, r"moe.balancer must be one of none, libra"),
+        (["moe.balancer=libra"], 4, r"moe.balancer = libra needs an MoE model"),
+        (MOE + ["parallel.ep=1"], 4, r"moe.balancer = libra needs expert parallelism"),
+        (MOE + ["moe.replica_slots=7"], 4,
+         r"moe.replica_slots \(7\) is larger than the expert slots a rank can fill: it owns 2 "
+         r"of model.experts \(8\) and can hold copies of the other 6 at most"),
+        (MOE + ["moe.local_slots=3"], 4, r"moe.local_slots must be in \[-1, 2\], got 3"),
+        (MOE + ["transformer_impl=local", "model.recompute=full"], 4,
+         r"does not support model.recompute = full"),
+        (["logging.record_routing=true"], 4, r"logging.record_routing .* needs moe.balancer"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, world, message):

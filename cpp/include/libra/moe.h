@@ -38,4 +38,11 @@ struct MoePlan {
 // counts[s * experts + e]: tokens of source rank s routed to expert e (top-k assignments).
 MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options);
 
+// The tokens of `counts` sharded over given hosts (a plan's host_offsets / hosts, e.g. one made
+// one layer early from predicted counts): what a layer does once its actual routing is known.
+// A copy that would raise the heaviest rank is left without tokens (the result's hosts are a
+// subset of the given ones), so the result is never worse than the owners alone.
+MoePlan moe_shard(const std::vector<i64>& counts, const MoeOptions& options,
+                  const std::vector<i64>& host_offsets, const std::vector<i64>& hosts);
+
 }  // namespace libra

@@ -1,0 +1,383 @@
+"""megatron-core's MoE layer with Libra's expert-load balancer (`moe.balancer: libra`).
+
+The layer keeps megatron-core's router, its loss-based balancing and its all-gather token
+dispatcher (every EP rank receives the EP group's tokens and routing map; the combine is a
+reduce-scatter that sums each token's expert outputs over the ranks). What changes is who computes
+each (token, expert) pair: the C++ planner (`libra_ext.moe.plan_layer`) places copies of hot
+experts on lightly loaded EP ranks and shards each expert's tokens over its copies, and every rank
+computes exactly the pairs the plan gives it, so each pair is computed once somewhere and the
+reduce-scatter sums the same terms as before. The layer's math is unchanged; only the order of
+floating-point sums differs.
+
+Per layer and micro-batch:
+
+1. Plan. With `moe.lookahead`, the previous MoE layer applied this layer's router to its own
+   input (one layer early), all-gathered the predicted per-expert counts of the EP ranks, planned
+   this layer, and started moving the replicated experts' weights; the actual tokens are then
+   sharded over the hosts that plan chose (`shard`). Without a lookahead (the first
+   MoE layer of a chunk, or `moe.lookahead: false`) the plan is made from the actual counts,
+   which every rank holds after the all-gather (no extra collective).
+2. Local stage: the experts this rank owns run on their assigned tokens while the replicated
+   weights are in flight (one asynchronous all-reduce over the EP group: owners contribute their
+   experts' weights, the others zeros).
+3. Remote stage: the copies run with the received weights (megatron-core's own expert module run
+   with the received tensors, so the expert's code path is the same).
+
+Backward mirrors it: the gradients of every copy are summed onto the owner's weights by one
+all-reduce inside the backward of `_ReplicaWeights`, before megatron-core's gradient reduction
+and the optimizer see them. That function also passes the gathered hidden states through, so its
+collective runs on every EP rank at the same point of the backward (after the combine's, before
+the dispatch's), whatever experts a rank computed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+from libra_ext import moe as moe_plan
+
+with __import__("warnings").catch_warnings():
+    __import__("warnings").simplefilter("ignore")
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_sequence_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+
+class _UnknownMlpNotice(logging.Filter):
+    """TransformerLayer passes its process groups only to the MLP classes it knows and logs a
+    warning for any other; LibraMoELayer then takes megatron-core's default process groups, the
+    ones this application builds its layers with, so the notice says nothing actionable."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unknown MLP type" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_UnknownMlpNotice())
+
+
+class BalanceStats:
+    """Per-step statistics of every balanced layer (layer number -> lists over micro-batches),
+    computed from the plan and the routing map that every EP rank holds (no communication)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.before: dict[int, list[float]] = {}
+        self.after: dict[int, list[float]] = {}
+        self.overlap: dict[int, list[float]] = {}
+        self.bytes: dict[int, list[float]] = {}
+        self.plan_ms: dict[int, list[float]] = {}
+        # first micro-batch: (topk ids, predicted ids, tokens of each source rank)
+        self.routing: dict[int, tuple] = {}
+
+    def add(self, layer: int, **values) -> None:
+        for k, v in values.items():
+            getattr(self, k).setdefault(layer, []).append(float(v))
+
+    def summary(self) -> dict:
+        """Means over micro-batches per layer, then over layers."""
+        if not self.before:
+            return {}
+        per = lambda d: {k: float(np.mean(v)) for k, v in sorted(d.items())}  # noqa: E731
+        out = {
+            "expert_tokens_max_over_mean_before": per(self.before),
+            "expert_tokens_max_over_mean_after": per(self.after),
+            "moe_bytes_moved": per(self.bytes),
+            "moe_plan_ms": per(self.plan_ms),
+        }
+        if self.overlap:
+            out["lookahead_topk_overlap"] = per(self.overlap)
+        return out
+
+
+STATS = BalanceStats()
+"""The process's statistics (the trainer reads and resets them every step)."""
+
+
+def _gather_rows(t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """All-gather of tensors whose first dimension differs between ranks (padded to the
+    largest, then the padding dropped); no autograd."""
+    m = max(sizes)
+    pad = torch.zeros((m - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    parts = [torch.empty((m,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+             for _ in sizes]
+    dist.all_gather(parts, torch.cat([t, pad]).contiguous(), group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+
+class PaddedAllGatherDispatcher(MoEAllGatherTokenDispatcher):
+    """megatron-core's all-gather dispatcher for micro-batches whose token counts differ between
+    the EP ranks (packed sequences of different lengths on different replicas): the counts are
+    all-gathered first, every rank's tokens padded to the largest count for the all-gather and
+    the reduce-scatter, and the padding dropped. `sizes` holds each source rank's count."""
+
+    def token_dispatch(self, hidden_states, probs):
+        if self.tp_size == 1 and self.ep_size == 1:
+            self.sizes = [hidden_states.shape[0]]
+            return hidden_states, probs
+        n = hidden_states.shape[0]
+        mine = torch.tensor([n], dtype=torch.int64, device=hidden_states.device)
+        sizes = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.tp_ep_group))]
+        dist.all_gather(sizes, mine, group=self.tp_ep_group)
+        self.sizes = [int(x) for x in sizes]
+        m = max(self.sizes)
+        keep = torch.cat([torch.arange(i * m, i * m + k, device=hidden_states.device)
+                          for i, k in enumerate(self.sizes)])
+        self.keep, self.pad_to = keep, m
+        with torch.no_grad():
+            rm = torch.nn.functional.pad(self.routing_map, (0, 0, 0, m - n))
+            rm = gather_from_sequence_parallel_region(rm, group=self.tp_ep_group)
+            self.routing_map = rm[keep]
+        probs = gather_from_sequence_parallel_region(
+            torch.nn.functional.pad(probs, (0, 0, 0, m - n)), group=self.tp_ep_group
+        )[keep]
+        hidden_states = gather_from_sequence_parallel_region(
+            torch.nn.functional.pad(hidden_states, (0, 0, 0, m - n)), group=self.tp_ep_group
+        )[keep]
+        return hidden_states, probs
+
+    def token_combine(self, hidden_states):
+        if self.tp_size == 1 and self.ep_size == 1:
+            return hidden_states
+        full = hidden_states.new_zeros((self.pad_to * len(self.sizes),) + hidden_states.shape[1:])
+        full = full.index_copy(0, self.keep, hidden_states)
+        out = reduce_scatter_to_sequence_parallel_region(
+            full.to(self.local_probs.dtype), group=self.tp_ep_group
+        ).to(hidden_states.dtype)
+        rank = dist.get_rank(self.tp_ep_group)
+        return out[: self.sizes[rank]]
+
+
+class VarlenMoELayer(MoELayer):
+    """megatron-core's MoELayer, unchanged but for the dispatcher: with EP > 1 on the all-gather
+    dispatcher it is PaddedAllGatherDispatcher (megatron-core's all-gather requires the same
+    token count on every EP rank, which packed micro-batches of different replicas do not
+    have)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        super().__init__(config, submodules, layer_number, pg_collection)
+        if isinstance(self.token_dispatcher, MoEAllGatherTokenDispatcher) and (
+            self.token_dispatcher.ep_size > 1 or self.token_dispatcher.tp_size > 1
+        ):
+            if pg_collection is None:
+                pg_collection = get_default_pg_collection()
+            self.token_dispatcher = PaddedAllGatherDispatcher(
+                self.num_local_experts, self.local_expert_indices, config=self.config,
+                pg_collection=pg_collection,
+            )
+
+
+class LibraMoELayer(VarlenMoELayer):
+    """MoELayer whose routed experts are balanced by hot-expert replication (see module doc)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
+                 replica_slots: int = 2, local_slots: int = -1, lookahead: bool = True,
+                 record_routing: bool = False):
+        super().__init__(config, submodules, layer_number, pg_collection)
+        if not isinstance(self.token_dispatcher, PaddedAllGatherDispatcher):
+            raise ValueError("moe.balancer=libra runs on megatron-core's all-gather token "
+                             "dispatcher (moe_token_dispatcher_type='allgather')")
+        if not isinstance(self.experts, SequentialMLP):
+            raise ValueError(
+                "moe.balancer=libra needs megatron-core's SequentialMLP experts "
+                "(transformer_impl=local); grouped expert GEMMs are not balanced"
+            )
+        if self.token_dispatcher.tp_size != 1:
+            raise ValueError("moe.balancer=libra needs expert tensor parallelism 1 (parallel.tp=1)")
+        if config.gradient_accumulation_fusion:
+            raise ValueError("moe.balancer=libra needs gradient_accumulation_fusion off: a copy's "
+                             "weight gradient must reach its owner through autograd")
+        self.ep = self.token_dispatcher.ep_size
+        self.group = self.token_dispatcher.tp_ep_group
+        self.ep_rank = dist.get_rank(self.group)
+        self.replica_slots, self.local_slots = replica_slots, local_slots
+        self.lookahead, self.record_routing = lookahead, record_routing
+        self.next_moe: LibraMoELayer | None = None  # set by link_moe_layers
+        self.first_expert = int(self.local_expert_indices[0])
+        e0 = self.experts.local_experts[0]
+        self._shapes = [p.shape for _, p in e0.named_parameters()]
+        self._names = [n for n, _ in e0.named_parameters()]
+        self._per_expert = sum(int(np.prod(s)) for s in self._shapes)
+        self._expert_bytes = float(self._per_expert * e0.linear_fc1.weight.element_size())
+        self._pending = None  # (plan, predicted ids of this rank's tokens, weights in flight)
+
+    # ------------------------------------------------------------------ lookahead
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.lookahead and self.next_moe is not None:
+            self.next_moe._pending = self.next_moe._predict(hidden_states)
+        return super().forward(hidden_states, *args, **kwargs)
+
+    @torch.no_grad()
+    def _predict(self, hidden_states: torch.Tensor):
+        """This layer's plan from its router applied to the previous layer's input; the
+        replicated weights start moving at once."""
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = self.router.gating(x)
+        ids = torch.topk(logits, self.config.moe_router_topk, dim=-1).indices
+        local = torch.bincount(ids.flatten(), minlength=self.config.num_moe_experts)
+        counts = [torch.zeros_like(local) for _ in range(self.ep)]
+        dist.all_gather(counts, local, group=self.group)
+        plan = self._plan(torch.stack(counts).cpu().numpy())
+        return plan, ids, self._send_weights(plan)
+
+    def _plan(self, counts: np.ndarray):
+        return moe_plan.plan_layer(counts, self.replica_slots, self.local_slots,
+                                   self._expert_bytes)
+
+    def _send_weights(self, plan):
+        """Start the all-reduce that gives every rank the replicated experts' weights: (flat
+        buffer, work handle, experts in buffer order)."""
+        offsets = plan.host_offsets
+        copied = [e for e in range(plan.experts) if offsets[e + 1] - offsets[e] > 1]
+        if not copied:
+            return None
+        w0 = self.experts.local_experts[0].linear_fc1.weight
+        flat = torch.zeros(len(copied) * self._per_expert, dtype=w0.dtype, device=w0.device)
+        per = self.num_local_experts
+        for i, e in enumerate(copied):
+            if e // per == self.ep_rank:
+                params = [p.detach().reshape(-1) for p in
+                          self.experts.local_experts[e - self.first_expert].parameters()]
+                flat[i * self._per_expert:(i + 1) * self._per_expert] = torch.cat(params)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        return flat, work, copied
+
+    # ------------------------------------------------------------------ expert compute
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        disp = self.token_dispatcher
+        routing_map = disp.routing_map  # [tokens of the EP group, experts], source-rank major
+        E, ep = self.config.num_moe_experts, self.ep
+        dev = routing_map.device
+        sizes = torch.tensor(disp.sizes, device=dev)
+        src = torch.repeat_interleave(torch.arange(ep, device=dev), sizes)  # source of each token
+        rmi = routing_map.to(torch.int64)
+        counts_t = torch.zeros(ep, E, dtype=torch.int64, device=dev).index_add_(0, src, rmi)
+        counts = counts_t.cpu().numpy()  # actual [source, expert]
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            plan, predicted, weights = pending
+            plan = moe_plan.shard(plan, counts, self.replica_slots, self._expert_bytes)
+            assign = plan.assign
+        else:
+            plan, predicted = self._plan(counts), None
+            weights = self._send_weights(plan)
+            assign = plan.assign
+        self._record(plan, counts, assign, predicted, routing_map)
+        # pairs of this rank: position of each (token, expert) inside its (source, expert) run
+        # against the planned bounds of this host
+        cum = np.cumsum(assign, axis=-1)
+        hi = torch.as_tensor(cum[..., self.ep_rank], device=dev)  # [source, expert]
+        lo = hi - torch.as_tensor(assign[..., self.ep_rank], device=dev)
+        run = torch.cumsum(rmi, dim=0)  # pairs up to each token, per expert
+        start = torch.cumsum(counts_t, dim=0) - counts_t  # pairs before each source's tokens
+        pos = run - 1 - start[src]
+        mine = routing_map & (pos >= lo[src]) & (pos < hi[src])
+
+        out = hidden_states * 0  # every rank's output depends on the gathered tokens
+        # local stage: resident experts, while the copies' weights are in flight
+        for j, expert in enumerate(self.experts.local_experts):
+            e = self.first_expert + j
+            idx = torch.nonzero(mine[:, e], as_tuple=True)[0]
+            if idx.numel():
+                y, _ = expert(hidden_states[idx], probs[idx, e])
+                out = out.index_add(0, idx, y.to(out.dtype))
+        if weights is None:
+            disp.local_probs = probs  # token_combine reads its dtype
+            return out, None
+        # remote stage: the copies this rank hosts, with the received weights; the pass-through
+        # of `out` puts the copies' gradient all-reduce between the combine's and the dispatch's
+        # collectives in every rank's backward
+        owned = []  # ((start, end, shape) inside the buffer, parameter) of this rank's experts
+        for i, e in enumerate(weights[2]):
+            if e // self.num_local_experts == self.ep_rank:
+                off = i * self._per_expert
+                params = self.experts.local_experts[e - self.first_expert].parameters()
+                for prm, shape in zip(params, self._shapes):
+                    k = int(np.prod(shape))
+                    owned.append(((off, off + k, shape), prm))
+                    off += k
+        out, wflat = _ReplicaWeights.apply(out, weights, self.group, [s for s, _ in owned],
+                                           *[prm for _, prm in owned])
+        template = self.experts.local_experts[0]
+        for i, e in enumerate(weights[2]):
+            if e // self.num_local_experts == self.ep_rank:
+                continue
+            idx = torch.nonzero(mine[:, e], as_tuple=True)[0]
+            if not idx.numel():
+                continue
+            chunk = wflat[i * self._per_expert:(i + 1) * self._per_expert]
+            params, off = {}, 0
+            for name, shape in zip(self._names, self._shapes):
+                k = int(np.prod(shape))
+                params[name] = chunk[off:off + k].view(shape)
+                off += k
+            y, _ = functional_call(template, params, (hidden_states[idx], probs[idx, e]))
+            out = out.index_add(0, idx, y.to(out.dtype))
+        disp.local_probs = probs  # token_combine reads its dtype
+        return out, None
+
+    def _record(self, plan, counts, assign, predicted, routing_map) -> None:
+        layer = int(self.layer_number)
+        per = self.num_local_experts
+        before = counts.sum(0).reshape(self.ep, per).sum(1)
+        after = assign.sum(axis=(0, 1))
+        STATS.add(layer, before=moe_plan.max_over_mean(before),
+                  after=moe_plan.max_over_mean(after), bytes=plan.bytes_moved,
+                  plan_ms=plan.plan_ms)
+        sizes = self.token_dispatcher.sizes
+        first = sum(sizes[: self.ep_rank])
+        mine = routing_map[first:first + sizes[self.ep_rank]]
+        if predicted is not None:
+            hit = mine.gather(1, predicted).sum()
+            STATS.add(layer, overlap=float(hit) / max(1, predicted.numel()))
+        if self.record_routing and layer not in STATS.routing:
+            k = self.config.moe_router_topk
+            ids = torch.nonzero(routing_map)[:, 1].reshape(-1, k)
+            pred = None
+            if predicted is not None:
+                pred = _gather_rows(predicted, sizes, self.group).cpu().numpy()
+            STATS.routing[layer] = (ids.cpu().numpy(), pred, np.asarray(sizes))
+
+
+class _ReplicaWeights(torch.autograd.Function):
+    """Identity on the partial output and on the received replica weights. Forward: waits for
+    the weights' all-reduce (started before the local stage). Backward: one all-reduce of the
+    copies' weight gradients over the EP group; the slices of the experts this rank owns become
+    their gradients (summed by autograd with the owner's own use)."""
+
+    @staticmethod
+    def forward(ctx, x, weights, group, owned_slices, *owned_params):
+        flat, work, _ = weights
+        work.wait()
+        ctx.group, ctx.owned_slices = group, owned_slices
+        ctx.numel, ctx.dtype = flat.numel(), flat.dtype
+        return x.view_as(x), flat.view_as(flat)
+
+    @staticmethod
+    def backward(ctx, gx, gflat):
+        if gflat is None:
+            g = torch.zeros(ctx.numel, dtype=ctx.dtype)
+        else:
+            g = gflat.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        grads = [g[a:b].view(shape) for a, b, shape in ctx.owned_slices]
+        return (gx, None, None, None, *grads)
+
+
+def link_moe_layers(chunk: torch.nn.Module) -> int:
+    """Chain the balanced MoE layers of one model chunk (each predicts the next); returns how
+    many there are."""
+    layers = [m for m in chunk.modules() if isinstance(m, LibraMoELayer)]
+    for a, b in zip(layers, layers[1:]):
+        a.next_moe = b
+    return len(layers)
