@@ -246,6 +246,17 @@ class LengthSource:
         else:
             raise ValueError("workload: give a preset name or a lengths file")
 
+    @classmethod
+    def from_dist(cls, dist, name: str = "custom",
+                  shuffle_window: int = SAMPLE_SHUFFLE_WINDOW) -> "LengthSource":
+        """A source over a LengthDist built in code (e.g. a candidate while fitting presets),
+        served exactly as a preset is."""
+        src = cls.__new__(cls)
+        src.preset, src.lengths_file = name, None
+        src.shuffle_window = check_int(shuffle_window, "shuffle_window", 1)
+        src._window, src._dist = None, dist
+        return src
+
     @property
     def name(self) -> str:
         return f"file:{self.lengths_file}" if self.lengths_file else str(self.preset)

@@ -94,7 +94,7 @@ def run_bench_moe(args) -> dict | None:
         ov = c["lookahead_topk_overlap"]
         print(f"  {c['source'][:26]:26s} {c['replica_slots']:3d} "
               f"{c['max_over_mean_before']:8.3f} {c['max_over_mean_after']:8.3f} "
-              f"{c['max_over_mean_after_exact']:8.3f} {c['bytes_moved_per_layer'] / 2**20:10.1f} "
+              f"{c['max_over_mean_after_exact']:8.3f} {c['bytes_moved_per_layer'] / 2**20:10.3f} "
               f"{c['plan_ms_per_layer']:8.3f} {'-' if ov is None else f'{ov:.3f}':>14s} "
               f"{c['lookahead_load_error']:9.3f}")
     print("  (exact: the plan made from the actual routing, the bound a perfect prediction "

@@ -245,6 +245,11 @@ def add_ab_parser(sub) -> None:
     )
     p.add_argument("--config", required=True)
     p.add_argument("--systems", default="libra,ulysses", help="comma-separated systems")
+    p.add_argument(
+        "--moe-balancers",
+        help="comma-separated moe.balancer values (e.g. none,libra): A/B the MoE expert "
+        "balancer under the config's system instead of the systems",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--nproc", type=int, help="local worker processes (CPU / gloo)")
     p.add_argument("--out", default="out/ab", help="report directory")
@@ -263,11 +268,20 @@ def run_ab(args):
         raise ValueError(f"steps must be positive, got {args.steps}")
     base = TrainConfig.load(args.config, args.overrides)
     world = _world(args)
+    # (label, system, moe balancer) of every run
+    if args.moe_balancers:
+        runs = [(f"moe.balancer={b}", base.system.name, b)
+                for b in args.moe_balancers.split(",") if b]
+        ref_name = runs[0][0]
+    else:
+        runs = [(name, name, base.moe.balancer) for name in systems]
+        ref_name = "ulysses"
     configs = {}
-    for name in systems:
+    for name, system, balancer in runs:
         cfg = dataclasses.replace(
             base,
-            system=dataclasses.replace(base.system, name=name),
+            system=dataclasses.replace(base.system, name=system),
+            moe=dataclasses.replace(base.moe, balancer=balancer),
             schedule=dataclasses.replace(
                 base.schedule,
                 train_steps=args.steps,
@@ -296,16 +310,26 @@ def run_ab(args):
             "tokens_per_s": sum(h["tokens"] for h in hist) / sum(h["step_time"] for h in hist),
             "tokens": [h["tokens"] for h in hist],
             "bytes_exchanged": [h["bytes_exchanged"] for h in hist],
+            "grad_norm": [h["grad_norm"] for h in hist],
         }
+        if cfg.moe.balancer == "libra":
+            for key in ("expert_tokens_max_over_mean_before",
+                        "expert_tokens_max_over_mean_after", "lookahead_topk_overlap",
+                        "moe_layers"):
+                result["systems"][name][key] = [h.get(key) for h in hist]
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun: rank 0 reports
         return None
-    ref = result["systems"].get("ulysses")
+    ref = result["systems"].get(ref_name)
+    result["reference"] = ref_name
     if ref:
         for name, r in result["systems"].items():
-            r["max_rel_loss_diff_vs_ulysses"] = max(
+            r[f"max_rel_loss_diff_vs_{ref_name}"] = max(
                 abs(a - b) / abs(b) for a, b in zip(r["loss"], ref["loss"])
+            )
+            r[f"max_rel_grad_norm_diff_vs_{ref_name}"] = max(
+                abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["grad_norm"], ref["grad_norm"])
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -325,23 +349,30 @@ def _cuda() -> bool:
 
 
 def _ab_markdown(r: dict) -> str:
+    ref = r.get("reference", "ulysses")
     lines = [
         f"# A/B: {', '.join(r['systems'])}",
         "",
         f"Config `{r['config']}`, {r['steps']} steps, {r['world_size']} ranks; same data "
         "and initialisation for every system.",
         "",
-        "| system | final loss | max rel. loss diff vs ulysses | attn work max/mean (mean) "
-        "| attn time max/mean (mean) | tokens/s |",
-        "|---|---|---|---|---|---|",
+        f"| run | final loss | max rel. loss diff vs {ref} | max rel. grad-norm diff "
+        "| attn work max/mean (mean) | attn time max/mean (mean) | expert tokens max/mean "
+        "before → after (mean) | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in r["systems"].items():
         n = len(s["loss"])
-        diff = s.get("max_rel_loss_diff_vs_ulysses", float("nan"))
+        diff = s.get(f"max_rel_loss_diff_vs_{ref}", float("nan"))
+        gdiff = s.get(f"max_rel_grad_norm_diff_vs_{ref}", float("nan"))
+        moe = "-"
+        if s.get("expert_tokens_max_over_mean_before"):
+            b, a = s["expert_tokens_max_over_mean_before"], s["expert_tokens_max_over_mean_after"]
+            moe = f"{sum(b) / len(b):.3f} → {sum(a) / len(a):.3f}"
         lines.append(
-            f"| {name} | {s['loss'][-1]:.5f} | {diff:.2e} "
+            f"| {name} | {s['loss'][-1]:.5f} | {diff:.2e} | {gdiff:.2e} "
             f"| {sum(s['attn_work_max_over_mean']) / n:.3f} "
-            f"| {sum(s['attn_time_max_over_mean']) / n:.3f} | {s['tokens_per_s']:.1f} |"
+            f"| {sum(s['attn_time_max_over_mean']) / n:.3f} | {moe} | {s['tokens_per_s']:.1f} |"
         )
     lines += [
         "",

@@ -217,4 +217,13 @@ def test_moe_expert_balancer_keeps_the_math_and_evens_expert_load(tmp_path, caps
     assert main(["bench", "moe", "--routing", str(files[-1]), "--experts", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ep"] == 2 and out["layers"] == 3
-    assert out["max_over_mean_after"] <= out["max_over_mean_before"]
+    assert out["max_over_mean_after_exact"] <= out["max_over_mean_before"]
+    # the same A/B through `libra ab --moe-balancers`
+    assert main(["ab", "--config", CPU_TINY, "--moe-balancers", "none,libra", "--steps", "2",
+                 "--nproc", "2", "--out", str(tmp_path / "ab"), "--json"] + moe) == 0
+    ab = json.loads(capsys.readouterr().out)
+    lib = ab["systems"]["moe.balancer=libra"]
+    assert ab["reference"] == "moe.balancer=none"
+    assert lib["max_rel_loss_diff_vs_moe.balancer=none"] <= 1e-5
+    assert lib["max_rel_grad_norm_diff_vs_moe.balancer=none"] <= 1e-5
+    assert len(lib["expert_tokens_max_over_mean_after"]) == 2

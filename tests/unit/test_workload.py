@@ -177,3 +177,13 @@ def test_seeds_outside_64_bits_are_refused_by_name(seed):
         src.step(2, 1024, seed, 0)
     with pytest.raises(ValueError, match="seed must be"):
         src.sample(3, seed)
+
+
+def test_a_source_over_a_built_distribution_serves_steps_as_a_preset_does():
+    preset = wl.LengthSource(preset="libra-1m")
+    built = wl.LengthSource.from_dist(core.preset("libra-1m"), name="fit")
+    for step in (0, 3, 9):
+        assert built.step(8, 65536, 5, step) == preset.step(8, 65536, 5, step)
+    assert built.name == "fit" and built.default_context() is None
+    with pytest.raises(ValueError, match="shuffle_window"):
+        wl.LengthSource.from_dist(core.preset("libra-1m"), shuffle_window=0)
