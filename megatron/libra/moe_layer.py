@@ -75,6 +75,7 @@ class BalanceStats:
         self.before: dict[int, list[float]] = {}
         self.after: dict[int, list[float]] = {}
         self.overlap: dict[int, list[float]] = {}
+        self.load_error: dict[int, list[float]] = {}
         self.bytes: dict[int, list[float]] = {}
         self.plan_ms: dict[int, list[float]] = {}
         # first micro-batch: (topk ids, predicted ids, tokens of each source rank)
@@ -97,6 +98,7 @@ class BalanceStats:
         }
         if self.overlap:
             out["lookahead_topk_overlap"] = per(self.overlap)
+            out["lookahead_load_error"] = per(self.load_error)
         return out
 
 
@@ -209,7 +211,8 @@ class LibraMoELayer(VarlenMoELayer):
         self._names = [n for n, _ in e0.named_parameters()]
         self._per_expert = sum(int(np.prod(s)) for s in self._shapes)
         self._expert_bytes = float(self._per_expert * e0.linear_fc1.weight.element_size())
-        self._pending = None  # (plan, predicted ids of this rank's tokens, weights in flight)
+        # (plan, predicted ids of this rank's tokens, weights in flight, predicted counts)
+        self._pending = None
 
     # ------------------------------------------------------------------ lookahead
     def forward(self, hidden_states, *args, **kwargs):
@@ -227,8 +230,9 @@ class LibraMoELayer(VarlenMoELayer):
         local = torch.bincount(ids.flatten(), minlength=self.config.num_moe_experts)
         counts = [torch.zeros_like(local) for _ in range(self.ep)]
         dist.all_gather(counts, local, group=self.group)
-        plan = self._plan(torch.stack(counts).cpu().numpy())
-        return plan, ids, self._send_weights(plan)
+        predicted = torch.stack(counts).cpu().numpy()
+        plan = self._plan(predicted)
+        return plan, ids, self._send_weights(plan), predicted
 
     def _plan(self, counts: np.ndarray):
         return moe_plan.plan_layer(counts, self.replica_slots, self.local_slots,
@@ -265,14 +269,16 @@ class LibraMoELayer(VarlenMoELayer):
         counts = counts_t.cpu().numpy()  # actual [source, expert]
         pending, self._pending = self._pending, None
         if pending is not None:
-            plan, predicted, weights = pending
-            plan = moe_plan.shard(plan, counts, self.replica_slots, self._expert_bytes)
-            assign = plan.assign
+            planned, predicted, weights, predicted_counts = pending
+            plan = moe_plan.shard(planned, counts, self.replica_slots, self._expert_bytes)
+            sent = planned.bytes_moved  # every planned copy moved, used or not
+            err = float(np.abs(predicted_counts - counts).sum()) / max(1, int(counts.sum()))
         else:
-            plan, predicted = self._plan(counts), None
+            plan, predicted, err = self._plan(counts), None, None
             weights = self._send_weights(plan)
-            assign = plan.assign
-        self._record(plan, counts, assign, predicted, routing_map)
+            sent = plan.bytes_moved
+        assign = plan.assign
+        self._record(plan, counts, assign, predicted, routing_map, sent, err)
         # pairs of this rank: position of each (token, expert) inside its (source, expert) run
         # against the planned bounds of this host
         cum = np.cumsum(assign, axis=-1)
@@ -326,14 +332,15 @@ class LibraMoELayer(VarlenMoELayer):
         disp.local_probs = probs  # token_combine reads its dtype
         return out, None
 
-    def _record(self, plan, counts, assign, predicted, routing_map) -> None:
+    def _record(self, plan, counts, assign, predicted, routing_map, sent, err) -> None:
         layer = int(self.layer_number)
         per = self.num_local_experts
         before = counts.sum(0).reshape(self.ep, per).sum(1)
         after = assign.sum(axis=(0, 1))
         STATS.add(layer, before=moe_plan.max_over_mean(before),
-                  after=moe_plan.max_over_mean(after), bytes=plan.bytes_moved,
-                  plan_ms=plan.plan_ms)
+                  after=moe_plan.max_over_mean(after), bytes=sent, plan_ms=plan.plan_ms)
+        if err is not None:
+            STATS.add(layer, load_error=err)
         sizes = self.token_dispatcher.sizes
         first = sum(sizes[: self.ep_rank])
         mine = routing_map[first:first + sizes[self.ep_rank]]

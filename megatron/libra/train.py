@@ -512,7 +512,7 @@ class Trainer:
         per = STATS.summary()
         out = {"moe_layers": per}
         for key in ("expert_tokens_max_over_mean_before", "expert_tokens_max_over_mean_after",
-                    "lookahead_topk_overlap"):
+                    "lookahead_topk_overlap", "lookahead_load_error"):
             if key in per:
                 out[key] = sum(per[key].values()) / len(per[key])
         lg = self.cfg.logging

@@ -208,6 +208,7 @@ def test_moe_expert_balancer_keeps_the_math_and_evens_expert_load(tmp_path, caps
     after = sum(h["expert_tokens_max_over_mean_after"] for h in bal) / len(bal)
     assert after < before, bal
     assert all(0.5 < h["lookahead_topk_overlap"] <= 1.0 for h in bal)
+    assert all(0.0 <= h["lookahead_load_error"] < 1.0 for h in bal)
     assert all("lookahead_topk_overlap" not in h for h in exact)
     assert sorted(int(k) for k in bal[0]["moe_layers"]["expert_tokens_max_over_mean_after"]) == [
         1, 2, 3]
