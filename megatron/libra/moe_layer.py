@@ -367,13 +367,13 @@ class _ReplicaWeights(torch.autograd.Function):
         flat, work, _ = weights
         work.wait()
         ctx.group, ctx.owned_slices = group, owned_slices
-        ctx.numel, ctx.dtype = flat.numel(), flat.dtype
+        ctx.numel, ctx.dtype, ctx.device = flat.numel(), flat.dtype, flat.device
         return x.view_as(x), flat.view_as(flat)
 
     @staticmethod
     def backward(ctx, gx, gflat):
         if gflat is None:
-            g = torch.zeros(ctx.numel, dtype=ctx.dtype)
+            g = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device)
         else:
             g = gflat.contiguous().clone()
         dist.all_reduce(g, group=ctx.group)
