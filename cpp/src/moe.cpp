@@ -21,6 +21,11 @@ void MoeOptions::validate() const {
     fail("local_slots (" + std::to_string(local_slots) + ") must be -1 (a quarter of the replica "
          "slots) or in [0, replica_slots = " + std::to_string(replica_slots) + "]");
   if (!(expert_bytes >= 0)) fail("expert_bytes must be >= 0");
+  // the assignment table holds ep * experts * ep counts
+  if (ep > (i64(1) << 16) || experts > (i64(1) << 20) || ep * ep * experts > (i64(1) << 26))
+    fail("ep * ep * experts (" + std::to_string(ep) + " * " + std::to_string(ep) + " * " +
+         std::to_string(experts) + ") must be at most 2^26: the plan's assignment table is that "
+         "large");
 }
 
 namespace {

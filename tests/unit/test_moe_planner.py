@@ -4,6 +4,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from libra_ext import moe
 from megatron.libra.cli import main
@@ -98,6 +100,8 @@ def test_bad_input_names_the_field():
         moe.plan_layer(np.ones(8, dtype=np.int64), 1)
     with pytest.raises(ValueError, match="integers"):
         moe.plan_layer(np.ones((4, 8)), 1)
+    with pytest.raises(ValueError, match="must be at most 2\\^26"):
+        moe.plan_layer(np.ones((1024, 1024), dtype=np.int64), 1)
 
 
 def test_lookahead_predicts_most_of_the_routing():
@@ -141,3 +145,27 @@ def test_bench_moe_command(capsys, tmp_path):
     assert len(out["cases"]) == 2 and out["ep"] == 4
     assert main(["bench", "moe", "--routing", str(path), "--ep", "8"]) != 0
     assert "ep is 4" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ep=st.sampled_from([1, 2, 3, 4, 8]),
+    per=st.integers(1, 6),
+    slots=st.integers(0, 6),
+    local=st.integers(-1, 6),
+    seed=st.integers(0, 2**32 - 1),
+    scale=st.sampled_from([0, 1, 100, 1 << 30]),
+)
+def test_any_input_plans_or_is_refused_cleanly(ep, per, slots, local, seed, scale):
+    rng = np.random.default_rng(seed)
+    experts = ep * per
+    counts = rng.integers(0, scale + 1, size=(ep, experts), dtype=np.int64)
+    try:
+        plan = moe.plan_layer(counts, slots, local)
+    except ValueError as e:
+        assert "slots" in str(e)  # only the budget can be refused here
+        return
+    assert (plan.assign.sum(-1) == counts).all()
+    assert plan.max_over_mean_after <= plan.max_over_mean_before + 1e-12
+    again = moe.shard(plan, counts[::-1].copy() if ep > 1 else counts, slots)
+    assert again.max_over_mean_after <= again.max_over_mean_before + 1e-12
