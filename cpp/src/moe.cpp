@@ -179,6 +179,18 @@ void check_counts(const std::vector<i64>& counts, i64 ep, i64 E) {
 void finish(Balancer& b, const MoeOptions& options,
             std::chrono::steady_clock::time_point t0, MoePlan& p);
 
+// A plan's shape and its owners-only figures.
+MoePlan start(const Balancer& b, i64 ep, i64 E) {
+  MoePlan p;
+  p.ep = ep;
+  p.experts = E;
+  p.rank_tokens_before = b.load();
+  for (i64 s = 0; s < ep; ++s)
+    for (i64 e = 0; e < E; ++e)
+      if (e / (E / ep) != s) p.remote_tokens_before += b.count(s, e);
+  return p;
+}
+
 }  // namespace
 
 MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
@@ -189,13 +201,7 @@ MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
   const i64 local_slots = options.local_slots < 0 ? N / 4 : options.local_slots;
 
   Balancer b(counts, ep, E);
-  MoePlan p;
-  p.ep = ep;
-  p.experts = E;
-  p.rank_tokens_before = b.load();
-  for (i64 s = 0; s < ep; ++s)
-    for (i64 e = 0; e < E; ++e)
-      if (e / (E / ep) != s) p.remote_tokens_before += b.count(s, e);
+  MoePlan p = start(b, ep, E);
   std::vector<i64> used(static_cast<std::size_t>(ep), 0);
 
   // Phase 1, locality: each rank imports the non-resident experts that receive the most of its
@@ -312,13 +318,7 @@ MoePlan moe_shard(const std::vector<i64>& counts, const MoeOptions& options,
     }
   }
   Balancer b(counts, ep, E);
-  MoePlan p;
-  p.ep = ep;
-  p.experts = E;
-  p.rank_tokens_before = b.load();
-  for (i64 s = 0; s < ep; ++s)
-    for (i64 e = 0; e < E; ++e)
-      if (e / (E / ep) != s) p.remote_tokens_before += b.count(s, e);
+  MoePlan p = start(b, ep, E);
   // experts with copies, most tokens first: their copies join one by one, each time re-sharding
   // the expert over its hosts, and a copy that would raise the heaviest rank (its own tokens
   // must stay on it) is left idle; a second pass re-shards each against the final loads

@@ -160,9 +160,9 @@ def render_markdown(results: dict) -> str:
             if pa and v["imbalance_after"] > pa * (1 + GAP_NOTE) and v["imbalance_after"] > 0.01:
                 notes.append(
                     f"imbalance after VRSP at P=8: {_fmt(v['imbalance_after'], 4)} vs {pa}: some "
-                    f"packed sequences hold one document as long as the context and outweigh a "
-                    f"group's mean, so no exact-cardinality placement can go lower (the planner "
-                    f"reports its ratio to that lower bound)"
+                    f"packed sequences are one long document (up to the context length) heavier "
+                    f"than a group's mean, so no exact-cardinality placement can go lower (the "
+                    f"planner reports its ratio to that lower bound)"
                 )
         lines += [
             f"### Pool-size sweep (libra, DP{results['scenarios'][name]['pool_sweep_dp']})",
