@@ -289,12 +289,22 @@ class LibraMoELayer(VarlenMoELayer):
         pos = run - 1 - start[src]
         mine = routing_map & (pos >= lo[src]) & (pos < hi[src])
 
+        # this rank's tokens of every expert, ascending, from one index pass whose size the
+        # host already knows (the plan's counts): no device-to-host read per expert
+        per_expert = assign[:, :, self.ep_rank].sum(0)  # [experts], host
+        if mine.device.type == "cpu" and int(mine.sum()) != int(per_expert.sum()):
+            raise RuntimeError(  # the plan's counts and the routing map must agree
+                f"MoE layer {self.layer_number}: {int(mine.sum())} (token, expert) pairs on "
+                f"EP rank {self.ep_rank}, the plan gives it {int(per_expert.sum())}"
+            )
+        pairs = _nonzero(mine.t(), int(per_expert.sum()))  # (expert, token), expert-major
+        tokens_of = dict(zip(range(E), torch.split(pairs[:, 1], per_expert.tolist())))
         out = hidden_states * 0  # every rank's output depends on the gathered tokens
         # local stage: resident experts, while the copies' weights are in flight
         for j, expert in enumerate(self.experts.local_experts):
             e = self.first_expert + j
-            idx = torch.nonzero(mine[:, e], as_tuple=True)[0]
-            if idx.numel():
+            idx = tokens_of[e]
+            if per_expert[e]:
                 y, _ = expert(hidden_states[idx], probs[idx, e])
                 out = out.index_add(0, idx, y.to(out.dtype))
         if weights is None:
@@ -318,8 +328,8 @@ class LibraMoELayer(VarlenMoELayer):
         for i, e in enumerate(weights[2]):
             if e // self.num_local_experts == self.ep_rank:
                 continue
-            idx = torch.nonzero(mine[:, e], as_tuple=True)[0]
-            if not idx.numel():
+            idx = tokens_of[e]
+            if not per_expert[e]:
                 continue
             chunk = wflat[i * self._per_expert:(i + 1) * self._per_expert]
             params, off = {}, 0
@@ -379,6 +389,14 @@ class _ReplicaWeights(torch.autograd.Function):
         dist.all_reduce(g, group=ctx.group)
         grads = [g[a:b].view(shape) for a, b, shape in ctx.owned_slices]
         return (gx, None, None, None, *grads)
+
+
+def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """[count, 2] indices of a 2-D mask's True entries in row-major order; with a known count
+    nonzero_static needs no device-to-host read."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=count)
+    return torch.nonzero(mask)
 
 
 def link_moe_layers(chunk: torch.nn.Module) -> int:
