@@ -2,12 +2,13 @@
 
 The layer keeps megatron-core's router, its loss-based balancing and its all-gather token
 dispatcher (every EP rank receives the EP group's tokens and routing map; the combine is a
-reduce-scatter that sums each token's expert outputs over the ranks). What changes is who computes
-each (token, expert) pair: the C++ planner (`libra_ext.moe.plan_layer`) places copies of hot
-experts on lightly loaded EP ranks and shards each expert's tokens over its copies, and every rank
-computes exactly the pairs the plan gives it, so each pair is computed once somewhere and the
-reduce-scatter sums the same terms as before. The layer's math is unchanged; only the order of
-floating-point sums differs.
+reduce-scatter that sums each token's expert outputs over the ranks), padded here for EP ranks
+whose micro-batches hold different token counts (`PaddedAllGatherDispatcher`). What changes is
+who computes each (token, expert) pair: the C++ planner (`libra_ext.moe.plan_layer`) places
+copies of hot experts on lightly loaded EP ranks and shards each expert's tokens over its copies,
+and every rank computes exactly the pairs the plan gives it, so each pair is computed once
+somewhere and the reduce-scatter sums the same terms as before. The layer's math is unchanged;
+only the order of floating-point sums differs.
 
 Per layer and micro-batch:
 
@@ -25,14 +26,15 @@ Per layer and micro-batch:
 
 Backward mirrors it: the gradients of every copy are summed onto the owner's weights by one
 all-reduce inside the backward of `_ReplicaWeights`, before megatron-core's gradient reduction
-and the optimizer see them. That function also passes the gathered hidden states through, so its
-collective runs on every EP rank at the same point of the backward (after the combine's, before
-the dispatch's), whatever experts a rank computed.
+and the optimizer see them. That function also passes the layer's partial output (after the
+local stage) through, so its collective runs on every EP rank at the same point of the backward
+(after the combine's, before the dispatch's), whatever experts a rank computed.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 import torch
@@ -41,8 +43,8 @@ from torch.func import functional_call
 
 from libra_ext import moe as moe_plan
 
-with __import__("warnings").catch_warnings():
-    __import__("warnings").simplefilter("ignore")
+with warnings.catch_warnings():  # megatron-core's notices about optional TE / apex
+    warnings.simplefilter("ignore")
     from megatron.core.tensor_parallel.mappings import (
         gather_from_sequence_parallel_region,
         reduce_scatter_to_sequence_parallel_region,
