@@ -47,19 +47,20 @@ class Balancer {
         is_host_(static_cast<std::size_t>(experts * ep), 0),
         share_(static_cast<std::size_t>(experts * ep), 0),
         load_(static_cast<std::size_t>(ep), 0),
+        total_(static_cast<std::size_t>(experts), 0),
         level_(static_cast<std::size_t>(ep)) {
     for (i64 e = 0; e < E_; ++e) {
       const i64 owner = e / per_rank_;
       hosts_[e].push_back(owner);
       is_host_[e * ep_ + owner] = 1;
-      i64 all = 0;
-      for (i64 s = 0; s < ep_; ++s) all += count(s, e);
-      share_[e * ep_ + owner] = all;
-      load_[owner] += all;
+      for (i64 s = 0; s < ep_; ++s) total_[e] += count(s, e);
+      share_[e * ep_ + owner] = total_[e];
+      load_[owner] += total_[e];
     }
   }
 
   i64 count(i64 s, i64 e) const { return c_[s * E_ + e]; }
+  i64 total(i64 e) const { return total_[e]; }  // tokens of expert e from every source
   bool hosts(i64 e, i64 r) const { return is_host_[e * ep_ + r] != 0; }
   i64 share(i64 e, i64 r) const { return share_[e * ep_ + r]; }
   const std::vector<i64>& load() const { return load_; }
@@ -109,19 +110,19 @@ class Balancer {
     }
   }
 
-  void add_host(i64 e, i64 r) {
+  // Adds rank r as a host of expert e if the heaviest rank then weighs at most `bound`;
+  // otherwise leaves everything as it was. Returns whether r was kept.
+  bool add_host_within(i64 e, i64 r, i64 bound) {
     hosts_[e].push_back(r);
     is_host_[e * ep_ + r] = 1;
     reshard(e);
-  }
-
-  void remove_last_host(i64 e) {
-    const i64 r = hosts_[e].back();
+    if (max_load() <= bound) return true;
     hosts_[e].pop_back();
     is_host_[e * ep_ + r] = 0;
     load_[r] -= share_[e * ep_ + r];
     share_[e * ep_ + r] = 0;
     reshard(e);
+    return false;
   }
 
   // The final assignment: each host's own tokens stay; remote sources fill the hosts' remote
@@ -155,14 +156,10 @@ class Balancer {
   i64 ep_, E_, per_rank_;
   std::vector<std::vector<i64>> hosts_;
   std::vector<char> is_host_;
-  std::vector<i64> share_, load_;
+  std::vector<i64> share_, load_, total_;
   std::vector<std::pair<i64, std::size_t>> level_;
   std::vector<i64> quota_;
 };
-
-}  // namespace
-
-namespace {
 
 void check_counts(const std::vector<i64>& counts, i64 ep, i64 E) {
   if (static_cast<i64>(counts.size()) != ep * E)
@@ -176,9 +173,6 @@ void check_counts(const std::vector<i64>& counts, i64 ep, i64 E) {
            std::to_string(counts[i]));
 }
 
-void finish(Balancer& b, const MoeOptions& options,
-            std::chrono::steady_clock::time_point t0, MoePlan& p);
-
 // A plan's shape and its owners-only figures.
 MoePlan start(const Balancer& b, i64 ep, i64 E) {
   MoePlan p;
@@ -189,6 +183,28 @@ MoePlan start(const Balancer& b, i64 ep, i64 E) {
     for (i64 e = 0; e < E; ++e)
       if (e / (E / ep) != s) p.remote_tokens_before += b.count(s, e);
   return p;
+}
+
+// The plan's balanced half: hosts, assignment, figures, time since t0.
+void finish(Balancer& b, const MoeOptions& options,
+            std::chrono::steady_clock::time_point t0, MoePlan& p) {
+  const i64 ep = options.ep, E = options.experts;
+  p.rank_tokens_after = b.load();
+  p.host_offsets.assign(static_cast<std::size_t>(E + 1), 0);
+  for (i64 e = 0; e < E; ++e) {
+    const auto& H = b.hosts_of(e);
+    p.hosts.insert(p.hosts.end(), H.begin(), H.end());
+    p.host_offsets[e + 1] = static_cast<i64>(p.hosts.size());
+  }
+  b.assignment(p.assign);
+  for (i64 s = 0; s < ep; ++s)
+    for (i64 e = 0; e < E; ++e)
+      for (i64 h = 0; h < ep; ++h)
+        if (h != s) p.remote_tokens_after += p.assign[(s * E + e) * ep + h];
+  p.max_over_mean_before = max_over_mean(p.rank_tokens_before);
+  p.max_over_mean_after = max_over_mean(p.rank_tokens_after);
+  p.bytes_moved = static_cast<double>(p.replicas_local + p.replicas_balance) * options.expert_bytes;
+  p.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace
@@ -215,14 +231,10 @@ MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
                      [&](i64 x, i64 y) { return b.count(r, x) > b.count(r, y); });
     for (i64 e : cand) {
       if (used[r] >= local_slots) break;
-      const i64 before = b.max_load();
-      b.add_host(e, r);
-      if (b.max_load() > before) {
-        b.remove_last_host(e);
-        continue;
+      if (b.add_host_within(e, r, b.max_load())) {
+        ++used[r];
+        ++p.replicas_local;
       }
-      ++used[r];
-      ++p.replicas_local;
     }
   }
 
@@ -244,14 +256,12 @@ MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
       for (i64 t = 0; t < ep; ++t)
         if (used[t] < N && !b.hosts(e, t) && (target < 0 || load[t] < load[target])) target = t;
       if (target < 0) continue;
-      b.add_host(e, target);
-      if (b.max_load() < top) {
+      if (b.add_host_within(e, target, top - 1)) {  // the maximum must drop
         ++used[target];
         ++p.replicas_balance;
         moved = true;
         break;
       }
-      b.remove_last_host(e);
     }
     if (!moved) break;
   }
@@ -259,31 +269,6 @@ MoePlan moe_plan(const std::vector<i64>& counts, const MoeOptions& options) {
   finish(b, options, t0, p);
   return p;
 }
-
-namespace {
-
-void finish(Balancer& b, const MoeOptions& options,
-            std::chrono::steady_clock::time_point t0, MoePlan& p) {
-  const i64 ep = options.ep, E = options.experts;
-  p.rank_tokens_after = b.load();
-  p.host_offsets.assign(static_cast<std::size_t>(E + 1), 0);
-  for (i64 e = 0; e < E; ++e) {
-    const auto& H = b.hosts_of(e);
-    p.hosts.insert(p.hosts.end(), H.begin(), H.end());
-    p.host_offsets[e + 1] = static_cast<i64>(p.hosts.size());
-  }
-  b.assignment(p.assign);
-  for (i64 s = 0; s < ep; ++s)
-    for (i64 e = 0; e < E; ++e)
-      for (i64 h = 0; h < ep; ++h)
-        if (h != s) p.remote_tokens_after += p.assign[(s * E + e) * ep + h];
-  p.max_over_mean_before = max_over_mean(p.rank_tokens_before);
-  p.max_over_mean_after = max_over_mean(p.rank_tokens_after);
-  p.bytes_moved = static_cast<double>(p.replicas_local + p.replicas_balance) * options.expert_bytes;
-  p.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-
-}  // namespace
 
 MoePlan moe_shard(const std::vector<i64>& counts, const MoeOptions& options,
                   const std::vector<i64>& host_offsets, const std::vector<i64>& hosts) {
@@ -322,22 +307,14 @@ MoePlan moe_shard(const std::vector<i64>& counts, const MoeOptions& options,
   // experts with copies, most tokens first: their copies join one by one, each time re-sharding
   // the expert over its hosts, and a copy that would raise the heaviest rank (its own tokens
   // must stay on it) is left idle; a second pass re-shards each against the final loads
-  std::vector<i64> order, total(static_cast<std::size_t>(E), 0);
-  for (i64 e = 0; e < E; ++e) {
-    for (i64 s = 0; s < ep; ++s) total[e] += b.count(s, e);
+  std::vector<i64> order;
+  for (i64 e = 0; e < E; ++e)
     if (host_offsets[e + 1] - host_offsets[e] > 1) order.push_back(e);
-  }
-  std::stable_sort(order.begin(), order.end(), [&](i64 x, i64 y) { return total[x] > total[y]; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](i64 x, i64 y) { return b.total(x) > b.total(y); });
   for (i64 e : order)
-    for (i64 i = host_offsets[e] + 1; i < host_offsets[e + 1]; ++i) {
-      const i64 before = b.max_load();
-      b.add_host(e, hosts[i]);
-      if (b.max_load() > before) {
-        b.remove_last_host(e);
-      } else {
-        ++p.replicas_balance;
-      }
-    }
+    for (i64 i = host_offsets[e] + 1; i < host_offsets[e + 1]; ++i)
+      if (b.add_host_within(e, hosts[i], b.max_load())) ++p.replicas_balance;
   for (i64 e : order) b.reshard(e);
   finish(b, options, t0, p);
   return p;
