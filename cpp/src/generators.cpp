@@ -113,48 +113,51 @@ i64 LengthDist::draw(Rng& rng) const {
 //               reaches 0.276 without raising the imbalance well above 0.52; the fit sits on
 //               that frontier, inside both acceptance bands.
 // The previous presets (no shuffle, no long documents) stay as libra-256k-v1 / libra-1m-v1.
+namespace {
+
+struct Preset {
+  const char* name;
+  double median, tail_weight, tail_xm, tail_alpha;
+  double long_weight = 0.0;  // the v1 presets have no long documents
+  double long_median = LengthDist{}.long_median;
+  double long_sigma = LengthDist{}.long_sigma;
+};
+
+const Preset kPresets[] = {
+    {"libra-256k", 636.859, 0.00678573, 2552.86, 0.652739, 1.17538e-05, 1.25806e+07, 0.0869575},
+    {"libra-1m", 603.961, 0.0376997, 13056.5, 1.37346, 0.000188822, 135305.0, 0.183791},
+    {"libra-256k-v1", 557.2, 0.08, 4096.0, 1.3},
+    {"libra-1m-v1", 621.5, 0.02, 38493.0, 1.2},
+};
+
+}  // namespace
+
 LengthDist preset(const std::string& name) {
-  LengthDist d;
-  d.kind = "mixture";
-  d.sigma = 1.3;
-  d.min_len = 16;
-  d.cap = 1 << 20;
-  if (name == "libra-256k") {
-    d.median = 636.859;
-    d.tail_weight = 0.00678573;
-    d.tail_xm = 2552.86;
-    d.tail_alpha = 0.652739;
-    d.long_weight = 1.17538e-05;
-    d.long_median = 1.25806e+07;
-    d.long_sigma = 0.0869575;
-  } else if (name == "libra-1m") {
-    d.median = 603.961;
-    d.tail_weight = 0.0376997;
-    d.tail_xm = 13056.5;
-    d.tail_alpha = 1.37346;
-    d.long_weight = 0.000188822;
-    d.long_median = 135305.0;
-    d.long_sigma = 0.183791;
-  } else if (name == "libra-256k-v1") {
-    d.median = 557.2;
-    d.tail_weight = 0.08;
-    d.tail_xm = 4096.0;
-    d.tail_alpha = 1.3;
-  } else if (name == "libra-1m-v1") {
-    d.median = 621.5;
-    d.tail_weight = 0.02;
-    d.tail_xm = 38493.0;
-    d.tail_alpha = 1.2;
-  } else {
-    std::string names;
-    for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
-    fail("unknown workload preset '" + name + "' (known: " + names + ")");
+  for (const Preset& p : kPresets) {
+    if (name != p.name) continue;
+    LengthDist d;
+    d.kind = "mixture";
+    d.sigma = 1.3;
+    d.min_len = 16;
+    d.cap = 1 << 20;
+    d.median = p.median;
+    d.tail_weight = p.tail_weight;
+    d.tail_xm = p.tail_xm;
+    d.tail_alpha = p.tail_alpha;
+    d.long_weight = p.long_weight;
+    d.long_median = p.long_median;
+    d.long_sigma = p.long_sigma;
+    return d;
   }
-  return d;
+  std::string names;
+  for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+  fail("unknown workload preset '" + name + "' (known: " + names + ")");
 }
 
 std::vector<std::string> preset_names() {
-  return {"libra-256k", "libra-1m", "libra-256k-v1", "libra-1m-v1"};
+  std::vector<std::string> out;
+  for (const Preset& p : kPresets) out.emplace_back(p.name);
+  return out;
 }
 
 std::vector<i64> sample_lengths(const LengthDist& dist, i64 n, u64 seed) {
