@@ -76,12 +76,8 @@ def plan_layer(
         raise ValueError(f"counts must be [ep, experts], got shape {counts.shape}")
     if not np.issubdtype(counts.dtype, np.integer):
         raise ValueError(f"counts must hold integers, got {counts.dtype}")
-    o = _core.MoeOptions()
-    o.ep, o.experts = int(counts.shape[0]), int(counts.shape[1])
-    o.replica_slots, o.local_slots, o.expert_bytes = replica_slots, local_slots, expert_bytes
-    d = _core.moe_plan(counts.astype(np.int64).ravel(), o)
-    d["assign"] = d["assign"].reshape(o.ep, o.experts, o.ep)
-    return MoeLayerPlan(**d)
+    o = _options(counts.shape[0], counts.shape[1], replica_slots, local_slots, expert_bytes)
+    return _plan_of(_core.moe_plan(counts.astype(np.int64).ravel(), o))
 
 
 def shard(plan: MoeLayerPlan, counts: np.ndarray, replica_slots: int,
@@ -94,17 +90,23 @@ def shard(plan: MoeLayerPlan, counts: np.ndarray, replica_slots: int,
         raise ValueError(
             f"counts must be [ep={plan.ep}, experts={plan.experts}], got {counts.shape}"
         )
+    o = _options(plan.ep, plan.experts, replica_slots, -1, expert_bytes)
+    return _plan_of(
+        _core.moe_shard(counts.astype(np.int64).ravel(), o, plan.host_offsets, plan.hosts)
+    )
+
+
+def _options(ep: int, experts: int, replica_slots: int, local_slots: int,
+             expert_bytes: float) -> _core.MoeOptions:
     o = _core.MoeOptions()
-    o.ep, o.experts, o.replica_slots, o.expert_bytes = plan.ep, plan.experts, replica_slots, \
-        expert_bytes
-    d = _core.moe_shard(counts.astype(np.int64).ravel(), o, plan.host_offsets, plan.hosts)
-    d["assign"] = d["assign"].reshape(o.ep, o.experts, o.ep)
+    o.ep, o.experts = int(ep), int(experts)
+    o.replica_slots, o.local_slots, o.expert_bytes = replica_slots, local_slots, expert_bytes
+    return o
+
+
+def _plan_of(d: dict) -> MoeLayerPlan:
+    d["assign"] = d["assign"].reshape(d["ep"], d["experts"], d["ep"])
     return MoeLayerPlan(**d)
-
-
-def max_over_mean(load: np.ndarray) -> float:
-    load = np.asarray(load, dtype=np.float64)
-    return float(load.max() / load.mean()) if load.mean() > 0 else 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,14 +221,13 @@ def bench_layers(
         t0 = time.perf_counter()
         plan = plan_layer(pred, replica_slots, local_slots, expert_bytes)
         call_ms = (time.perf_counter() - t0) * 1e3
+        # the actual counts over the planned hosts (both figures on the actual counts)
         used = shard(plan, act, replica_slots) if predicted is not None else plan
-        after = used.rank_tokens_after
-        before = act.sum(0).reshape(plan.ep, -1).sum(1)
         err = float(np.abs(pred.sum(0) - act.sum(0)).sum() / max(1, act.sum()))
         rows.append({
             "layer": layer,
-            "max_over_mean_before": max_over_mean(before),
-            "max_over_mean_after": max_over_mean(after),
+            "max_over_mean_before": used.max_over_mean_before,
+            "max_over_mean_after": used.max_over_mean_after,
             "max_over_mean_after_exact": plan.max_over_mean_after if predicted is None else
             plan_layer(act, replica_slots, local_slots, expert_bytes).max_over_mean_after,
             "replicas": plan.replicas_local + plan.replicas_balance,

@@ -108,17 +108,6 @@ STATS = BalanceStats()
 """The process's statistics (the trainer reads and resets them every step)."""
 
 
-def _gather_rows(t: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-    """All-gather of tensors whose first dimension differs between ranks (padded to the
-    largest, then the padding dropped); no autograd."""
-    m = max(sizes)
-    pad = torch.zeros((m - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    parts = [torch.empty((m,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-             for _ in sizes]
-    dist.all_gather(parts, torch.cat([t, pad]).contiguous(), group=group)
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)])
-
-
 class PaddedAllGatherDispatcher(MoEAllGatherTokenDispatcher):
     """megatron-core's all-gather dispatcher for micro-batches whose token counts differ between
     the EP ranks (packed sequences of different lengths on different replicas): the counts are
@@ -138,17 +127,29 @@ class PaddedAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         keep = torch.cat([torch.arange(i * m, i * m + k, device=hidden_states.device)
                           for i, k in enumerate(self.sizes)])
         self.keep, self.pad_to = keep, m
-        with torch.no_grad():
-            rm = torch.nn.functional.pad(self.routing_map, (0, 0, 0, m - n))
-            rm = gather_from_sequence_parallel_region(rm, group=self.tp_ep_group)
-            self.routing_map = rm[keep]
+        self.routing_map = self.gather_rows(self.routing_map)
         probs = gather_from_sequence_parallel_region(
-            torch.nn.functional.pad(probs, (0, 0, 0, m - n)), group=self.tp_ep_group
+            self._pad(probs), group=self.tp_ep_group
         )[keep]
         hidden_states = gather_from_sequence_parallel_region(
-            torch.nn.functional.pad(hidden_states, (0, 0, 0, m - n)), group=self.tp_ep_group
+            self._pad(hidden_states), group=self.tp_ep_group
         )[keep]
         return hidden_states, probs
+
+    def _pad(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows padded with zeros to the micro-batch's largest token count."""
+        return torch.nn.functional.pad(t, (0,) * (2 * t.dim() - 1) + (self.pad_to - t.shape[0],))
+
+    @torch.no_grad()
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every EP rank's rows of a per-token tensor of this micro-batch (after
+        token_dispatch), in source-rank order; no autograd."""
+        if self.tp_size == 1 and self.ep_size == 1:
+            return t
+        parts = [torch.empty((self.pad_to,) + tuple(t.shape[1:]), dtype=t.dtype,
+                             device=t.device) for _ in self.sizes]
+        dist.all_gather(parts, self._pad(t).contiguous(), group=self.tp_ep_group)
+        return torch.cat(parts)[self.keep]
 
     def token_combine(self, hidden_states):
         if self.tp_size == 1 and self.ep_size == 1:
@@ -209,9 +210,13 @@ class LibraMoELayer(VarlenMoELayer):
         self.next_moe: LibraMoELayer | None = None  # set by link_moe_layers
         self.first_expert = int(self.local_expert_indices[0])
         e0 = self.experts.local_experts[0]
-        self._shapes = [p.shape for _, p in e0.named_parameters()]
-        self._names = [n for n, _ in e0.named_parameters()]
-        self._per_expert = sum(int(np.prod(s)) for s in self._shapes)
+        # one expert's parameters in the weights buffer: (name, start, end, shape), in the
+        # order of parameters()
+        self._layout, off = [], 0
+        for name, prm in e0.named_parameters():
+            self._layout.append((name, off, off + prm.numel(), prm.shape))
+            off += prm.numel()
+        self._per_expert = off
         self._expert_bytes = float(self._per_expert * e0.linear_fc1.weight.element_size())
         # (plan, predicted ids of this rank's tokens, weights in flight, predicted counts)
         self._pending = None
@@ -280,7 +285,7 @@ class LibraMoELayer(VarlenMoELayer):
             weights = self._send_weights(plan)
             sent = plan.bytes_moved
         assign = plan.assign
-        self._record(plan, counts, assign, predicted, routing_map, sent, err)
+        self._record(plan, predicted, routing_map, sent, err)
         # pairs of this rank: position of each (token, expert) inside its (source, expert) run
         # against the planned bounds of this host
         cum = np.cumsum(assign, axis=-1)
@@ -320,10 +325,8 @@ class LibraMoELayer(VarlenMoELayer):
             if e // self.num_local_experts == self.ep_rank:
                 off = i * self._per_expert
                 params = self.experts.local_experts[e - self.first_expert].parameters()
-                for prm, shape in zip(params, self._shapes):
-                    k = int(np.prod(shape))
-                    owned.append(((off, off + k, shape), prm))
-                    off += k
+                for prm, (_, a, b, shape) in zip(params, self._layout):
+                    owned.append(((off + a, off + b, shape), prm))
         out, wflat = _ReplicaWeights.apply(out, weights, self.group, [s for s, _ in owned],
                                            *[prm for _, prm in owned])
         template = self.experts.local_experts[0]
@@ -334,23 +337,18 @@ class LibraMoELayer(VarlenMoELayer):
             if not per_expert[e]:
                 continue
             chunk = wflat[i * self._per_expert:(i + 1) * self._per_expert]
-            params, off = {}, 0
-            for name, shape in zip(self._names, self._shapes):
-                k = int(np.prod(shape))
-                params[name] = chunk[off:off + k].view(shape)
-                off += k
+            params = {name: chunk[a:b].view(shape) for name, a, b, shape in self._layout}
             y, _ = functional_call(template, params, (hidden_states[idx], probs[idx, e]))
             out = out.index_add(0, idx, y.to(out.dtype))
         disp.local_probs = probs  # token_combine reads its dtype
         return out, None
 
-    def _record(self, plan, counts, assign, predicted, routing_map, sent, err) -> None:
+    def _record(self, plan, predicted, routing_map, sent, err) -> None:
+        """The step's statistics of this layer; `plan` holds the actual counts' figures (owners
+        alone, and as computed)."""
         layer = int(self.layer_number)
-        per = self.num_local_experts
-        before = counts.sum(0).reshape(self.ep, per).sum(1)
-        after = assign.sum(axis=(0, 1))
-        STATS.add(layer, before=moe_plan.max_over_mean(before),
-                  after=moe_plan.max_over_mean(after), bytes=sent, plan_ms=plan.plan_ms)
+        STATS.add(layer, before=plan.max_over_mean_before, after=plan.max_over_mean_after,
+                  bytes=sent, plan_ms=plan.plan_ms)
         if err is not None:
             STATS.add(layer, load_error=err)
         sizes = self.token_dispatcher.sizes
@@ -364,7 +362,7 @@ class LibraMoELayer(VarlenMoELayer):
             ids = torch.nonzero(routing_map)[:, 1].reshape(-1, k)
             pred = None
             if predicted is not None:
-                pred = _gather_rows(predicted, sizes, self.group).cpu().numpy()
+                pred = self.token_dispatcher.gather_rows(predicted).cpu().numpy()
             STATS.routing[layer] = (ids.cpu().numpy(), pred, np.asarray(sizes))
 
 
