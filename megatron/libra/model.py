@@ -135,6 +135,7 @@ def build_model_chunks(
     vpp: int = 1,
     init_seed: int = 1234,
     moe=None,
+    record_routing: bool = False,
     **config_overrides,
 ) -> list[GPTModel]:
     """This pipeline rank's model chunks (one, or `vpp` virtual stages), each a GPTModel over its
@@ -148,11 +149,12 @@ def build_model_chunks(
     megatron-core's CUDA RNG tracker as Megatron-LM does).
 
     `moe` (a MoeConfig) with balancer libra makes every MoE layer a LibraMoELayer on the
-    all-gather dispatcher, the layers of each chunk chained for the lookahead."""
+    all-gather dispatcher, the layers of each chunk chained for the lookahead (and, with
+    `record_routing`, keeping each step's routing)."""
     if moe is not None and moe.balancer == "libra":
         config_overrides.setdefault("moe_token_dispatcher_type", "allgather")
     spec = layer_spec(model, system, runtime, resolve_impl(transformer_impl), init_seed=init_seed,
-                      moe=moe)
+                      moe=moe, record_routing=record_routing)
     cfg = transformer_config(
         model,
         dtype,
@@ -207,7 +209,8 @@ class SeededTransformerLayer(TransformerLayer):
 
 
 def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str,
-               init_seed: int | None = None, moe=None) -> ModuleSpec:
+               init_seed: int | None = None, moe=None, record_routing: bool = False
+               ) -> ModuleSpec:
     """The transformer layer spec of `impl` (local | transformer_engine) with Libra's operator as
     core attention (and, with init_seed, layers seeded by their global number; with a MoeConfig
     whose balancer is libra, LibraMoELayer as the MoE layer)."""
@@ -226,21 +229,20 @@ def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str,
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=LibraCoreAttention, params={"system": system, "runtime": runtime}
     )
-    if experts is not None and moe is not None and moe.balancer == "none":
-        from megatron.libra.moe_layer import VarlenMoELayer
+    if experts is not None and moe is not None:
+        from megatron.libra.moe_layer import LibraMoELayer, VarlenMoELayer
 
-        spec.submodules.mlp.module = VarlenMoELayer  # megatron-core's layer, varlen all-gather
-    if experts is not None and moe is not None and moe.balancer == "libra":
-        from megatron.libra.moe_layer import LibraMoELayer
-
-        spec.submodules.mlp.module = LibraMoELayer
-        spec.submodules.mlp.params = dict(
-            spec.submodules.mlp.params or {},
-            replica_slots=moe.replica_slots,
-            local_slots=moe.local_slots,
-            lookahead=moe.lookahead,
-            record_routing=getattr(moe, "record_routing", False),
-        )
+        if moe.balancer == "libra":
+            spec.submodules.mlp.module = LibraMoELayer
+            spec.submodules.mlp.params = dict(
+                spec.submodules.mlp.params or {},
+                replica_slots=moe.replica_slots,
+                local_slots=moe.local_slots,
+                lookahead=moe.lookahead,
+                record_routing=record_routing,
+            )
+        else:  # megatron-core's layer, its all-gather padded for unequal token counts
+            spec.submodules.mlp.module = VarlenMoELayer
     if init_seed is not None:
         spec.module = SeededTransformerLayer
         spec.params = dict(spec.params or {}, init_seed=init_seed)

@@ -5,7 +5,6 @@ position and the planner's carried state."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -13,7 +12,6 @@ import os
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -201,9 +199,8 @@ class Trainer:
             pp=p.pp,
             vpp=p.vpp,
             init_seed=cfg.data.seed,
-            moe=SimpleNamespace(
-                **dataclasses.asdict(cfg.moe), record_routing=cfg.logging.record_routing
-            ),
+            moe=cfg.moe,
+            record_routing=cfg.logging.record_routing,
             tensor_model_parallel_size=p.tp,
             sequence_parallel=p.sequence_parallel,
             context_parallel_size=p.cp,
