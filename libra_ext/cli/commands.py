@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 
 from libra_ext import checks
-from libra_ext.cli import moe_commands
 from libra_ext.planner import (
     ORDERS,
     PLAN_PHASES,
@@ -185,17 +184,26 @@ def add_bench_parser(sub) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=run_bench_replay)
+    from libra_ext.cli import moe_commands  # it takes its list parsing from this module
+
     moe_commands.add_parser(bsub)
 
 
-def _int_list_arg(text: str, field: str) -> list[int]:
+def _list_arg(text: str, field: str, kind=int, minimum=1) -> list:
+    """A non-empty comma-separated list of `kind` values, each at least `minimum`."""
+    noun = "integers" if kind is int else "numbers"
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{field} must be comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{field} must be positive integers, got {text!r}")
+        raise ValueError(f"{field} must be comma-separated {noun}, got {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        what = "positive integers" if kind is int and minimum == 1 else f"{noun} >= {minimum}"
+        raise ValueError(f"{field} must be {what}, got {text!r}")
     return values
+
+
+def _int_list_arg(text: str, field: str) -> list[int]:
+    return _list_arg(text, field)
 
 
 def _systems_arg(text: str) -> tuple:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from libra_ext import moe
+from libra_ext.cli.commands import _list_arg
 
 
 def add_parser(bsub) -> None:
@@ -37,21 +38,8 @@ def add_parser(bsub) -> None:
     m.set_defaults(func=run_bench_moe)
 
 
-def _list(text: str, kind, field: str) -> list:
-    try:
-        out = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{field} must be a comma-separated list, got {text!r}") from None
-    if not out:
-        raise ValueError(f"{field} is empty")
-    return out
-
-
 def run_bench_moe(args) -> dict | None:
-    slots = _list(args.slots, int, "slots")
-    for n in slots:
-        if n < 0:
-            raise ValueError(f"slots must be >= 0, got {n}")
+    slots = _list_arg(args.slots, "slots", int, 0)
     cases = []
     if args.routing:
         rec = moe.load_routing(args.routing, args.experts, args.ep, args.topk)
@@ -72,7 +60,7 @@ def run_bench_moe(args) -> dict | None:
     else:
         experts, topk, ep = args.experts or 128, args.topk or 8, args.ep or 8
         ebytes = moe.expert_bytes(args.hidden, args.moe_ffn)
-        for s in _list(args.zipf, float, "zipf"):
+        for s in _list_arg(args.zipf, "zipf", float, 0.0):
             sr = moe.SyntheticRouting(experts=experts, topk=topk, ep=ep, layers=args.layers,
                                       tokens=args.tokens, zipf_s=s, seed=args.seed)
             act = [sr.counts(layer) for layer in range(sr.layers)]
