@@ -37,19 +37,24 @@ void check_cardinality(std::size_t n, i64 n_groups, i64 cardinality) {
 // and the scan stops once (heaviest + group) / 2, a bound on any swap with that group, exceeds
 // the best found; inside a group, for each item of the heaviest group only the two items nearest
 // to the ideal partner load (from a copy sorted by load, then position) can be best; taking the
-// items of the heaviest group by load, one pointer finds them for all.
+// items of the heaviest group by load, one pointer finds them for all. A pair's best swap depends
+// only on the two groups, and a round changes two groups, so each pair's best is kept (per
+// heaviest group, the row allocated when that group first is the heaviest) until either of its
+// groups changes.
 void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, i64 n_groups) {
   using Entry = std::pair<double, std::size_t>;  // (load, position in members[g])
-  std::vector<double> gl(static_cast<std::size_t>(n_groups), 0.0);
-  std::vector<std::vector<i64>> members(static_cast<std::size_t>(n_groups));
+  const std::size_t G = static_cast<std::size_t>(n_groups);
+  std::vector<double> gl(G, 0.0);
+  std::vector<std::vector<i64>> members(G);
   for (std::size_t i = 0; i < loads.size(); ++i) {
     gl[group[i]] += loads[i];
     members[group[i]].push_back(static_cast<i64>(i));
   }
-  std::vector<std::vector<Entry>> sorted(static_cast<std::size_t>(n_groups));
+  std::vector<std::vector<Entry>> sorted(G);
   // run_start[g][i]: index in sorted[g] of the first entry with sorted[g][i]'s load (the item
   // of that load with the lowest position)
-  std::vector<std::vector<std::size_t>> run_start(static_cast<std::size_t>(n_groups));
+  std::vector<std::vector<std::size_t>> run_start(G);
+  std::vector<u64> version(G, 1);  // bumped whenever a group changes
   auto resort = [&](i64 g) {
     auto& v = sorted[g];
     v.clear();
@@ -59,46 +64,73 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
     rs.resize(v.size());
     for (std::size_t i = 0; i < v.size(); ++i)
       rs[i] = i > 0 && v[i].first == v[i - 1].first ? rs[i - 1] : i;
+    ++version[g];
   };
   for (i64 g = 0; g < n_groups; ++g) resort(g);
-  std::vector<i64> by_load(static_cast<std::size_t>(n_groups));
+  // The best swap of the pair (hi, h): the lowest (pair maximum, a, b) below gl[hi], if any;
+  // valid while both groups are at the versions it was found at.
+  struct PairBest {
+    u64 hi_version = 0, h_version = 0;
+    bool found = false;
+    double pair_max = 0;
+    std::size_t a = 0, b = 0;
+  };
+  std::vector<std::vector<PairBest>> cache(G);
+  auto pair_best = [&](i64 hi, i64 h) {
+    PairBest pb{version[hi], version[h]};
+    const double top = gl[hi], other = gl[h];
+    const double half = (top - other) / 2.0;
+    const auto& v = sorted[h];
+    const auto& rs = run_start[h];
+    auto consider = [&](const Entry& ea, const Entry& eb) {
+      const double delta = ea.first - eb.first;
+      if (!(delta > 0)) return;
+      const double pair_max = std::max(top - delta, other + delta);
+      if (!(pair_max < top)) return;
+      if (!pb.found || pair_max < pb.pair_max ||
+          (pair_max == pb.pair_max && std::make_pair(ea.second, eb.second) < std::make_pair(pb.a, pb.b))) {
+        pb.found = true;
+        pb.pair_max = pair_max;
+        pb.a = ea.second;
+        pb.b = eb.second;
+      }
+    };
+    // items a of hi by ascending load: the ideal partner's load rises with a's, so one pointer
+    // walks v once
+    std::size_t up = 0;
+    for (const Entry& ea : sorted[hi]) {
+      const double target = ea.first - half;  // the ideal partner's load
+      // lightest item at or above the target (its lowest position), and the heaviest below
+      while (up < v.size() && v[up].first < target) ++up;
+      if (up < v.size()) consider(ea, v[up]);
+      if (up > 0) consider(ea, v[rs[up - 1]]);
+    }
+    return pb;
+  };
+  std::vector<i64> by_load(G);
   std::iota(by_load.begin(), by_load.end(), 0);
   const i64 limit = 4 * static_cast<i64>(loads.size());
   for (i64 it = 0; it < limit; ++it) {
     const i64 hi = std::max_element(gl.begin(), gl.end()) - gl.begin();
     std::stable_sort(by_load.begin(), by_load.end(), [&](i64 x, i64 y) { return gl[x] < gl[y]; });
+    auto& row = cache[hi];
+    if (row.empty()) row.resize(G);
     double best = gl[hi];
     i64 best_h = -1;
     std::size_t best_a = 0, best_b = 0;
-    auto consider = [&](i64 h, std::size_t a, std::size_t b) {
-      const double delta = loads[members[hi][a]] - loads[members[h][b]];
-      if (!(delta > 0)) return;
-      const double pair_max = std::max(gl[hi] - delta, gl[h] + delta);
-      if (pair_max < best ||
-          (best_h >= 0 && pair_max == best &&
-           std::make_tuple(h, a, b) < std::make_tuple(best_h, best_a, best_b))) {
-        best = pair_max;
-        best_h = h;
-        best_a = a;
-        best_b = b;
-      }
-    };
     for (i64 h : by_load) {
       if (h == hi) continue;
       const double bound = (gl[hi] + gl[h]) / 2.0;
       if (best_h >= 0 && bound > best + 1e-9 * std::abs(best)) break;
-      const double half = (gl[hi] - gl[h]) / 2.0;
-      const auto& v = sorted[h];
-      const auto& rs = run_start[h];
-      // items a of hi by ascending load: the ideal partner's load rises with a's, so one pointer
-      // walks v once
-      std::size_t up = 0;
-      for (const Entry& ea : sorted[hi]) {
-        const double target = ea.first - half;  // the ideal partner's load
-        // lightest item at or above the target (its lowest position), and the heaviest below
-        while (up < v.size() && v[up].first < target) ++up;
-        if (up < v.size()) consider(h, ea.second, v[up].second);
-        if (up > 0) consider(h, ea.second, v[rs[up - 1]].second);
+      PairBest& pb = row[h];
+      if (pb.hi_version != version[hi] || pb.h_version != version[h]) pb = pair_best(hi, h);
+      if (pb.found && (pb.pair_max < best ||
+                       (best_h >= 0 && pb.pair_max == best &&
+                        std::make_tuple(h, pb.a, pb.b) < std::make_tuple(best_h, best_a, best_b)))) {
+        best = pb.pair_max;
+        best_h = h;
+        best_a = pb.a;
+        best_b = pb.b;
       }
     }
     if (best_h < 0) break;
