@@ -19,10 +19,10 @@ using namespace libra;
 namespace {
 
 // Hand a vector's buffer to numpy without copying: the capsule owns the moved vector.
-template <typename T>
-py::array_t<T> to_numpy(std::vector<T>&& v) {
-  auto* heap = new std::vector<T>(std::move(v));
-  py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+template <typename T, typename A>
+py::array_t<T> to_numpy(std::vector<T, A>&& v) {
+  auto* heap = new std::vector<T, A>(std::move(v));
+  py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<T, A>*>(p); });
   return py::array_t<T>(static_cast<py::ssize_t>(heap->size()), heap->data(), owner);
 }
 
@@ -251,6 +251,19 @@ PYBIND11_MODULE(_planner, m) {
         }
         return plan_to_dict(std::move(plan));
       },
+      py::arg("sequences"), py::arg("layout"), py::arg("model"), py::arg("options"),
+      py::arg("state") = nullptr, py::arg("flush") = false);
+
+  m.def(
+      "plan_hashes",
+      [](const std::vector<std::vector<i64>>& sequences, const Layout& layout,
+         const ModelDims& model, const PlanOptions& options, PlannerState* state, bool flush) {
+        py::gil_scoped_release release;
+        const StepPlan plan = plan_step(sequences, layout, model, options, state, flush);
+        return std::make_pair(plan.hash, plan.compute_hash(1));
+      },
+      "The plan's hash as planned (arrays hashed as they were written) and recomputed from its "
+      "finished arrays on one thread; the two agree.",
       py::arg("sequences"), py::arg("layout"), py::arg("model"), py::arg("options"),
       py::arg("state") = nullptr, py::arg("flush") = false);
 }

@@ -1,7 +1,10 @@
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
+#include <mutex>
 #include <numeric>
+#include <optional>
 #include <thread>
 #include <tuple>
 
@@ -105,10 +108,10 @@ PlannerState PlannerState::deserialize(const std::vector<i64>& flat) {
   return st;
 }
 
-u64 StepPlan::compute_hash(std::size_t workers) const {
+u64 StepPlan::compute_hash(std::size_t workers, const KnownDigests& known) const {
   // Each array is hashed on its own (side by side on `workers` threads) and its digest enters the
   // plan's hash in a fixed order, so the hash does not depend on the worker count.
-  const std::vector<i64>* ints[] = {
+  const PlanArray* ints[] = {
       &seq_doc_offsets, &doc_lengths, &doc_ids, &seq_replica, &seq_slot, &tile_seq, &tile_doc,
       &tile_doc_count, &tile_q_start, &tile_q_len, &tile_head_start, &tile_head_count,
       &tile_kv_start, &tile_kv_len, &tile_owner, &tile_executor, &tile_cp, &tile_pairs, &xchg_q,
@@ -117,15 +120,22 @@ u64 StepPlan::compute_hash(std::size_t workers) const {
   const std::vector<double>* reals[] = {&rank_load, &rank_load_before, &group_load, &rank_bytes_sent};
   constexpr std::size_t n_ints = std::size(ints), n_arrays = n_ints + std::size(reals);
   std::array<u64, n_arrays> digests{};
-  run_workers(workers, n_arrays, [&](WorkQueue& queue) {
-    for (std::size_t a; queue.take(a);) {
-      PlanHasher h;
-      if (a < n_ints) {
-        h.vec(*ints[a]);
-      } else {
-        h.vec(*reals[a - n_ints]);
-      }
-      digests[a] = h.digest();
+  std::vector<std::size_t> todo;
+  for (std::size_t a = 0; a < n_arrays; ++a) {
+    const void* address = a < n_ints ? static_cast<const void*>(ints[a])
+                                     : static_cast<const void*>(reals[a - n_ints]);
+    const auto it = std::find_if(known.begin(), known.end(),
+                                 [&](const auto& k) { return k.first == address; });
+    if (it != known.end()) {
+      digests[a] = it->second;
+    } else {
+      todo.push_back(a);
+    }
+  }
+  run_workers(workers, todo.size(), [&](WorkQueue& queue) {
+    for (std::size_t i; queue.take(i);) {
+      const std::size_t a = todo[i];
+      digests[a] = a < n_ints ? array_digest(*ints[a]) : array_digest(*reals[a - n_ints]);
     }
   });
   PlanHasher h;
@@ -157,14 +167,32 @@ void StepPlan::add_tile(const Tile& t) {
   tile_pairs.push_back(t.pairs);
 }
 
-void StepPlan::resize_tiles(std::size_t n, std::size_t workers) {
-  std::vector<i64>* arrays[] = {&tile_seq,       &tile_doc,        &tile_doc_count, &tile_q_start,
-                                &tile_q_len,     &tile_head_start, &tile_head_count, &tile_kv_start,
-                                &tile_kv_len,    &tile_owner,      &tile_executor,  &tile_cp,
-                                &tile_pairs};
-  run_workers(workers, std::size(arrays), [&](WorkQueue& queue) {
-    for (std::size_t a; queue.take(a);) arrays[a]->resize(n);
-  });
+void StepPlan::resize_tiles(std::size_t n) {
+  for (auto* a : {&tile_seq, &tile_doc, &tile_doc_count, &tile_q_start, &tile_q_len,
+                  &tile_head_start, &tile_head_count, &tile_kv_start, &tile_kv_len, &tile_owner,
+                  &tile_executor, &tile_cp, &tile_pairs})
+    a->resize(n);
+}
+
+void StepPlan::set_tiles(std::size_t first, const std::vector<Tile>& tiles) {
+  const std::size_t n = tiles.size();
+  auto put = [&](PlanArray& a, i64 Tile::*field) {
+    i64* out = a.data() + first;
+    for (std::size_t i = 0; i < n; ++i) out[i] = tiles[i].*field;
+  };
+  put(tile_seq, &Tile::seq);
+  put(tile_doc, &Tile::doc);
+  put(tile_doc_count, &Tile::doc_count);
+  put(tile_q_start, &Tile::q_start);
+  put(tile_q_len, &Tile::q_len);
+  put(tile_head_start, &Tile::head_start);
+  put(tile_head_count, &Tile::head_count);
+  put(tile_kv_start, &Tile::kv_start);
+  put(tile_kv_len, &Tile::kv_len);
+  put(tile_owner, &Tile::owner);
+  put(tile_executor, &Tile::executor);
+  put(tile_cp, &Tile::cp);
+  put(tile_pairs, &Tile::pairs);
 }
 
 namespace {
@@ -203,17 +231,11 @@ std::vector<double> sequence_flops(const StepPlan& p, const std::vector<i64>& se
   return out;
 }
 
-// The input's documents into the plan's CSR arrays, validating them in the same pass; returns
-// the causal pairs of each sequence. Any invalid entry is reported as validate_sequences words it.
-std::vector<i64> copy_sequences(StepPlan& p, const std::vector<std::vector<i64>>& sequences,
-                                i64 context, i64& total_tokens) {
-  std::size_t n_docs = 0;
-  for (const auto& seq : sequences) n_docs += seq.size();
-  p.doc_lengths.resize(n_docs);
-  p.seq_doc_offsets.assign(1, 0);
-  p.seq_doc_offsets.reserve(sequences.size() + 1);
+// Causal pairs of each input sequence, validating the input in the same pass (an invalid entry
+// is reported as validate_sequences words it); adds the step's tokens and documents.
+std::vector<i64> read_sequences(const std::vector<std::vector<i64>>& sequences, i64 context,
+                                i64& total_tokens, std::size_t& n_docs) {
   std::vector<i64> seq_pairs(sequences.size());
-  i64* out = p.doc_lengths.data();
   bool bad = false;
   for (std::size_t s = 0; s < sequences.size(); ++s) {
     i64 tokens = 0, pairs = 0;
@@ -221,17 +243,46 @@ std::vector<i64> copy_sequences(StepPlan& p, const std::vector<std::vector<i64>>
       bad |= l <= 0 || l > context;
       tokens += l;
       pairs += causal_pairs(l);
-      *out++ = l;
     }
     bad |= tokens > context;
     if (bad) validate_sequences(sequences, context);  // throws, naming the entry
     seq_pairs[s] = pairs;
     total_tokens += tokens;
-    p.seq_doc_offsets.push_back(out - p.doc_lengths.data());
+    n_docs += sequences[s].size();
   }
-  p.doc_ids.resize(n_docs);
-  std::iota(p.doc_ids.begin(), p.doc_ids.end(), i64{0});
   return seq_pairs;
+}
+
+// The input's (valid) documents into the plan's CSR arrays and ids, each array hashed as it is
+// written (digests appended to `digests`); returns the longest document.
+i64 copy_documents(StepPlan& p, const std::vector<std::vector<i64>>& sequences, std::size_t n_docs,
+                   StepPlan::KnownDigests& digests) {
+  p.doc_lengths.resize(n_docs);
+  p.doc_ids.resize(n_docs);
+  p.seq_doc_offsets.resize(sequences.size() + 1);
+  PlanHasher lengths, ids;
+  i64 longest = 0, next = 0;
+  p.seq_doc_offsets[0] = 0;
+  for (std::size_t s = 0; s < sequences.size(); ++s) {
+    const std::size_t n = sequences[s].size();
+    i64* len = p.doc_lengths.data() + next;
+    i64* id = p.doc_ids.data() + next;
+    for (std::size_t k = 0; k < n; ++k) {
+      len[k] = sequences[s][k];
+      id[k] = next + static_cast<i64>(k);
+      longest = std::max(longest, len[k]);
+    }
+    lengths.words(len, n);
+    ids.words(id, n);
+    next += static_cast<i64>(n);
+    p.seq_doc_offsets[s + 1] = next;
+  }
+  lengths.value(static_cast<i64>(n_docs));
+  ids.value(static_cast<i64>(n_docs));
+  digests.push_back({&p.doc_lengths, lengths.digest()});
+  digests.push_back({&p.doc_ids, ids.digest()});
+  digests.push_back({&p.seq_doc_offsets, StepPlan::array_digest(p.seq_doc_offsets)});
+  return longest;
 }
 
 std::vector<std::vector<i64>> groups_of(const StepPlan& p, i64 pool) {
@@ -245,14 +296,14 @@ std::vector<std::vector<i64>> groups_of(const StepPlan& p, i64 pool) {
   return groups;
 }
 
-// One exchange group's share of the exchange tables (see build_exchange).
+// One exchange group's share of the exchange tables (see group_exchange).
 struct GroupExchange {
   struct KvNeed {
     i64 key, len, seq, start;
   };
   std::vector<KvNeed> kv;       // KV prefixes to ship, by cell, then key; one per key
   std::vector<i64> kv_cell;     // cell of each (local to the group: src * Px + dst)
-  std::vector<i64> send;        // the group's tiles by (owner, executor member, tile index)
+  std::vector<i64> send;        // positions in the group's tile list by (owner, executor member, position)
   i64 moved_tokens = 0, all_tokens = 0;  // query rows x heads moved / all
 };
 
@@ -262,86 +313,295 @@ struct ExchangeScratch {
   std::vector<GroupExchange::KvNeed> need;
 };
 
-// The exchange of group g, whose tiles are `tiles` (ascending): writes the group's own cells of
-// xchg_q / xchg_o / xchg_kv (no other group touches them) and fills `out`.
-void group_exchange(StepPlan& p, i64 g, const i64* tiles, std::size_t n, ExchangeScratch& scratch,
+// A group's tiles read from the plan's arrays: tile index[i] is the list's i-th.
+struct PlanTileList {
+  const StepPlan& p;
+  const i64* index;
+  std::size_t n;
+  std::size_t size() const { return n; }
+  StepPlan::Tile operator[](std::size_t i) const {
+    const i64 t = index[i];
+    return {p.tile_seq[t],     p.tile_doc[t],     p.tile_doc_count[t], p.tile_q_start[t],
+            p.tile_q_len[t],   p.tile_head_start[t], p.tile_head_count[t], p.tile_kv_start[t],
+            p.tile_kv_len[t],  p.tile_owner[t],   p.tile_executor[t],  p.tile_cp[t],
+            p.tile_pairs[t]};
+  }
+};
+
+// The exchange of group g, whose tiles (in their order in the plan) are `tiles`: writes the
+// group's own cells of xchg_q / xchg_o / xchg_kv (no other group touches them) and fills `out`.
+template <typename TileList>
+void group_exchange(StepPlan& p, i64 g, const TileList& tiles, ExchangeScratch& scratch,
                     GroupExchange& out) {
   const i64 Px = p.exchange_pool, kvh = p.kv_heads_local, d = p.head_dim;
-  const std::size_t cells = static_cast<std::size_t>(Px * Px);
+  const std::size_t cells = static_cast<std::size_t>(Px * Px), n = tiles.size();
   const i64 base = g * Px * Px;
   const i64 first_replica = (g / p.slots) * Px;
+  i64* xq = p.xchg_q.data() + base;
+  i64* xo = p.xchg_o.data() + base;
+  i64* xkv = p.xchg_kv.data() + base;
   auto& tile_count = scratch.tile_count;
   auto& kv_count = scratch.kv_count;
   tile_count.assign(cells + 1, 0);
   kv_count.assign(cells + 1, 0);
-  out.moved_tokens = out.all_tokens = 0;
+  i64* tc = tile_count.data() + 1;
+  i64* kc = kv_count.data() + 1;
+  i64 all = 0, moved = 0, n_need = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    const i64 t = tiles[i];
-    const i64 qh = p.tile_q_len[t] * p.tile_head_count[t];
-    const i64 src = p.tile_owner[t] - first_replica, dst = p.tile_executor[t] - first_replica;
-    out.all_tokens += qh;
-    ++tile_count[src * Px + dst + 1];
+    const auto& t = tiles[i];
+    const i64 qh = t.q_len * t.head_count;
+    const i64 src = t.owner - first_replica, dst = t.executor - first_replica;
+    all += qh;
+    ++tc[src * Px + dst];
     if (src == dst) continue;
     if (dst < 0 || dst >= Px)
-      fail("internal: tile " + std::to_string(t) + " leaves its exchange pool");
-    out.moved_tokens += qh;
-    p.xchg_q[base + src * Px + dst] += qh * d;
-    p.xchg_o[base + dst * Px + src] += qh * d;
-    const auto [kv0, kv1] = kv_heads_of(p, p.tile_head_start[t], p.tile_head_count[t]);
-    kv_count[src * Px + dst + 1] += kv1 - kv0 + 1;
+      fail("internal: tile " + std::to_string(i) + " of group " + std::to_string(g) +
+           " leaves its exchange pool");
+    moved += qh;
+    xq[src * Px + dst] += qh * d;
+    xo[dst * Px + src] += qh * d;
+    const auto [kv0, kv1] = kv_heads_of(p, t.head_start, t.head_count);
+    kc[src * Px + dst] += kv1 - kv0 + 1;
+    n_need += kv1 - kv0 + 1;
+  }
+  out.all_tokens = all;
+  out.moved_tokens = moved;
+  out.send.resize(n);
+  i64* send = out.send.data();
+  auto& need = scratch.need;
+  need.resize(static_cast<std::size_t>(n_need));
+  if (n_need == 0) {  // nothing moves: the send order is the tiles' own, by owner member
+    for (std::size_t c = 0; c < cells; ++c) tile_count[c + 1] += tile_count[c];
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& t = tiles[i];
+      send[tile_count[static_cast<std::size_t>((t.owner - first_replica) * (Px + 1))]++] =
+          static_cast<i64>(i);
+    }
+    out.kv.clear();
+    out.kv_cell.clear();
+    return;
   }
   for (std::size_t c = 0; c < cells; ++c) {
     tile_count[c + 1] += tile_count[c];
     kv_count[c + 1] += kv_count[c];
   }
-  // KV needs by cell (counting sort), then inside each cell by key, the longest prefix of each
-  // key kept.
-  auto& need = scratch.need;
-  need.resize(static_cast<std::size_t>(kv_count[cells]));
+  // Send order by cell (counting sort), position inside; KV needs by cell, then inside each
+  // cell by key, the longest prefix of each key kept.
   for (std::size_t i = 0; i < n; ++i) {
-    const i64 t = tiles[i];
-    const i64 src = p.tile_owner[t] - first_replica, dst = p.tile_executor[t] - first_replica;
-    if (src == dst) continue;
-    const auto [kv0, kv1] = kv_heads_of(p, p.tile_head_start[t], p.tile_head_count[t]);
+    const auto& t = tiles[i];
+    const i64 dst = t.executor - first_replica;
+    const i64 cell = (t.owner - first_replica) * Px + dst;
+    send[tile_count[cell]++] = static_cast<i64>(i);
+    if (t.owner == t.executor) continue;
+    const auto [kv0, kv1] = kv_heads_of(p, t.head_start, t.head_count);
     for (i64 kh = kv0; kh <= kv1; ++kh)
-      need[kv_count[src * Px + dst]++] = {(p.tile_doc[t] * kvh + kh) * Px + dst, p.tile_kv_len[t],
-                                           p.tile_seq[t], p.tile_kv_start[t]};
+      need[kv_count[cell]++] = {(t.doc * kvh + kh) * Px + dst, t.kv_len, t.seq, t.kv_start};
   }
   out.kv.clear();
   out.kv_cell.clear();
   for (std::size_t c = 0, begin = 0; c < cells; ++c) {  // kv_count[c] is now cell c's end
+    const std::size_t end = static_cast<std::size_t>(kv_count[c]);
+    if (end == begin) continue;
     const auto first = need.begin() + static_cast<std::ptrdiff_t>(begin);
-    const auto last = need.begin() + kv_count[c];
+    const auto last = need.begin() + static_cast<std::ptrdiff_t>(end);
     std::sort(first, last, [](const GroupExchange::KvNeed& x, const GroupExchange::KvNeed& y) {
       return x.key != y.key ? x.key < y.key : x.len < y.len;
     });
     for (auto it = first; it != last; ++it) {
       if (it + 1 != last && (it + 1)->key == it->key) continue;
-      p.xchg_kv[base + static_cast<i64>(c)] += 2 * it->len * d;
+      xkv[c] += 2 * it->len * d;
       out.kv.push_back(*it);
       out.kv_cell.push_back(static_cast<i64>(c));
     }
-    begin = static_cast<std::size_t>(kv_count[c]);
+    begin = end;
   }
-  // Send order: by cell (counting sort), tile index inside.
-  out.send.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const i64 t = tiles[i];
-    const i64 cell = (p.tile_owner[t] - first_replica) * Px + (p.tile_executor[t] - first_replica);
-    out.send[tile_count[cell]++] = t;
+}
+
+// Zeroed exchange cells for `groups` exchange groups.
+void start_exchange(StepPlan& p, i64 groups) {
+  const std::size_t cells = static_cast<std::size_t>(groups * p.exchange_pool * p.exchange_pool);
+  p.xchg_q.assign(cells, 0);
+  p.xchg_kv.assign(cells, 0);
+  p.xchg_o.assign(cells, 0);
+}
+
+// Group g's KV entries, at entries kv0.. of the kv arrays, and its send order, at send_order
+// entries first..: the tile index of list position k is first + k, or index[k] if given.
+void put_group_exchange(StepPlan& p, std::size_t g, const GroupExchange& part, std::size_t kv0,
+                        i64 first, const i64* index) {
+  const i64 Px = p.exchange_pool;
+  for (std::size_t k = 0, i = kv0; k < part.kv.size(); ++k, ++i) {
+    const auto& e = part.kv[k];
+    p.kv_group[i] = static_cast<i64>(g);
+    p.kv_src[i] = part.kv_cell[k] / Px;
+    p.kv_dst[i] = part.kv_cell[k] % Px;
+    p.kv_seq[i] = e.seq;
+    p.kv_start[i] = e.start;
+    p.kv_head[i] = (e.key / Px) % p.kv_heads_local;
+    p.kv_len[i] = e.len;
   }
+  i64* send = p.send_order.data() + first;
+  for (std::size_t k = 0; k < part.send.size(); ++k)
+    send[k] = index != nullptr ? index[part.send[k]] : first + part.send[k];
+}
+
+// The exchange's totals once every group's cells are in: moved_token_fraction and the bytes
+// each rank sends, forward + backward: as owner Q, KV (fwd) and dO (bwd); as executor O (fwd)
+// and dQ, dKV (bwd). Identical for every cp rank of a replica (own head slice). The softmax LSE
+// stays on the executor (its kernel backward uses it), so it is not sent.
+void finish_exchange(StepPlan& p, i64 moved_tokens, i64 all_tokens) {
+  p.moved_token_fraction =
+      all_tokens > 0 ? static_cast<double>(moved_tokens) / static_cast<double>(all_tokens) : 0.0;
+  const i64 Px = p.exchange_pool;
+  const i64 G = p.dp / Px * p.slots;
+  p.rank_bytes_sent.assign(static_cast<std::size_t>(p.dp * p.cp), 0.0);
+  const double eb = static_cast<double>(p.dtype_bytes);
+  for (i64 g = 0; g < G; ++g)
+    for (i64 a = 0; a < Px; ++a) {
+      double sent = 0;
+      for (i64 b = 0; b < Px; ++b) {
+        const i64 ab = (g * Px + a) * Px + b, ba = (g * Px + b) * Px + a;
+        sent += eb * static_cast<double>(p.xchg_q[ab] + p.xchg_kv[ab] + p.xchg_o[ab] +
+                                         p.xchg_o[ba] + p.xchg_q[ba] + p.xchg_kv[ba]);
+      }
+      const i64 r = (g / p.slots) * Px + a;
+      for (i64 c = 0; c < p.cp; ++c) p.rank_bytes_sent[r * p.cp + c] += sent;
+    }
+  p.total_bytes = std::accumulate(p.rank_bytes_sent.begin(), p.rank_bytes_sent.end(), 0.0);
+}
+
+// TAP's groups laid out into the plan in group order while the workers place them: whichever
+// worker finds the next group placed copies its tiles, send order and KV entries in (the tiles
+// are then still in cache), while the others go on placing. Arrays are sized ahead from an
+// estimate of the step's tiles (entries stay unset until written, so unused room costs no
+// memory traffic), grown if a step needs more, and cut to size at the end.
+class OrderedLayout {
+ public:
+  OrderedLayout(StepPlan& p, std::size_t groups, std::size_t tile_estimate)
+      : p_(p), lists_(groups), parts_(groups), ready_(groups) {
+    for (auto& r : ready_) r.store(false, std::memory_order_relaxed);
+    p_.send_group_offsets.assign(groups + 1, 0);
+    reserve_tiles(tile_estimate);
+    reserve_kv(tile_estimate / 8);
+  }
+
+  GroupExchange& part(std::size_t g) { return parts_[g]; }
+
+  // Group g is placed (its exchange in part(g)): takes its tiles, then lays out the groups that
+  // are next in order and placed, unless another worker is doing so.
+  void placed(std::size_t g, GroupTileList& tiles) {
+    lists_[g].swap(tiles);
+    ready_[g].store(true, std::memory_order_release);
+    if (!mutex_.try_lock()) return;  // that worker, or finish(), lays it out
+    drain();
+    mutex_.unlock();
+  }
+
+  // After every group is placed: the groups still waiting, the arrays cut to size, the totals;
+  // the digests of the tile arrays and the send order (hashed as they were laid out) appended
+  // to `digests`.
+  void finish(StepPlan::KnownDigests& digests) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      drain();
+      if (next_ != lists_.size()) fail("internal: a TAP group was not placed");
+    }
+    p_.resize_tiles(static_cast<std::size_t>(tiles_));
+    p_.send_order.resize(static_cast<std::size_t>(tiles_));
+    for (PlanArray* a : kv_list()) a->resize(kv_);
+    const auto hashed = hashed_list();
+    for (std::size_t k = 0; k < hashed.size(); ++k) {
+      hashers_[k].value(tiles_);
+      digests.push_back({hashed[k], hashers_[k].digest()});
+    }
+    finish_exchange(p_, moved_, all_);
+  }
+
+ private:
+  std::vector<PlanArray*> kv_list() {
+    return {&p_.kv_group, &p_.kv_src, &p_.kv_dst, &p_.kv_seq, &p_.kv_start, &p_.kv_len, &p_.kv_head};
+  }
+  // The arrays of one entry per tile, hashed as groups are laid out.
+  std::array<PlanArray*, 14> hashed_list() {
+    return {&p_.tile_seq,        &p_.tile_doc,      &p_.tile_doc_count, &p_.tile_q_start,
+            &p_.tile_q_len,      &p_.tile_head_start, &p_.tile_head_count, &p_.tile_kv_start,
+            &p_.tile_kv_len,     &p_.tile_owner,    &p_.tile_executor,  &p_.tile_cp,
+            &p_.tile_pairs,      &p_.send_order};
+  }
+  void reserve_tiles(std::size_t n) {
+    p_.resize_tiles(n);
+    p_.send_order.resize(n);
+  }
+  void reserve_kv(std::size_t n) {
+    for (PlanArray* a : kv_list()) a->resize(n);
+  }
+  // Lays out placed groups in order (the caller holds the mutex).
+  void drain() {
+    for (; next_ < lists_.size() && ready_[next_].load(std::memory_order_acquire); ++next_) {
+      const std::size_t g = next_;
+      GroupTileList& tiles = lists_[g];
+      GroupExchange& part = parts_[g];
+      const std::size_t n = tiles.size(), end = static_cast<std::size_t>(tiles_) + n;
+      if (end > p_.send_order.size()) reserve_tiles(std::max(end, 2 * p_.send_order.size()));
+      if (kv_ + part.kv.size() > p_.kv_len.size())
+        reserve_kv(std::max(kv_ + part.kv.size(), 2 * p_.kv_len.size()));
+      p_.set_tiles(static_cast<std::size_t>(tiles_), tiles);
+      put_group_exchange(p_, g, part, kv_, tiles_, nullptr);
+      const auto hashed = hashed_list();
+      for (std::size_t k = 0; k < hashed.size(); ++k)
+        hashers_[k].words(hashed[k]->data() + tiles_, n);
+      tiles_ += static_cast<i64>(n);
+      kv_ += part.kv.size();
+      p_.send_group_offsets[g + 1] = tiles_;
+      moved_ += part.moved_tokens;
+      all_ += part.all_tokens;
+      GroupTileList().swap(tiles);  // freed here, so the next group's list reuses warm memory
+      part = GroupExchange();
+    }
+  }
+
+  StepPlan& p_;
+  std::vector<GroupTileList> lists_;
+  std::vector<GroupExchange> parts_;
+  std::vector<std::atomic<bool>> ready_;
+  std::mutex mutex_;
+  std::array<PlanHasher, 14> hashers_;  // of hashed_list()
+  std::size_t next_ = 0;  // the next group to lay out
+  i64 tiles_ = 0;
+  std::size_t kv_ = 0;
+  i64 moved_ = 0, all_ = 0;
+};
+
+// Send order, KV entries and totals of the groups' exchanges on `workers` threads; group g's
+// tiles are index[first[g] .. first[g + 1]).
+void lay_out_exchange(StepPlan& p, const std::vector<GroupExchange>& parts,
+                      const std::vector<i64>& first, const i64* index, std::size_t workers) {
+  const std::size_t G = parts.size();
+  std::vector<std::size_t> kv_first(G + 1, 0);
+  i64 moved_tokens = 0, all_tokens = 0;
+  for (std::size_t g = 0; g < G; ++g) {
+    kv_first[g + 1] = kv_first[g] + parts[g].kv.size();
+    moved_tokens += parts[g].moved_tokens;
+    all_tokens += parts[g].all_tokens;
+  }
+  for (auto* v : {&p.kv_group, &p.kv_src, &p.kv_dst, &p.kv_seq, &p.kv_start, &p.kv_len, &p.kv_head})
+    v->resize(kv_first[G]);
+  p.send_group_offsets.assign(first.begin(), first.end());
+  p.send_order.resize(static_cast<std::size_t>(first[G]));
+  run_workers(workers, G, [&](WorkQueue& queue) {
+    for (std::size_t g; queue.take(g);)
+      put_group_exchange(p, g, parts[g], kv_first[g], first[g], index + first[g]);
+  });
+  finish_exchange(p, moved_tokens, all_tokens);
 }
 
 // Exchange tables of the plan's tiles, group by group on `workers` threads (groups are
 // independent; the tables do not depend on the worker count). Tiles of a group are usually
-// contiguous (TAP emits them so); otherwise they are bucketed by group first.
+// contiguous; otherwise they are bucketed by group first.
 void build_exchange(StepPlan& p, std::size_t workers) {
   const i64 Px = p.exchange_pool;
   const i64 G = p.dp / Px * p.slots;
-  const std::size_t cells = static_cast<std::size_t>(G * Px * Px);
-  p.xchg_q.assign(cells, 0);
-  p.xchg_kv.assign(cells, 0);
-  p.xchg_o.assign(cells, 0);
+  start_exchange(p, G);
   const i64 n_tiles = p.n_tiles();
   // tiles of each group: by_group[first[g] .. first[g + 1])
   std::vector<i64> first(static_cast<std::size_t>(G + 1), 0), by_group(static_cast<std::size_t>(n_tiles));
@@ -367,87 +627,80 @@ void build_exchange(StepPlan& p, std::size_t workers) {
   run_workers(workers, static_cast<std::size_t>(G), [&](WorkQueue& queue) {
     ExchangeScratch scratch;
     for (std::size_t g; queue.take(g);)
-      group_exchange(p, static_cast<i64>(g), by_group.data() + first[g],
-                     static_cast<std::size_t>(first[g + 1] - first[g]), scratch, parts[g]);
+      group_exchange(p, static_cast<i64>(g),
+                     PlanTileList{p, by_group.data() + first[g],
+                                  static_cast<std::size_t>(first[g + 1] - first[g])},
+                     scratch, parts[g]);
   });
-  // The groups' entries, in group order.
-  std::vector<std::size_t> kv_first(static_cast<std::size_t>(G + 1), 0);
-  i64 moved_tokens = 0, all_tokens = 0;
-  for (i64 g = 0; g < G; ++g) {
-    kv_first[g + 1] = kv_first[g] + parts[g].kv.size();
-    moved_tokens += parts[g].moved_tokens;
-    all_tokens += parts[g].all_tokens;
-  }
-  for (auto* v : {&p.kv_group, &p.kv_src, &p.kv_dst, &p.kv_seq, &p.kv_start, &p.kv_len, &p.kv_head})
-    v->resize(kv_first[G]);
-  p.send_group_offsets.assign(first.begin(), first.end());
-  p.send_order.resize(static_cast<std::size_t>(n_tiles));
-  run_workers(workers, static_cast<std::size_t>(G), [&](WorkQueue& queue) {
-    for (std::size_t g; queue.take(g);) {
-      std::size_t i = kv_first[g];
-      const GroupExchange& part = parts[g];
-      for (std::size_t k = 0; k < part.kv.size(); ++k, ++i) {
-        const auto& e = part.kv[k];
-        p.kv_group[i] = static_cast<i64>(g);
-        p.kv_src[i] = part.kv_cell[k] / Px;
-        p.kv_dst[i] = part.kv_cell[k] % Px;
-        p.kv_seq[i] = e.seq;
-        p.kv_start[i] = e.start;
-        p.kv_head[i] = (e.key / Px) % p.kv_heads_local;
-        p.kv_len[i] = e.len;
-      }
-      std::copy(parts[g].send.begin(), parts[g].send.end(), p.send_order.begin() + first[g]);
-    }
-  });
-  p.moved_token_fraction =
-      all_tokens > 0 ? static_cast<double>(moved_tokens) / static_cast<double>(all_tokens) : 0.0;
-
-  // Bytes each rank sends, forward + backward: as owner Q, KV (fwd) and dO (bwd); as executor
-  // O (fwd) and dQ, dKV (bwd). Identical for every cp rank of a replica (own head slice). The
-  // softmax LSE stays on the executor (its kernel backward uses it), so it is not sent.
-  p.rank_bytes_sent.assign(static_cast<std::size_t>(p.dp * p.cp), 0.0);
-  const double eb = static_cast<double>(p.dtype_bytes);
-  for (i64 g = 0; g < G; ++g)
-    for (i64 a = 0; a < Px; ++a) {
-      double sent = 0;
-      for (i64 b = 0; b < Px; ++b) {
-        const i64 ab = (g * Px + a) * Px + b, ba = (g * Px + b) * Px + a;
-        sent += eb * static_cast<double>(p.xchg_q[ab] + p.xchg_kv[ab] + p.xchg_o[ab] +
-                                         p.xchg_o[ba] + p.xchg_q[ba] + p.xchg_kv[ba]);
-      }
-      const i64 r = (g / p.slots) * Px + a;
-      for (i64 c = 0; c < p.cp; ++c) p.rank_bytes_sent[r * p.cp + c] += sent;
-    }
-  p.total_bytes = std::accumulate(p.rank_bytes_sent.begin(), p.rank_bytes_sent.end(), 0.0);
+  lay_out_exchange(p, parts, first, by_group.data(), workers);
 }
 
+// Loads of the (layout pool, slot) groups: each group's total and, per member, the work of the
+// group's tiles with cp == -1 that it executes (on each of its C ranks), each summed in tile
+// order.
+struct GroupLoads {
+  std::vector<double> group;   // [D/P * m]
+  std::vector<double> member;  // [D/P * m * P]
+  explicit GroupLoads(const StepPlan& p)
+      : group(static_cast<std::size_t>(p.dp / p.pool * p.slots), 0.0),
+        member(static_cast<std::size_t>(p.dp * p.slots), 0.0) {}
+};
+
+// Attention FLOPs (forward + backward) of a tile.
+inline double tile_flops(const StepPlan& p, i64 pairs, i64 heads) {
+  return attn_fwd_flops(static_cast<double>(pairs), heads, p.head_dim) * (1.0 + kAttnBwdFactor);
+}
+
+// The loads of layout group g from its tiles (all with cp == -1), in tile order.
+void add_group_loads(const StepPlan& p, std::size_t g, const GroupTileList& tiles, GroupLoads& loads) {
+  const i64 first_replica = static_cast<i64>(g) / p.slots * p.pool;
+  double* member = loads.member.data() + g * static_cast<std::size_t>(p.pool);
+  double total = 0;
+  for (const StepPlan::Tile& t : tiles) {
+    const double f = tile_flops(p, t.pairs, t.head_count);
+    member[t.executor - first_replica] += f;
+    total += f * static_cast<double>(p.cp);
+  }
+  loads.group[g] = total;
+}
+
+// The metrics (`longest`: the longest executed document); `known` holds the group loads when the tiles' groups already summed them (TAP),
+// else they are summed here from the tile arrays, the same way.
 void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrder order,
-                     i64 micro_batch) {
+                     i64 micro_batch, i64 longest, GroupLoads* known) {
   const i64 C = p.cp, m = p.slots, P = p.pool;
   p.rank_load.assign(static_cast<std::size_t>(p.dp * C), 0.0);
-  p.group_load.assign(static_cast<std::size_t>(p.dp / P * m), 0.0);
-  const double bwd = 1.0 + kAttnBwdFactor;
-  // A tile with cp == -1 loads every cp rank of its executor alike: summed once per executor
-  // (the same additions in the same order as per rank), spread over its C ranks after.
-  std::vector<double> exec_load(static_cast<std::size_t>(p.dp), 0.0);
-  std::vector<i64> group_base(static_cast<std::size_t>(p.dp));
-  for (i64 r = 0; r < p.dp; ++r) group_base[r] = (r / P) * m;
-  for (i64 t = 0; t < p.n_tiles(); ++t) {
-    const double f =
-        attn_fwd_flops(static_cast<double>(p.tile_pairs[t]), p.tile_head_count[t], p.head_dim) * bwd;
-    const i64 e = p.tile_executor[t];
-    const i64 g = group_base[e] + p.seq_slot[p.tile_seq[t]];
-    if (p.tile_cp[t] < 0) {
-      exec_load[e] += f;
-      p.group_load[g] += f * static_cast<double>(C);
-    } else {
-      p.rank_load[e * C + p.tile_cp[t]] += f;
-      p.group_load[g] += f;
+  std::optional<GroupLoads> own;
+  if (known == nullptr) {
+    own.emplace(p);
+    known = &*own;
+    // A tile with cp == -1 loads every cp rank of its executor alike: summed once per (group,
+    // executor) (the same additions in the same order as per rank), spread over its C ranks
+    // after; one with cp >= 0 loads that rank only.
+    std::vector<i64> group_base(static_cast<std::size_t>(p.dp));
+    for (i64 r = 0; r < p.dp; ++r) group_base[r] = (r / P) * m;
+    for (i64 t = 0; t < p.n_tiles(); ++t) {
+      const double f = tile_flops(p, p.tile_pairs[t], p.tile_head_count[t]);
+      const i64 e = p.tile_executor[t];
+      const i64 g = group_base[e] + p.seq_slot[p.tile_seq[t]];
+      if (p.tile_cp[t] < 0) {
+        known->member[g * P + e % P] += f;
+        known->group[g] += f * static_cast<double>(C);
+      } else {
+        p.rank_load[e * C + p.tile_cp[t]] += f;
+        known->group[g] += f;
+      }
     }
   }
-  for (i64 e = 0; e < p.dp; ++e)
-    if (exec_load[e] != 0.0)
-      for (i64 c = 0; c < C; ++c) p.rank_load[e * C + c] += exec_load[e];
+  p.group_load = std::move(known->group);
+  // each executor's work over its pool's slots, in slot order, on each of its C ranks
+  for (i64 e = 0; e < p.dp; ++e) {
+    double exec = 0;
+    for (i64 slot = 0; slot < m; ++slot) exec += known->member[((e / P) * m + slot) * P + e % P];
+    if (exec != 0.0)
+      for (i64 c = 0; c < C; ++c) p.rank_load[e * C + c] += exec;
+  }
+  const double bwd = 1.0 + kAttnBwdFactor;
   // Before: the input in Megatron's production order under Ulysses (no balancing, no moves).
   p.rank_load_before.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   std::vector<double> group_before(p.group_load.size(), 0.0);
@@ -466,8 +719,6 @@ void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrd
   // Lowest achievable per-rank load with tiles inside layout pools: pool work / P (per cp rank),
   // or the largest piece TAP cannot cut (the last min-split rows of the longest document, one
   // head), whichever is larger.
-  i64 longest = 0;
-  for (i64 l : p.doc_lengths) longest = std::max(longest, l);
   const i64 rows = std::min(longest, min_split_rows(p.context));
   const double unit = attn_fwd_flops(static_cast<double>(block_pairs(longest - rows, longest)), 1,
                                      p.head_dim) * bwd;
@@ -547,6 +798,11 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   };
   std::vector<i64> input_pairs;  // causal pairs of each input sequence
   VrspPlacement placement;
+  PlacementBounds bounds;
+  i64 longest = 0;           // the longest executed document
+  std::size_t workers = 1;   // set once the step's documents are known
+  StepPlan::KnownDigests digests;  // arrays hashed as they were written
+  std::optional<GroupLoads> tap_loads;  // TAP: the groups' loads, summed as they are placed
   if (options.system == System::Wlb) {
     validate_sequences(sequences, layout.context);
     // per-document CP: up to 2C chunks of every document (queued ones included)
@@ -557,38 +813,64 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
     input_pairs = pairs_of(sequences);
     phase_done(p, PlanPhase::Input);
     wlb_pack(p, sequences, opt, *state, flush);
+    workers = plan_workers(options, p.doc_lengths.size());
     std::vector<i64> executed(static_cast<std::size_t>(p.n_seq()), 0);
     for (i64 s = 0; s < p.n_seq(); ++s)
       for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
         executed[s] += causal_pairs(p.doc_lengths[d]);
-    placement = production_place(sequence_flops(p, executed), p.dp, p.pool, p.slots,
-                                 SampleOrder::Megatron, 1);  // wlb_pack's round robin
+    const std::vector<double> loads = sequence_flops(p, executed);
+    placement = production_place(loads, p.dp, p.pool, p.slots, SampleOrder::Megatron,
+                                 1);  // wlb_pack's round robin
+    bounds = placement_bounds(loads, p.dp, p.pool, p.slots);
+    for (const i64 l : p.doc_lengths) longest = std::max(longest, l);
     phase_done(p, PlanPhase::Placement);
     wlb_tiles(p);
   } else {
     i64 tokens = 0;
-    input_pairs = copy_sequences(p, sequences, layout.context, tokens);
+    std::size_t n_docs = 0;
+    input_pairs = read_sequences(sequences, layout.context, tokens, n_docs);
+    workers = plan_workers(options, n_docs);
     // per sequence: a document of l >= block tokens makes at most l / block + 1 query blocks
     // and ends a run; two consecutive runs of shorter documents hold more than a block; so at
     // most 5 * tokens / block + 1 tiles per head group
-    check_budget((5.0 * static_cast<double>(tokens) / static_cast<double>(opt.block) +
-                  static_cast<double>(B)) *
-                 static_cast<double>((p.heads_local + hg - 1) / hg));
+    const double tile_estimate = (5.0 * static_cast<double>(tokens) / static_cast<double>(opt.block) +
+                                  static_cast<double>(B)) *
+                                 static_cast<double>((p.heads_local + hg - 1) / hg);
+    check_budget(tile_estimate);
     phase_done(p, PlanPhase::Input);
     const std::vector<double> loads = sequence_flops(p, input_pairs);
+    // While the sequences are placed, a second thread copies the documents into the plan (and
+    // hashes them) and computes the placement's lower bounds, which only the metrics need.
+    SideTask side(workers > 1, [&] {
+      longest = copy_documents(p, sequences, n_docs, digests);
+      bounds = placement_bounds(loads, p.dp, p.pool, p.slots);
+    });
     const bool vrsp = options.system == System::Libra && options.vrsp;
     const bool spread = options.system == System::Libra && !options.tap;
     placement = vrsp ? vrsp_place(loads, p.dp, p.pool, p.slots, options.order,
-                                  options.micro_batch, spread,
-                                  plan_workers(options, p.doc_lengths.size()))
+                                  options.micro_batch, spread, workers)
                      : production_place(loads, p.dp, p.pool, p.slots, options.order,
                                         options.micro_batch);
+    side.join();
     phase_done(p, PlanPhase::Placement);
-    p.seq_replica = placement.replica;
-    p.seq_slot = placement.slot;
+    p.seq_replica.assign(placement.replica.begin(), placement.replica.end());
+    p.seq_slot.assign(placement.slot.begin(), placement.slot.end());
     if (options.system == System::Libra && options.tap) {
+      // The worker that places a group also builds its exchange and sums its loads while its
+      // tiles are in cache; groups are laid out into the plan in order as they are placed.
       p.exchange_pool = p.pool;
-      tap_place(p, opt, groups_of(p, p.pool), input_pairs);
+      const std::size_t G = static_cast<std::size_t>(p.dp / p.pool * p.slots);
+      start_exchange(p, static_cast<i64>(G));
+      tap_loads.emplace(p);
+      OrderedLayout ordered(p, G, static_cast<std::size_t>(std::min(tile_estimate, kMaxPlanTiles)));
+      tap_place(p, opt, groups_of(p, p.pool), input_pairs, workers,
+                [&](std::size_t g, GroupTileList& tiles) {
+                  thread_local ExchangeScratch scratch;
+                  group_exchange(p, static_cast<i64>(g), tiles, scratch, ordered.part(g));
+                  add_group_loads(p, g, tiles, *tap_loads);
+                  ordered.placed(g, tiles);
+                });
+      ordered.finish(digests);
     } else if (options.system == System::Distca) {
       p.exchange_pool = p.dp;
       distca_place(p, opt, groups_of(p, p.dp));
@@ -598,14 +880,15 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   }
   phase_done(p, PlanPhase::Tiles);
   p.vrsp_max_group = placement.max_group;
-  p.vrsp_lower_bound = placement.lower_bound;
+  p.vrsp_lower_bound = bounds.group;
   p.vrsp_max_pool = placement.max_pool;
-  p.vrsp_pool_lower_bound = placement.pool_lower_bound;
-  build_exchange(p, plan_workers(options, p.doc_lengths.size()));
+  p.vrsp_pool_lower_bound = bounds.pool;
+  if (!tap_loads) build_exchange(p, workers);
   phase_done(p, PlanPhase::Exchange);
-  compute_metrics(p, input_pairs, options.order, options.micro_batch);
+  compute_metrics(p, input_pairs, options.order, options.micro_batch, longest,
+                  tap_loads ? &*tap_loads : nullptr);
   phase_done(p, PlanPhase::Metrics);
-  p.hash = p.compute_hash(plan_workers(options, p.doc_lengths.size()));
+  p.hash = p.compute_hash(workers, digests);
   phase_done(p, PlanPhase::Hash);
   p.plan_ms = std::chrono::duration<double, std::milli>(lap - t0).count();
   return p;

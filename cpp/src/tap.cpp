@@ -121,37 +121,33 @@ void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double 
       }
     }
   };
-  i64 run_doc = -1, run_count = 0, run_start = 0, run_len = 0, run_pairs = 0;
-  auto flush_run = [&]() {
-    if (run_count > 0)
-      heads({s, run_doc, run_count, run_start, run_len, 0, 0, run_start, run_len, owner, owner, -1,
-             run_pairs}, run_start);
-    run_count = 0;
-  };
+  const i64* len = p.doc_lengths.data();
+  const i64 end = p.seq_doc_offsets[s + 1];
   i64 off = 0;
-  for (i64 doc = p.seq_doc_offsets[s]; doc < p.seq_doc_offsets[s + 1]; ++doc) {
-    const i64 l = p.doc_lengths[doc];
+  for (i64 doc = p.seq_doc_offsets[s]; doc < end;) {
+    const i64 l = len[doc];
     if (l >= block) {
-      flush_run();
       for (i64 a = 0; a < l; a += block) {
         const i64 b = std::min(l, a + block);
         heads({s, doc, 1, off + a, b - a, 0, 0, off, b, owner, owner, -1, block_pairs(a, b)}, off);
       }
-    } else {
-      if (run_count > 0 && run_len + l > block) flush_run();
-      if (run_count == 0) {
-        run_doc = doc;
-        run_start = off;
-        run_len = 0;
-        run_pairs = 0;
-      }
-      ++run_count;
-      run_len += l;
-      run_pairs += causal_pairs(l);
+      off += l;
+      ++doc;
+      continue;
     }
-    off += l;
+    // a run: this short document and the next ones while the run stays within `block` tokens
+    const i64 run_doc = doc;
+    i64 run_len = l, run_pairs = causal_pairs(l);
+    for (++doc; doc < end; ++doc) {
+      const i64 m = len[doc];
+      if (m >= block || run_len + m > block) break;
+      run_len += m;
+      run_pairs += causal_pairs(m);
+    }
+    heads({s, run_doc, doc - run_doc, off, run_len, 0, 0, off, run_len, owner, owner, -1, run_pairs},
+          off);
+    off += run_len;
   }
-  flush_run();
 }
 
 // KV residency of one group: the prefix length of (local document, KV head) already shipped to
@@ -610,27 +606,20 @@ void owner_tiles(StepPlan& plan, i64 block) {
                    [&](const StepPlan::Tile& t) { plan.add_tile(t); });
 }
 
-void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups,
-               const std::vector<i64>& seq_pairs) {
+void tap_place(const StepPlan& plan, const PlanOptions& opt,
+               const std::vector<std::vector<i64>>& groups, const std::vector<i64>& seq_pairs,
+               std::size_t workers, const std::function<void(std::size_t, GroupTileList&)>& placed) {
   const i64 head_group = opt.head_group > 0 ? std::min(opt.head_group, plan.heads_local)
                                             : plan.heads_local;
-  const std::size_t G = groups.size();
-  std::vector<std::vector<StepPlan::Tile>> placed(G);
-  // Groups are independent: workers take them in turn and the tiles land in group order, so the
-  // plan does not depend on the worker count.
-  const std::size_t workers = plan_workers(opt, plan.doc_lengths.size());
-  run_workers(workers, G, [&](WorkQueue& queue) {
+  // Groups are independent: workers take them in turn; what a group gets does not depend on
+  // which worker places it.
+  run_workers(workers, groups.size(), [&](WorkQueue& queue) {
     GroupScratch scratch;
-    for (std::size_t g; queue.take(g);)
-      place_group(plan, opt, head_group, groups[g], seq_pairs, scratch, placed[g]);
-  });
-  std::vector<std::size_t> first(G + 1, static_cast<std::size_t>(plan.n_tiles()));
-  for (std::size_t g = 0; g < G; ++g) first[g + 1] = first[g] + placed[g].size();
-  plan.resize_tiles(first[G], workers);
-  run_workers(workers, G, [&](WorkQueue& queue) {
+    GroupTileList tiles;
     for (std::size_t g; queue.take(g);) {
-      for (std::size_t i = 0; i < placed[g].size(); ++i) plan.set_tile(first[g] + i, placed[g][i]);
-      std::vector<StepPlan::Tile>().swap(placed[g]);
+      tiles.clear();
+      place_group(plan, opt, head_group, groups[g], seq_pairs, scratch, tiles);
+      placed(g, tiles);
     }
   });
 }

@@ -166,14 +166,13 @@ std::vector<i64> exact_cardinality_lpt(const std::vector<double>& loads, i64 n_g
   return group;
 }
 
-double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_groups,
-                                     i64 cardinality) {
-  check_cardinality(loads.size(), n_groups, cardinality);
-  std::vector<double> x(loads);
-  std::sort(x.begin(), x.end(), std::greater<double>());
+namespace {
+
+// The bound of exact_cardinality_lower_bound from the loads sorted heaviest first (x) and their
+// prefix sums (prefix[k] = sum of the k heaviest).
+double lower_bound_sorted(const std::vector<double>& x, const std::vector<double>& prefix,
+                          i64 n_groups, i64 cardinality) {
   const std::size_t n = x.size();
-  std::vector<double> prefix(n + 1, 0.0);  // prefix[k] = sum of the k heaviest
-  for (std::size_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + x[i];
   double bound = prefix[n] / static_cast<double>(n_groups);
   for (i64 j = 1; j <= cardinality; ++j) {
     const i64 top = (j - 1) * n_groups + 1;  // some group holds j of the `top` heaviest items
@@ -199,6 +198,31 @@ double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_gro
   if (cardinality == 2)  // pairing the i-th heaviest with the i-th lightest is optimal
     for (std::size_t i = 0; i < n / 2; ++i) bound = std::max(bound, x[i] + x[n - 1 - i]);
   return bound;
+}
+
+struct SortedLoads {
+  std::vector<double> x, prefix;
+  explicit SortedLoads(const std::vector<double>& loads) : x(loads), prefix(loads.size() + 1, 0.0) {
+    std::sort(x.begin(), x.end(), std::greater<double>());
+    for (std::size_t i = 0; i < x.size(); ++i) prefix[i + 1] = prefix[i] + x[i];
+  }
+};
+
+}  // namespace
+
+double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_groups,
+                                     i64 cardinality) {
+  check_cardinality(loads.size(), n_groups, cardinality);
+  const SortedLoads sorted(loads);
+  return lower_bound_sorted(sorted.x, sorted.prefix, n_groups, cardinality);
+}
+
+PlacementBounds placement_bounds(const std::vector<double>& seq_loads, i64 dp, i64 pool,
+                                 i64 slots) {
+  check_cardinality(seq_loads.size(), dp / pool * slots, pool);
+  const SortedLoads sorted(seq_loads);
+  return {lower_bound_sorted(sorted.x, sorted.prefix, dp / pool * slots, pool),
+          lower_bound_sorted(sorted.x, sorted.prefix, dp / pool, pool * slots)};
 }
 
 namespace {
@@ -242,12 +266,9 @@ VrspPlacement finish(const std::vector<double>& seq_loads, const std::vector<i64
     }
   }
   out.max_group = gload.empty() ? 0.0 : *std::max_element(gload.begin(), gload.end());
-  out.lower_bound = exact_cardinality_lower_bound(seq_loads, n_groups, pool);
   std::vector<double> ptotal(pool_groups.size(), 0.0);
   for (i64 g = 0; g < n_groups; ++g) ptotal[group_pool[g]] += gload[g];
   out.max_pool = *std::max_element(ptotal.begin(), ptotal.end());
-  out.pool_lower_bound =
-      exact_cardinality_lower_bound(seq_loads, static_cast<i64>(ptotal.size()), pool * slots);
   return out;
 }
 
@@ -349,10 +370,7 @@ VrspPlacement production_place(const std::vector<double>& seq_loads, i64 dp, i64
     ptotal[out.replica[s] / pool] += seq_loads[s];
   }
   out.max_group = gload.empty() ? 0.0 : *std::max_element(gload.begin(), gload.end());
-  out.lower_bound = exact_cardinality_lower_bound(seq_loads, static_cast<i64>(gload.size()), pool);
   out.max_pool = *std::max_element(ptotal.begin(), ptotal.end());
-  out.pool_lower_bound =
-      exact_cardinality_lower_bound(seq_loads, static_cast<i64>(ptotal.size()), pool * slots);
   return out;
 }
 

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from libra_ext import _planner as _core
 from libra_ext import checks
 from libra_ext.planner import PLAN_PHASES, LayoutConfig, Planner, PlannerOptions, plan_step
 from libra_ext.workload import LengthSource, ModelConfig, block_pairs
@@ -161,6 +162,22 @@ def test_vrsp_never_raises_the_heaviest_pool_or_ties_with_a_heavier_group(data):
     if vrsp.vrsp_max_pool >= no_vrsp.vrsp_max_pool - tol:  # a tie on pools: groups decide
         assert vrsp.vrsp_max_group <= no_vrsp.vrsp_max_group * (1 + 1e-12)
     assert vrsp.vrsp_pool_lower_bound <= vrsp.vrsp_max_pool * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_hash_of_arrays_hashed_while_written_matches_a_full_rehash(system, threads):
+    """Document and tile arrays are hashed as they are written; that hash equals one computed
+    from the finished arrays alone."""
+    source = LengthSource(preset="libra-256k")
+    layout = LayoutConfig(dp=16, cp=8, pool_size=4, context=262_144)
+    opts = PlannerOptions(system=system, threads=threads)
+    for step in range(2):
+        seqs = source.step(64, 262_144, 5, step)
+        planned, rehashed = _core.plan_hashes(
+            seqs, layout.to_core(), ModelConfig().to_core(), opts.to_core(), _core.PlannerState()
+        )
+        assert planned == rehashed
 
 
 def test_plan_does_not_depend_on_worker_threads():

@@ -6,8 +6,10 @@
 #include <atomic>
 #include <cstddef>
 #include <exception>
+#include <functional>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace libra {
@@ -61,5 +63,43 @@ void run_workers(std::size_t workers, std::size_t count, Worker&& worker) {
   for (const std::exception_ptr& e : errors)
     if (e) std::rethrow_exception(e);
 }
+
+// A task that runs on a thread of its own while the caller goes on (or right here, when
+// `own_thread` is false or no thread can be started). join() waits for it and rethrows what it
+// threw; the destructor waits too.
+class SideTask {
+ public:
+  SideTask(bool own_thread, std::function<void()> task) : task_(std::move(task)) {
+    if (own_thread) {
+      try {
+        thread_ = std::thread([this] { run(); });
+        return;
+      } catch (const std::system_error&) {
+      }
+    }
+    run();
+  }
+  SideTask(const SideTask&) = delete;
+  SideTask& operator=(const SideTask&) = delete;
+  ~SideTask() {
+    if (thread_.joinable()) thread_.join();
+  }
+  void join() {
+    if (thread_.joinable()) thread_.join();
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  void run() {
+    try {
+      task_();
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  }
+  std::function<void()> task_;
+  std::thread thread_;
+  std::exception_ptr error_;
+};
 
 }  // namespace libra

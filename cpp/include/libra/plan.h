@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "libra/common.h"
@@ -96,11 +97,11 @@ struct StepPlan {
   i64 head_dim = 0, dtype_bytes = 2;
 
   // Sequences executed this step (the input, except for wlb which repacks).
-  std::vector<i64> seq_doc_offsets{0};  // [n_seq + 1]
-  std::vector<i64> doc_lengths;      // [n_doc]
-  std::vector<i64> doc_ids;          // [n_doc] input order index (wlb: global id across steps)
-  std::vector<i64> seq_replica;      // [n_seq]
-  std::vector<i64> seq_slot;         // [n_seq]
+  PlanArray seq_doc_offsets{0};  // [n_seq + 1]
+  PlanArray doc_lengths;      // [n_doc]
+  PlanArray doc_ids;          // [n_doc] input order index (wlb: global id across steps)
+  PlanArray seq_replica;      // [n_seq]
+  PlanArray seq_slot;         // [n_seq]
 
   // Tiles. q_start / kv_start are token offsets inside the packed sequence. Heads are local to the
   // rank's head slice: tiles with cp == -1 are executed by every cp rank on its own Ulysses slice of
@@ -108,16 +109,16 @@ struct StepPlan {
   // A tile covers either query rows of one document against their causal prefix (doc_count == 1,
   // kv range = [document start, last query row]) or doc_count whole consecutive documents, each
   // attending causally inside itself (kv range == query range; short documents coalesced).
-  std::vector<i64> tile_seq, tile_doc, tile_doc_count, tile_q_start, tile_q_len, tile_head_start,
+  PlanArray tile_seq, tile_doc, tile_doc_count, tile_q_start, tile_q_len, tile_head_start,
       tile_head_count, tile_kv_start, tile_kv_len, tile_owner, tile_executor, tile_cp, tile_pairs;
 
   // Exchange per group, [G][P][P] row = sender, column = receiver, element counts per rank of the
   // pool communicator (one head slice). Forward: Q and KV flow owner -> executor, O back.
-  std::vector<i64> xchg_q, xchg_kv, xchg_o;
+  PlanArray xchg_q, xchg_kv, xchg_o;
   // Tiles in send order: sorted by (group, owner, executor, tile index); offsets per group [G+1].
-  std::vector<i64> send_order, send_group_offsets;
+  PlanArray send_order, send_group_offsets;
   // KV prefixes shipped: one entry per (group, src, dst, seq, doc, kv head), longest prefix needed.
-  std::vector<i64> kv_group, kv_src, kv_dst, kv_seq, kv_start, kv_len, kv_head;
+  PlanArray kv_group, kv_src, kv_dst, kv_seq, kv_start, kv_len, kv_head;
 
   // Metrics (loads in attention FLOPs, forward + backward).
   std::vector<double> rank_load;          // [D*C]
@@ -145,20 +146,23 @@ struct StepPlan {
         executor, cp, pairs;
   };
   void add_tile(const Tile& t);
-  // Every tile array to n entries; `workers` threads fill the arrays' new entries side by side.
-  void resize_tiles(std::size_t n, std::size_t workers = 1);
-  void set_tile(std::size_t i, const Tile& t) {
-    tile_seq[i] = t.seq; tile_doc[i] = t.doc; tile_doc_count[i] = t.doc_count;
-    tile_q_start[i] = t.q_start; tile_q_len[i] = t.q_len; tile_head_start[i] = t.head_start;
-    tile_head_count[i] = t.head_count; tile_kv_start[i] = t.kv_start; tile_kv_len[i] = t.kv_len;
-    tile_owner[i] = t.owner; tile_executor[i] = t.executor; tile_cp[i] = t.cp;
-    tile_pairs[i] = t.pairs;
-  }
+  // Every tile array to n entries, new entries left unset (set_tiles writes them).
+  void resize_tiles(std::size_t n);
+  // Tiles [first, first + tiles.size()) from `tiles`, one array after the other.
+  void set_tiles(std::size_t first, const std::vector<Tile>& tiles);
   i64 n_seq() const { return static_cast<i64>(seq_doc_offsets.size()) - 1; }
   i64 n_tiles() const { return static_cast<i64>(tile_seq.size()); }
   // The plan's hash: each array's digest (arrays hashed side by side on `workers` threads), then
-  // the scalars; the same for any worker count.
-  u64 compute_hash(std::size_t workers = 1) const;
+  // the scalars; the same for any worker count. `known` gives digests (array_digest) of arrays
+  // already hashed as they were written, by the array's address.
+  using KnownDigests = std::vector<std::pair<const void*, u64>>;
+  u64 compute_hash(std::size_t workers = 1, const KnownDigests& known = {}) const;
+  template <typename V>
+  static u64 array_digest(const V& v) {
+    PlanHasher h;
+    h.vec(v);
+    return h.digest();
+  }
 };
 
 // Plan one step. `sequences` are the step's B packed sequences (document lengths). `state` carries

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <vector>
 
 #include "libra/common.h"
@@ -19,11 +20,15 @@ struct TileBytes {
   i64 kv_bytes(i64 kv_tokens) const { return 4 * kv_tokens * head_dim * dtype_bytes; }
 };
 
-// Appends tiles for documents of the plan's sequences and places them (sets tile_executor).
-// Works group by group; `groups[g]` lists the sequences of group g, member i = index;
-// `seq_pairs[s]` is sequence s's causal pairs.
-void tap_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups,
-               const std::vector<i64>& seq_pairs);
+// Makes the tiles of the plan's sequences and places them (sets their executors), group by group
+// on `workers` threads; `groups[g]` lists the sequences of group g, member i = index;
+// `seq_pairs[s]` is sequence s's causal pairs. The worker that placed group g then calls
+// placed(g, tiles) with the group's tiles in their final order (still in its cache); the callee
+// may take them. The plan's tile arrays are not touched.
+using GroupTileList = std::vector<StepPlan::Tile>;
+void tap_place(const StepPlan& plan, const PlanOptions& opt,
+               const std::vector<std::vector<i64>>& groups, const std::vector<i64>& seq_pairs,
+               std::size_t workers, const std::function<void(std::size_t, GroupTileList&)>& placed);
 
 // DistCA: token-level shards on a global pool, greedy on work per byte, per slot.
 void distca_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups);

@@ -23,13 +23,18 @@ std::vector<i64> exact_cardinality_lpt(const std::vector<double>& loads, i64 n_g
 double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_groups,
                                      i64 cardinality);
 
+// Lower bounds on any placement of these sequences (exact_cardinality_lower_bound, from one
+// sorted copy): on the heaviest (pool, slot) group of P and on the heaviest pool total of P*m.
+struct PlacementBounds {
+  double group = 0, pool = 0;
+};
+PlacementBounds placement_bounds(const std::vector<double>& seq_loads, i64 dp, i64 pool, i64 slots);
+
 struct VrspPlacement {
   std::vector<i64> replica;  // per sequence
   std::vector<i64> slot;     // per sequence
-  double max_group = 0;
-  double lower_bound = 0;        // on the heaviest group of any placement
-  double max_pool = 0;           // heaviest pool total (all slots)
-  double pool_lower_bound = 0;   // on the heaviest pool total of any placement
+  double max_group = 0;      // heaviest (pool, slot) group
+  double max_pool = 0;       // heaviest pool total (all slots)
 };
 
 // Sequences -> D/P pools of exactly P*m (LPT + swaps on pool totals), then inside each pool
