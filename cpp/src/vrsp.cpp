@@ -16,8 +16,9 @@ namespace {
 std::vector<i64> heaviest_first(const std::vector<double>& loads) {
   std::vector<i64> order(loads.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](i64 a, i64 b) { return loads[a] > loads[b]; });
+  // heaviest first, ties by index: the stable order
+  std::sort(order.begin(), order.end(),
+            [&](i64 a, i64 b) { return loads[a] != loads[b] ? loads[a] > loads[b] : a < b; });
   return order;
 }
 
@@ -55,16 +56,28 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
   // of that load with the lowest position)
   std::vector<std::vector<std::size_t>> run_start(G);
   std::vector<u64> version(G, 1);  // bumped whenever a group changes
-  auto resort = [&](i64 g) {
-    auto& v = sorted[g];
-    v.clear();
-    for (std::size_t pos = 0; pos < members[g].size(); ++pos) v.push_back({loads[members[g][pos]], pos});
-    std::sort(v.begin(), v.end());
+  auto runs = [&](i64 g) {
+    const auto& v = sorted[g];
     auto& rs = run_start[g];
     rs.resize(v.size());
     for (std::size_t i = 0; i < v.size(); ++i)
       rs[i] = i > 0 && v[i].first == v[i - 1].first ? rs[i - 1] : i;
     ++version[g];
+  };
+  auto resort = [&](i64 g) {
+    auto& v = sorted[g];
+    v.clear();
+    for (std::size_t pos = 0; pos < members[g].size(); ++pos) v.push_back({loads[members[g][pos]], pos});
+    std::sort(v.begin(), v.end());
+    runs(g);
+  };
+  // The item at position pos of group g was replaced: its entry moves to its new place.
+  auto replaced = [&](i64 g, std::size_t pos) {
+    auto& v = sorted[g];
+    v.erase(std::find_if(v.begin(), v.end(), [&](const Entry& e) { return e.second == pos; }));
+    const Entry e{loads[members[g][pos]], pos};
+    v.insert(std::lower_bound(v.begin(), v.end(), e), e);
+    runs(g);
   };
   for (i64 g = 0; g < n_groups; ++g) resort(g);
   // The best swap of the pair (hi, h): the lowest (pair maximum, a, b) below gl[hi], if any;
@@ -112,7 +125,14 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
   const i64 limit = 4 * static_cast<i64>(loads.size());
   for (i64 it = 0; it < limit; ++it) {
     const i64 hi = std::max_element(gl.begin(), gl.end()) - gl.begin();
-    std::stable_sort(by_load.begin(), by_load.end(), [&](i64 x, i64 y) { return gl[x] < gl[y]; });
+    // lightest first, ties in their previous order: a stable sort, here by insertion (only the
+    // two groups of the last swap moved)
+    for (std::size_t i = 1; i < by_load.size(); ++i) {
+      const i64 x = by_load[i];
+      std::size_t j = i;
+      for (; j > 0 && gl[x] < gl[by_load[j - 1]]; --j) by_load[j] = by_load[j - 1];
+      by_load[j] = x;
+    }
     auto& row = cache[hi];
     if (row.empty()) row.resize(G);
     double best = gl[hi];
@@ -141,8 +161,8 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
     std::swap(members[hi][best_a], members[best_h][best_b]);
     group[ia] = best_h;
     group[ib] = hi;
-    resort(hi);
-    resort(best_h);
+    replaced(hi, best_a);
+    replaced(best_h, best_b);
   }
 }
 
