@@ -174,11 +174,19 @@ void StepPlan::resize_tiles(std::size_t n) {
     a->resize(n);
 }
 
-void StepPlan::set_tiles(std::size_t first, const std::vector<Tile>& tiles) {
+void StepPlan::set_tiles(std::size_t first, const std::vector<Tile>& tiles, PlanHasher* hashers) {
+  constexpr std::size_t kChunk = 64;
+  i64 column[kChunk];
   const std::size_t n = tiles.size();
+  std::size_t k = 0;
   auto put = [&](PlanArray& a, i64 Tile::*field) {
     i64* out = a.data() + first;
-    for (std::size_t i = 0; i < n; ++i) out[i] = tiles[i].*field;
+    for (std::size_t i0 = 0; i0 < n; i0 += kChunk) {
+      const std::size_t m = std::min(kChunk, n - i0);
+      for (std::size_t j = 0; j < m; ++j) out[i0 + j] = column[j] = tiles[i0 + j].*field;
+      if (hashers != nullptr) hashers[k].words(column, m);
+    }
+    ++k;
   };
   put(tile_seq, &Tile::seq);
   put(tile_doc, &Tile::doc);
@@ -545,11 +553,9 @@ class OrderedLayout {
       if (end > p_.send_order.size()) reserve_tiles(std::max(end, 2 * p_.send_order.size()));
       if (kv_ + part.kv.size() > p_.kv_len.size())
         reserve_kv(std::max(kv_ + part.kv.size(), 2 * p_.kv_len.size()));
-      p_.set_tiles(static_cast<std::size_t>(tiles_), tiles);
+      p_.set_tiles(static_cast<std::size_t>(tiles_), tiles, hashers_.data());
       put_group_exchange(p_, g, part, kv_, tiles_, nullptr);
-      const auto hashed = hashed_list();
-      for (std::size_t k = 0; k < hashed.size(); ++k)
-        hashers_[k].words(hashed[k]->data() + tiles_, n);
+      hashers_[13].words(p_.send_order.data() + tiles_, n);
       tiles_ += static_cast<i64>(n);
       kv_ += part.kv.size();
       p_.send_group_offsets[g + 1] = tiles_;

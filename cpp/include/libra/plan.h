@@ -33,7 +33,7 @@ struct PlanOptions {
   i64 block = 0;             // query tokens per SH-tile; 0 = context / 16 (at least 1024)
   i64 head_group = 0;        // heads per SH-tile; 0 = all heads of the rank's slice
   double epsilon = 0.02;     // TAP soft cap: (1 + epsilon) * mean
-  double max_tile_share = 0.1;   // TAP: split tiles heavier than this share of the member mean
+  double max_tile_share = 0.25;  // TAP: split tiles heavier than this share of the member mean
   bool vrsp = true;          // libra: VRSP placement (false: production order)
   bool tap = true;           // libra: tile moves inside the pool (false: owners execute all)
   bool refine = true;        // libra: refinement pass after the greedy
@@ -148,8 +148,9 @@ struct StepPlan {
   void add_tile(const Tile& t);
   // Every tile array to n entries, new entries left unset (set_tiles writes them).
   void resize_tiles(std::size_t n);
-  // Tiles [first, first + tiles.size()) from `tiles`, one array after the other.
-  void set_tiles(std::size_t first, const std::vector<Tile>& tiles);
+  // Tiles [first, first + tiles.size()) from `tiles`, one array after the other; each array's
+  // new entries are fed to hashers[k] (the k-th array in Tile's field order) when given.
+  void set_tiles(std::size_t first, const std::vector<Tile>& tiles, PlanHasher* hashers = nullptr);
   i64 n_seq() const { return static_cast<i64>(seq_doc_offsets.size()) - 1; }
   i64 n_tiles() const { return static_cast<i64>(tile_seq.size()); }
   // The plan's hash: each array's digest (arrays hashed side by side on `workers` threads), then
