@@ -67,7 +67,7 @@ class PlannerOptions:
     """Heads per SH-tile; 0 = all heads of a rank's slice."""
     epsilon: float = 0.02
     """TAP soft cap: a member takes tiles up to (1 + epsilon) x the group mean."""
-    max_tile_share: float = 0.1
+    max_tile_share: float = 0.25
     """TAP: tiles heavier than this share of a member's mean load are split (heads, then rows);
     0 never splits."""
     vrsp: bool = True

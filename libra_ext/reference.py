@@ -203,7 +203,7 @@ def plan_libra(
     epsilon=0.02,
     dtype_bytes=2,
     refine=True,
-    max_tile_share=0.1,
+    max_tile_share=0.25,
     order="megatron",
     micro_batch_size=1,
 ) -> ReferencePlan:

@@ -76,7 +76,7 @@ class SystemConfig:
     """wlb: most steps an outlier may wait."""
     wlb_release_count: int = 0
     """wlb: an outlier level is released once it holds this many documents (0: dp)."""
-    max_tile_share: float = 0.1
+    max_tile_share: float = 0.25
     """libra: tiles heavier than this share of a member's mean load are split (0: never)."""
     refine: bool = True
     """libra: TAP's refinement pass after the greedy."""
