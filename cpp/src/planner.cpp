@@ -1,6 +1,9 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <immintrin.h>
+#endif
 #include <chrono>
 #include <mutex>
 #include <numeric>
@@ -174,6 +177,28 @@ void StepPlan::resize_tiles(std::size_t n) {
     a->resize(n);
 }
 
+namespace {
+
+// Writes n values to out. The plan's arrays are written once here and read much later (by the
+// runtime, from Python), so on x86-64 the stores bypass the cache (no read of the lines before
+// they are overwritten); store_fence() then orders them before what the thread does next.
+inline void write_once(i64* out, const i64* values, std::size_t n) {
+#if defined(__x86_64__) && defined(__SSE2__)
+  for (std::size_t i = 0; i < n; ++i)
+    _mm_stream_si64(reinterpret_cast<long long*>(out + i), static_cast<long long>(values[i]));
+#else
+  std::copy(values, values + n, out);
+#endif
+}
+
+inline void store_fence() {
+#if defined(__x86_64__) && defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+}  // namespace
+
 void StepPlan::set_tiles(std::size_t first, const std::vector<Tile>& tiles, PlanHasher* hashers) {
   constexpr std::size_t kChunk = 64;
   i64 column[kChunk];
@@ -183,7 +208,8 @@ void StepPlan::set_tiles(std::size_t first, const std::vector<Tile>& tiles, Plan
     i64* out = a.data() + first;
     for (std::size_t i0 = 0; i0 < n; i0 += kChunk) {
       const std::size_t m = std::min(kChunk, n - i0);
-      for (std::size_t j = 0; j < m; ++j) out[i0 + j] = column[j] = tiles[i0 + j].*field;
+      for (std::size_t j = 0; j < m; ++j) column[j] = tiles[i0 + j].*field;
+      write_once(out + i0, column, m);
       if (hashers != nullptr) hashers[k].words(column, m);
     }
     ++k;
@@ -201,6 +227,7 @@ void StepPlan::set_tiles(std::size_t first, const std::vector<Tile>& tiles, Plan
   put(tile_executor, &Tile::executor);
   put(tile_cp, &Tile::cp);
   put(tile_pairs, &Tile::pairs);
+  store_fence();
 }
 
 namespace {
@@ -240,23 +267,39 @@ std::vector<double> sequence_flops(const StepPlan& p, const std::vector<i64>& se
 }
 
 // Causal pairs of each input sequence, validating the input in the same pass (an invalid entry
-// is reported as validate_sequences words it); adds the step's tokens and documents.
+// is reported as validate_sequences words it), on `workers` threads (each a range of sequences);
+// adds the step's tokens.
 std::vector<i64> read_sequences(const std::vector<std::vector<i64>>& sequences, i64 context,
-                                i64& total_tokens, std::size_t& n_docs) {
+                                std::size_t workers, i64& total_tokens) {
   std::vector<i64> seq_pairs(sequences.size());
-  bool bad = false;
-  for (std::size_t s = 0; s < sequences.size(); ++s) {
-    i64 tokens = 0, pairs = 0;
-    for (const i64 l : sequences[s]) {
-      bad |= l <= 0 || l > context;
-      tokens += l;
-      pairs += causal_pairs(l);
+  const std::size_t pieces = std::min<std::size_t>(workers, sequences.size());
+  struct Piece {
+    i64 tokens = 0;
+    bool bad = false;
+  };
+  std::vector<Piece> out(pieces);
+  run_workers(workers, pieces, [&](WorkQueue& queue) {
+    for (std::size_t k; queue.take(k);) {
+      Piece& piece = out[k];
+      const std::size_t first = sequences.size() * k / pieces;
+      const std::size_t last = sequences.size() * (k + 1) / pieces;
+      for (std::size_t s = first; s < last; ++s) {
+        i64 tokens = 0, pairs = 0;
+        for (const i64 l : sequences[s]) {
+          piece.bad |= l <= 0 || l > context;
+          tokens += l;
+          pairs += causal_pairs(l);
+        }
+        piece.bad |= tokens > context;
+        if (piece.bad) break;
+        seq_pairs[s] = pairs;
+        piece.tokens += tokens;
+      }
     }
-    bad |= tokens > context;
-    if (bad) validate_sequences(sequences, context);  // throws, naming the entry
-    seq_pairs[s] = pairs;
-    total_tokens += tokens;
-    n_docs += sequences[s].size();
+  });
+  for (const Piece& piece : out) {
+    if (piece.bad) validate_sequences(sequences, context);  // throws, naming the entry
+    total_tokens += piece.tokens;
   }
   return seq_pairs;
 }
@@ -834,8 +877,9 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   } else {
     i64 tokens = 0;
     std::size_t n_docs = 0;
-    input_pairs = read_sequences(sequences, layout.context, tokens, n_docs);
-    workers = plan_workers(options, n_docs);
+    for (const auto& seq : sequences) n_docs += seq.size();
+    workers = plan_workers(options, n_docs);  // the input is read on them too
+    input_pairs = read_sequences(sequences, layout.context, workers, tokens);
     // per sequence: a document of l >= block tokens makes at most l / block + 1 query blocks
     // and ends a run; two consecutive runs of shorter documents hold more than a block; so at
     // most 5 * tokens / block + 1 tiles per head group

@@ -36,6 +36,17 @@ def test_bad_sequences(seqs, message):
         plan_step(seqs, LAYOUT, MODEL)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_bad_sequence_is_named_alike_whatever_reads_the_input(threads):
+    """The input is read on the planner's threads, each a range of sequences; the error names the
+    first bad entry, as a single thread does."""
+    seqs = [[3, 4]] * 40
+    seqs[13] = [3, -1]
+    seqs[31] = [0]
+    with pytest.raises(ValueError, match=r"sequences\[13\]\[1\] must be positive, got -1"):
+        plan_step(seqs, LAYOUT, MODEL, PlannerOptions(threads=threads))
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
