@@ -383,7 +383,10 @@ struct PlanTileList {
 // group's own cells of xchg_q / xchg_o / xchg_kv (no other group touches them) and fills `out`.
 template <typename TileList>
 void group_exchange(StepPlan& p, i64 g, const TileList& tiles, ExchangeScratch& scratch,
-                    GroupExchange& out) {
+                    GroupExchange& result) {
+  // built here and moved into `result` once: neighbouring groups' results share cache lines
+  // and are filled on other threads
+  GroupExchange out;
   const i64 Px = p.exchange_pool, kvh = p.kv_heads_local, d = p.head_dim;
   const std::size_t cells = static_cast<std::size_t>(Px * Px), n = tiles.size();
   const i64 base = g * Px * Px;
@@ -428,8 +431,7 @@ void group_exchange(StepPlan& p, i64 g, const TileList& tiles, ExchangeScratch& 
       send[tile_count[static_cast<std::size_t>((t.owner - first_replica) * (Px + 1))]++] =
           static_cast<i64>(i);
     }
-    out.kv.clear();
-    out.kv_cell.clear();
+    result = std::move(out);
     return;
   }
   for (std::size_t c = 0; c < cells; ++c) {
@@ -448,8 +450,6 @@ void group_exchange(StepPlan& p, i64 g, const TileList& tiles, ExchangeScratch& 
     for (i64 kh = kv0; kh <= kv1; ++kh)
       need[kv_count[cell]++] = {(t.doc * kvh + kh) * Px + dst, t.kv_len, t.seq, t.kv_start};
   }
-  out.kv.clear();
-  out.kv_cell.clear();
   for (std::size_t c = 0, begin = 0; c < cells; ++c) {  // kv_count[c] is now cell c's end
     const std::size_t end = static_cast<std::size_t>(kv_count[c]);
     if (end == begin) continue;
@@ -466,6 +466,7 @@ void group_exchange(StepPlan& p, i64 g, const TileList& tiles, ExchangeScratch& 
     }
     begin = end;
   }
+  result = std::move(out);
 }
 
 // Zeroed exchange cells for `groups` exchange groups.
@@ -703,18 +704,23 @@ inline double tile_flops(const StepPlan& p, i64 pairs, i64 heads) {
 // The loads of layout group g from its tiles (all with cp == -1), in tile order.
 void add_group_loads(const StepPlan& p, std::size_t g, const GroupTileList& tiles, GroupLoads& loads) {
   const i64 first_replica = static_cast<i64>(g) / p.slots * p.pool;
-  double* member = loads.member.data() + g * static_cast<std::size_t>(p.pool);
+  // summed here, then stored once: neighbouring groups' entries share cache lines and are
+  // summed on other threads
+  thread_local std::vector<double> member;
+  member.assign(static_cast<std::size_t>(p.pool), 0.0);
   double total = 0;
   for (const StepPlan::Tile& t : tiles) {
     const double f = tile_flops(p, t.pairs, t.head_count);
     member[t.executor - first_replica] += f;
     total += f * static_cast<double>(p.cp);
   }
+  std::copy(member.begin(), member.end(), loads.member.begin() + g * static_cast<std::size_t>(p.pool));
   loads.group[g] = total;
 }
 
-// The metrics (`longest`: the longest executed document); `known` holds the group loads when the tiles' groups already summed them (TAP),
-// else they are summed here from the tile arrays, the same way.
+// The metrics (`longest`: the longest executed document); `known` holds the group loads when
+// the tiles' groups already summed them (TAP), else they are summed here from the tile arrays,
+// the same way.
 void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrder order,
                      i64 micro_batch, i64 longest, GroupLoads* known) {
   const i64 C = p.cp, m = p.slots, P = p.pool;

@@ -580,7 +580,8 @@ BENCH_CASES = {
 
 
 def run_bench_scaling(args) -> dict | None:
-    """Planning time per step at 256K (B = 8D, C = 8, P = 8) for each D, and its growth."""
+    """Planning time per step at 256K (B = 8D, C = 8, P = 8) for each D, and its growth: the
+    median over `steps` steps, timed in a second pass after an untimed first one."""
     dps = _int_list_arg(args.dp, "dp")
     model = ModelConfig()
     source = LengthSource(preset="libra-256k")
@@ -592,8 +593,11 @@ def run_bench_scaling(args) -> dict | None:
         planner = Planner(layout, model, PlannerOptions(system="libra", threads=args.threads))
         steps = [source.step(8 * dp, 262_144, args.seed, s) for s in range(args.steps)]
         ms, tiles, balance, phases = [], [], [], []
-        planner.plan(steps[0])  # warm-up: the allocator's first growth to plan-sized buffers
+        # warm-up: one pass over the steps untimed, so the timed pass sees the process as a
+        # training run does after its first steps (the allocator grown to plan-sized buffers)
         plan = None
+        for seqs in steps:
+            plan = planner.plan(seqs)
         for seqs in steps:
             # the previous step's plan stays alive while the next is planned, as in training
             plan = planner.plan(seqs)
