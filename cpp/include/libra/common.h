@@ -1,6 +1,7 @@
 // Shared helpers for the Libra planner core: integer type, input validation, hashing.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -55,31 +56,37 @@ inline void require_positive(i64 value, const std::string& field) {
   if (value <= 0) fail(field + " must be positive, got " + std::to_string(value));
 }
 
-// 64-bit hash over 64-bit words for the StepPlan hash that ranks compare: FNV-1a steps on four
-// interleaved lanes (word i feeds lane i mod 4, so the multiplies do not wait on each other),
-// folded and finished with a splitmix64 mix. Deterministic and platform independent. An array
-// is hashed as its elements, then its length, so it can be fed in pieces as it is written.
+// 64-bit hash over 64-bit words for the StepPlan hash that ranks compare. Words are taken in
+// rounds of eight, two per lane of four: lane = mix(a ^ lane ^ k0, b ^ k1), where mix folds the
+// 128-bit product of its arguments (one multiply per two words; the lanes do not wait on each
+// other). The last partial round is padded with zeros, the word count mixed in, and the lanes
+// folded and finished with a splitmix64 mix. Deterministic and platform independent; a stream
+// may be fed in pieces (`words` as it is written) with the same result as at once.
 class PlanHasher {
  public:
-  void value(i64 v) { word(static_cast<u64>(v)); }
-  void value(double v) { word(bits(v)); }
-  // The same steps as value() on each element, four at a time on local copies of the lanes.
+  void value(i64 v) { words(&v, 1); }
+  void value(double v) {
+    const u64 w = bits(v);
+    words(&w, 1);
+  }
   template <typename T>
   void words(const T* v, std::size_t n) {
     static_assert(sizeof(T) == 8, "hash 64-bit elements");
     std::size_t i = 0;
-    for (; i < n && (n_ & 3) != 0; ++i) value(v[i]);
-    u64 h0 = h_[0], h1 = h_[1], h2 = h_[2], h3 = h_[3];
-    const std::size_t quads = (n - i) / 4;
-    for (std::size_t q = 0; q < quads; ++q, i += 4) {
-      h0 = (h0 ^ bits(v[i])) * kPrime;
-      h1 = (h1 ^ bits(v[i + 1])) * kPrime;
-      h2 = (h2 ^ bits(v[i + 2])) * kPrime;
-      h3 = (h3 ^ bits(v[i + 3])) * kPrime;
+    while (i < n && pending_ != 0) {  // complete a started round first
+      buf_[pending_++] = bits(v[i++]);
+      if (pending_ == kRound) {
+        round(buf_);
+        pending_ = 0;
+      }
     }
-    h_[0] = h0; h_[1] = h1; h_[2] = h2; h_[3] = h3;
-    n_ += 4 * quads;
-    for (; i < n; ++i) value(v[i]);
+    u64 w[kRound];
+    for (; i + kRound <= n; i += kRound) {
+      for (std::size_t j = 0; j < kRound; ++j) w[j] = bits(v[i + j]);
+      round(w);
+    }
+    for (; i < n; ++i) buf_[pending_++] = bits(v[i]);
+    count_ += n;
   }
   template <typename T, typename A>
   void vec(const std::vector<T, A>& v) {
@@ -87,8 +94,14 @@ class PlanHasher {
     value(static_cast<i64>(v.size()));
   }
   u64 digest() const {
-    u64 z = 0;
-    for (u64 h : h_) z = (z ^ h) * kPrime;
+    u64 h[4] = {h_[0], h_[1], h_[2], h_[3]};
+    if (pending_ != 0) {
+      u64 w[kRound] = {};
+      std::copy(buf_, buf_ + pending_, w);
+      for (std::size_t l = 0; l < 4; ++l) h[l] = mix(w[2 * l] ^ h[l] ^ kK0, w[2 * l + 1] ^ kK1);
+    }
+    u64 z = count_;
+    for (u64 x : h) z = mix(z ^ x ^ kK0, kK1 ^ 0x9E3779B97F4A7C15ULL);
     z += 0x9E3779B97F4A7C15ULL;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
@@ -96,21 +109,31 @@ class PlanHasher {
   }
 
  private:
-  static constexpr u64 kPrime = 1099511628211ULL;
+  static constexpr std::size_t kRound = 8;
+  static constexpr u64 kK0 = 0xA0761D6478BD642FULL, kK1 = 0xE7037ED1A0B428DBULL;
+  static u64 mix(u64 a, u64 b) {
+    const unsigned __int128 r = static_cast<unsigned __int128>(a) * b;
+    return static_cast<u64>(r) ^ static_cast<u64>(r >> 64);
+  }
+  void round(const u64* w) {
+    h_[0] = mix(w[0] ^ h_[0] ^ kK0, w[1] ^ kK1);
+    h_[1] = mix(w[2] ^ h_[1] ^ kK0, w[3] ^ kK1);
+    h_[2] = mix(w[4] ^ h_[2] ^ kK0, w[5] ^ kK1);
+    h_[3] = mix(w[6] ^ h_[3] ^ kK0, w[7] ^ kK1);
+  }
   static u64 bits(i64 v) { return static_cast<u64>(v); }
+  static u64 bits(u64 v) { return v; }
   static u64 bits(double v) {
     u64 w;
     static_assert(sizeof(w) == sizeof(v), "double must be 64-bit");
     std::memcpy(&w, &v, sizeof(w));
     return w;
   }
-  void word(u64 w) {
-    u64& h = h_[n_++ & 3];
-    h = (h ^ w) * kPrime;
-  }
-  u64 h_[4] = {1469598103934665603ULL, 1469598103934665604ULL, 1469598103934665605ULL,
-               1469598103934665606ULL};
-  u64 n_ = 0;
+  u64 h_[4] = {0x243F6A8885A308D3ULL, 0x13198A2E03707344ULL, 0xA4093822299F31D0ULL,
+               0x082EFA98EC4E6C89ULL};
+  u64 buf_[kRound] = {};
+  std::size_t pending_ = 0;
+  u64 count_ = 0;
 };
 
 }  // namespace libra
