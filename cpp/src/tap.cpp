@@ -110,7 +110,14 @@ template <typename Emit>
 void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double max_load,
                     Emit&& emit) {
   const i64 owner = p.seq_replica[s];
+  const double whole = static_cast<double>(p.heads_local);
   auto heads = [&](StepPlan::Tile t, i64 doc_off) {
+    if (head_group >= p.heads_local && (max_load <= 0 || static_cast<double>(t.pairs) * whole <= max_load)) {
+      t.head_start = 0;  // the common case: one head group, light enough to stay whole
+      t.head_count = p.heads_local;
+      emit(t);
+      return;
+    }
     for (i64 h0 = 0; h0 < p.heads_local; h0 += head_group) {
       t.head_start = h0;
       t.head_count = std::min(head_group, p.heads_local - h0);
