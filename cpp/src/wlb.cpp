@@ -117,6 +117,43 @@ void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
   heaviest_first(candidates);
   std::vector<Doc> left;
   pack(candidates, left);
+  if (flush && (!due_left.empty() || !left.empty())) {
+    // The last step holds nothing back where it can help it: when the greedy leaves documents
+    // over, every document is packed again as the input sequences that brought them held them
+    // (each (arrival, input sequence) group whole, heaviest group first, into the bucket with
+    // the least work that has room for it); only a group that fits nowhere goes one by one.
+    for (auto& b : buckets) b.clear();
+    std::fill(tokens.begin(), tokens.end(), 0);
+    std::fill(work.begin(), work.end(), 0.0);
+    due_left.clear();
+    left.clear();
+    std::map<std::pair<i64, i64>, std::vector<Doc>> groups;  // (age, origin) -> documents
+    for (const auto* list : {&due, &candidates})
+      for (const Doc& d : *list) groups[{d.age, d.origin}].push_back(d);
+    std::vector<std::pair<double, std::vector<Doc>*>> order;  // (work, documents)
+    for (auto& [key, docs] : groups) {
+      double w = 0;
+      for (const Doc& d : docs) w += static_cast<double>(causal_pairs(d.len));
+      order.push_back({w, &docs});
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
+    for (const auto& [w, docs] : order) {
+      i64 sum = 0;
+      for (const Doc& d : *docs) sum += d.len;
+      i64 best = -1;
+      for (i64 b = 0; b < n_buckets && docs->front().origin >= 0; ++b) {
+        if (tokens[b] + sum > S) continue;
+        if (best < 0 || work[b] < work[best]) best = b;
+      }
+      if (best >= 0) {
+        for (const Doc& d : *docs) put(best, d);
+      } else {
+        heaviest_first(*docs);
+        pack(*docs, left);
+      }
+    }
+  }
   // What did not fit waits (a due document only if even its input's packing did not fit, which
   // a state carried between steps of one run cannot produce).
   for (const auto* list : {&due_left, &left})

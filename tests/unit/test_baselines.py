@@ -57,6 +57,24 @@ def test_wlb_releases_old_outliers_and_flush_empties_the_queue():
     assert ok, why
 
 
+def test_wlb_flush_executes_a_step_the_greedy_cannot_fit():
+    """Two sequences that fill 2044 of 2048 tokens: WLB-LLM's heaviest-first packing leaves a
+    6-token document over; a flushed step packs the step as its input held it instead."""
+    layout = LayoutConfig(dp=1, cp=1, pool_size=1, context=1024)
+    model = ModelConfig(hidden=64, heads=1, kv_heads=1, head_dim=8, ffn=128, layers=2,
+                        moe_topk=0, moe_ffn=0)
+    seqs = [[6, 13, 107, 213, 681], [6, 6, 7, 7, 93, 93, 273, 539]]
+    planner = Planner(layout, model, PlannerOptions(system="wlb"))
+    plan = planner.plan(seqs, flush=True)
+    ok, why = checks.documents_preserved([l for s in seqs for l in s], [plan])
+    assert ok, why
+    assert planner.state.pending == 0
+    # without flush the greedy's packing stands and the left-over document waits
+    waiting = Planner(layout, model, PlannerOptions(system="wlb"))
+    held = waiting.plan(seqs)
+    assert held.doc_lengths.size + waiting.state.pending == 13
+
+
 def test_wlb_state_round_trip_continues_identically():
     src = LengthSource(preset="libra-256k")
     layout = LayoutConfig(dp=4, cp=2, pool_size=2, context=32768)
