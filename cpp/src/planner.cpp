@@ -317,17 +317,25 @@ i64 copy_documents(StepPlan& p, const std::vector<std::vector<i64>>& sequences, 
   for (std::size_t s = 0; s < sequences.size(); ++s) {
     const std::size_t n = sequences[s].size();
     i64* len = p.doc_lengths.data() + next;
-    i64* id = p.doc_ids.data() + next;
     for (std::size_t k = 0; k < n; ++k) {
       len[k] = sequences[s][k];
-      id[k] = next + static_cast<i64>(k);
       longest = std::max(longest, len[k]);
     }
     lengths.words(len, n);
-    ids.words(id, n);
     next += static_cast<i64>(n);
     p.seq_doc_offsets[s + 1] = next;
   }
+  // The ids are not read while planning: written past the cache, which keeps room for the
+  // lengths TAP reads next.
+  constexpr std::size_t kChunk = 64;
+  i64 chunk[kChunk];
+  for (std::size_t i0 = 0; i0 < n_docs; i0 += kChunk) {
+    const std::size_t m = std::min(kChunk, n_docs - i0);
+    for (std::size_t j = 0; j < m; ++j) chunk[j] = static_cast<i64>(i0 + j);
+    ids.words(chunk, m);
+    write_once(p.doc_ids.data() + i0, chunk, m);
+  }
+  store_fence();
   lengths.value(static_cast<i64>(n_docs));
   ids.value(static_cast<i64>(n_docs));
   digests.push_back({&p.doc_lengths, lengths.digest()});
