@@ -267,14 +267,17 @@ std::vector<double> sequence_flops(const StepPlan& p, const std::vector<i64>& se
 }
 
 // Causal pairs of each input sequence, validating the input in the same pass (an invalid entry
-// is reported as validate_sequences words it), on `workers` threads (each a range of sequences);
-// adds the step's tokens.
-std::vector<i64> read_sequences(const std::vector<std::vector<i64>>& sequences, i64 context,
-                                std::size_t workers, i64& total_tokens) {
+// is reported as validate_sequences words it) and copying the documents into the plan's CSR
+// arrays (seq_doc_offsets and doc_lengths sized for them; the input's sequences lie apart in
+// memory, so they are read once), on `workers` threads, each a range of sequences; adds the
+// step's tokens and sets the longest document.
+std::vector<i64> read_sequences(StepPlan& p, const std::vector<std::vector<i64>>& sequences,
+                                i64 context, std::size_t workers, i64& total_tokens,
+                                i64& longest) {
   std::vector<i64> seq_pairs(sequences.size());
   const std::size_t pieces = std::min<std::size_t>(workers, sequences.size());
   struct Piece {
-    i64 tokens = 0;
+    i64 tokens = 0, longest = 0;
     bool bad = false;
   };
   std::vector<Piece> out(pieces);
@@ -284,49 +287,39 @@ std::vector<i64> read_sequences(const std::vector<std::vector<i64>>& sequences, 
       const std::size_t first = sequences.size() * k / pieces;
       const std::size_t last = sequences.size() * (k + 1) / pieces;
       for (std::size_t s = first; s < last; ++s) {
-        i64 tokens = 0, pairs = 0;
+        i64 tokens = 0, pairs = 0, most = 0;
+        i64* len = p.doc_lengths.data() + p.seq_doc_offsets[s];
         for (const i64 l : sequences[s]) {
           piece.bad |= l <= 0 || l > context;
           tokens += l;
           pairs += causal_pairs(l);
+          most = std::max(most, l);
+          *len++ = l;
         }
         piece.bad |= tokens > context;
         if (piece.bad) break;
         seq_pairs[s] = pairs;
         piece.tokens += tokens;
+        piece.longest = std::max(piece.longest, most);
       }
     }
   });
   for (const Piece& piece : out) {
     if (piece.bad) validate_sequences(sequences, context);  // throws, naming the entry
     total_tokens += piece.tokens;
+    longest = std::max(longest, piece.longest);
   }
   return seq_pairs;
 }
 
-// The input's (valid) documents into the plan's CSR arrays and ids, each array hashed as it is
-// written (digests appended to `digests`); returns the longest document.
-i64 copy_documents(StepPlan& p, const std::vector<std::vector<i64>>& sequences, std::size_t n_docs,
-                   StepPlan::KnownDigests& digests) {
-  p.doc_lengths.resize(n_docs);
+// The rest of the documents' arrays once their lengths are in: the ids (input order), and the
+// digests of the three arrays (appended to `digests`).
+void finish_documents(StepPlan& p, StepPlan::KnownDigests& digests) {
+  const std::size_t n_docs = p.doc_lengths.size();
   p.doc_ids.resize(n_docs);
-  p.seq_doc_offsets.resize(sequences.size() + 1);
-  PlanHasher lengths, ids;
-  i64 longest = 0, next = 0;
-  p.seq_doc_offsets[0] = 0;
-  for (std::size_t s = 0; s < sequences.size(); ++s) {
-    const std::size_t n = sequences[s].size();
-    i64* len = p.doc_lengths.data() + next;
-    for (std::size_t k = 0; k < n; ++k) {
-      len[k] = sequences[s][k];
-      longest = std::max(longest, len[k]);
-    }
-    lengths.words(len, n);
-    next += static_cast<i64>(n);
-    p.seq_doc_offsets[s + 1] = next;
-  }
+  PlanHasher ids;
   // The ids are not read while planning: written past the cache, which keeps room for the
-  // lengths TAP reads next.
+  // lengths TAP reads.
   constexpr std::size_t kChunk = 64;
   i64 chunk[kChunk];
   for (std::size_t i0 = 0; i0 < n_docs; i0 += kChunk) {
@@ -336,12 +329,10 @@ i64 copy_documents(StepPlan& p, const std::vector<std::vector<i64>>& sequences, 
     write_once(p.doc_ids.data() + i0, chunk, m);
   }
   store_fence();
-  lengths.value(static_cast<i64>(n_docs));
   ids.value(static_cast<i64>(n_docs));
-  digests.push_back({&p.doc_lengths, lengths.digest()});
+  digests.push_back({&p.doc_lengths, StepPlan::array_digest(p.doc_lengths)});
   digests.push_back({&p.doc_ids, ids.digest()});
   digests.push_back({&p.seq_doc_offsets, StepPlan::array_digest(p.seq_doc_offsets)});
-  return longest;
 }
 
 std::vector<std::vector<i64>> groups_of(const StepPlan& p, i64 pool) {
@@ -891,9 +882,15 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   } else {
     i64 tokens = 0;
     std::size_t n_docs = 0;
-    for (const auto& seq : sequences) n_docs += seq.size();
+    p.seq_doc_offsets.resize(sequences.size() + 1);
+    p.seq_doc_offsets[0] = 0;
+    for (std::size_t s = 0; s < sequences.size(); ++s) {
+      n_docs += sequences[s].size();
+      p.seq_doc_offsets[s + 1] = static_cast<i64>(n_docs);
+    }
+    p.doc_lengths.resize(n_docs);
     workers = plan_workers(options, n_docs);  // the input is read on them too
-    input_pairs = read_sequences(sequences, layout.context, workers, tokens);
+    input_pairs = read_sequences(p, sequences, layout.context, workers, tokens, longest);
     // per sequence: a document of l >= block tokens makes at most l / block + 1 query blocks
     // and ends a run; two consecutive runs of shorter documents hold more than a block; so at
     // most 5 * tokens / block + 1 tiles per head group
@@ -903,10 +900,10 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
     check_budget(tile_estimate);
     phase_done(p, PlanPhase::Input);
     const std::vector<double> loads = sequence_flops(p, input_pairs);
-    // While the sequences are placed, a second thread copies the documents into the plan (and
+    // While the sequences are placed, a second thread finishes the documents' arrays (and
     // hashes them) and computes the placement's lower bounds, which only the metrics need.
     SideTask side(workers > 1, [&] {
-      longest = copy_documents(p, sequences, n_docs, digests);
+      finish_documents(p, digests);
       bounds = placement_bounds(loads, p.dp, p.pool, p.slots);
     });
     const bool vrsp = options.system == System::Libra && options.vrsp;
