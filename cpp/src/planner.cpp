@@ -154,27 +154,37 @@ u64 StepPlan::compute_hash(std::size_t workers, const KnownDigests& known) const
   return h.digest();
 }
 
+const std::array<StepPlan::TileColumn, StepPlan::kTileColumns>& StepPlan::tile_columns() {
+  static const std::array<TileColumn, kTileColumns> columns{{
+      {&StepPlan::tile_seq, &Tile::seq},
+      {&StepPlan::tile_doc, &Tile::doc},
+      {&StepPlan::tile_doc_count, &Tile::doc_count},
+      {&StepPlan::tile_q_start, &Tile::q_start},
+      {&StepPlan::tile_q_len, &Tile::q_len},
+      {&StepPlan::tile_head_start, &Tile::head_start},
+      {&StepPlan::tile_head_count, &Tile::head_count},
+      {&StepPlan::tile_kv_start, &Tile::kv_start},
+      {&StepPlan::tile_kv_len, &Tile::kv_len},
+      {&StepPlan::tile_owner, &Tile::owner},
+      {&StepPlan::tile_executor, &Tile::executor},
+      {&StepPlan::tile_cp, &Tile::cp},
+      {&StepPlan::tile_pairs, &Tile::pairs},
+  }};
+  return columns;
+}
+
+StepPlan::Tile StepPlan::tile(std::size_t i) const {
+  Tile t{};
+  for (const TileColumn& c : tile_columns()) t.*c.field = (this->*c.array)[i];
+  return t;
+}
+
 void StepPlan::add_tile(const Tile& t) {
-  tile_seq.push_back(t.seq);
-  tile_doc.push_back(t.doc);
-  tile_doc_count.push_back(t.doc_count);
-  tile_q_start.push_back(t.q_start);
-  tile_q_len.push_back(t.q_len);
-  tile_head_start.push_back(t.head_start);
-  tile_head_count.push_back(t.head_count);
-  tile_kv_start.push_back(t.kv_start);
-  tile_kv_len.push_back(t.kv_len);
-  tile_owner.push_back(t.owner);
-  tile_executor.push_back(t.executor);
-  tile_cp.push_back(t.cp);
-  tile_pairs.push_back(t.pairs);
+  for (const TileColumn& c : tile_columns()) (this->*c.array).push_back(t.*c.field);
 }
 
 void StepPlan::resize_tiles(std::size_t n) {
-  for (auto* a : {&tile_seq, &tile_doc, &tile_doc_count, &tile_q_start, &tile_q_len,
-                  &tile_head_start, &tile_head_count, &tile_kv_start, &tile_kv_len, &tile_owner,
-                  &tile_executor, &tile_cp, &tile_pairs})
-    a->resize(n);
+  for (const TileColumn& c : tile_columns()) (this->*c.array).resize(n);
 }
 
 namespace {
@@ -203,30 +213,16 @@ void StepPlan::set_tiles(std::size_t first, const std::vector<Tile>& tiles, Plan
   constexpr std::size_t kChunk = 64;
   i64 column[kChunk];
   const std::size_t n = tiles.size();
-  std::size_t k = 0;
-  auto put = [&](PlanArray& a, i64 Tile::*field) {
-    i64* out = a.data() + first;
+  for (std::size_t k = 0; k < kTileColumns; ++k) {
+    const TileColumn& c = tile_columns()[k];
+    i64* out = (this->*c.array).data() + first;
     for (std::size_t i0 = 0; i0 < n; i0 += kChunk) {
       const std::size_t m = std::min(kChunk, n - i0);
-      for (std::size_t j = 0; j < m; ++j) column[j] = tiles[i0 + j].*field;
+      for (std::size_t j = 0; j < m; ++j) column[j] = tiles[i0 + j].*c.field;
       write_once(out + i0, column, m);
       if (hashers != nullptr) hashers[k].words(column, m);
     }
-    ++k;
-  };
-  put(tile_seq, &Tile::seq);
-  put(tile_doc, &Tile::doc);
-  put(tile_doc_count, &Tile::doc_count);
-  put(tile_q_start, &Tile::q_start);
-  put(tile_q_len, &Tile::q_len);
-  put(tile_head_start, &Tile::head_start);
-  put(tile_head_count, &Tile::head_count);
-  put(tile_kv_start, &Tile::kv_start);
-  put(tile_kv_len, &Tile::kv_len);
-  put(tile_owner, &Tile::owner);
-  put(tile_executor, &Tile::executor);
-  put(tile_cp, &Tile::cp);
-  put(tile_pairs, &Tile::pairs);
+  }
   store_fence();
 }
 
@@ -369,13 +365,7 @@ struct PlanTileList {
   const i64* index;
   std::size_t n;
   std::size_t size() const { return n; }
-  StepPlan::Tile operator[](std::size_t i) const {
-    const i64 t = index[i];
-    return {p.tile_seq[t],     p.tile_doc[t],     p.tile_doc_count[t], p.tile_q_start[t],
-            p.tile_q_len[t],   p.tile_head_start[t], p.tile_head_count[t], p.tile_kv_start[t],
-            p.tile_kv_len[t],  p.tile_owner[t],   p.tile_executor[t],  p.tile_cp[t],
-            p.tile_pairs[t]};
-  }
+  StepPlan::Tile operator[](std::size_t i) const { return p.tile(static_cast<std::size_t>(index[i])); }
 };
 
 // The exchange of group g, whose tiles (in their order in the plan) are `tiles`: writes the
@@ -572,12 +562,14 @@ class OrderedLayout {
   std::vector<PlanArray*> kv_list() {
     return {&p_.kv_group, &p_.kv_src, &p_.kv_dst, &p_.kv_seq, &p_.kv_start, &p_.kv_len, &p_.kv_head};
   }
-  // The arrays of one entry per tile, hashed as groups are laid out.
-  std::array<PlanArray*, 14> hashed_list() {
-    return {&p_.tile_seq,        &p_.tile_doc,      &p_.tile_doc_count, &p_.tile_q_start,
-            &p_.tile_q_len,      &p_.tile_head_start, &p_.tile_head_count, &p_.tile_kv_start,
-            &p_.tile_kv_len,     &p_.tile_owner,    &p_.tile_executor,  &p_.tile_cp,
-            &p_.tile_pairs,      &p_.send_order};
+  // The arrays of one entry per tile, hashed as groups are laid out: the tile arrays (in
+  // tile_columns() order), then the send order.
+  std::array<PlanArray*, StepPlan::kTileColumns + 1> hashed_list() {
+    std::array<PlanArray*, StepPlan::kTileColumns + 1> out{};
+    for (std::size_t k = 0; k < StepPlan::kTileColumns; ++k)
+      out[k] = &(p_.*StepPlan::tile_columns()[k].array);
+    out[StepPlan::kTileColumns] = &p_.send_order;
+    return out;
   }
   void reserve_tiles(std::size_t n) {
     p_.resize_tiles(n);
@@ -598,7 +590,7 @@ class OrderedLayout {
         reserve_kv(std::max(kv_ + part.kv.size(), 2 * p_.kv_len.size()));
       p_.set_tiles(static_cast<std::size_t>(tiles_), tiles, hashers_.data());
       put_group_exchange(p_, g, part, kv_, tiles_, nullptr);
-      hashers_[13].words(p_.send_order.data() + tiles_, n);
+      hashers_[StepPlan::kTileColumns].words(p_.send_order.data() + tiles_, n);
       tiles_ += static_cast<i64>(n);
       kv_ += part.kv.size();
       p_.send_group_offsets[g + 1] = tiles_;
@@ -614,7 +606,7 @@ class OrderedLayout {
   std::vector<GroupExchange> parts_;
   std::vector<std::atomic<bool>> ready_;
   std::mutex mutex_;
-  std::array<PlanHasher, 14> hashers_;  // of hashed_list()
+  std::array<PlanHasher, StepPlan::kTileColumns + 1> hashers_;  // of hashed_list()
   std::size_t next_ = 0;  // the next group to lay out
   i64 tiles_ = 0;
   std::size_t kv_ = 0;

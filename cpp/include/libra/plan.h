@@ -1,6 +1,7 @@
 // Layout, planner options and the StepPlan contract (DESIGN.md section 5).
 #pragma once
 
+#include <array>
 #include <string>
 #include <utility>
 #include <vector>
@@ -145,6 +146,14 @@ struct StepPlan {
     i64 seq, doc, doc_count, q_start, q_len, head_start, head_count, kv_start, kv_len, owner,
         executor, cp, pairs;
   };
+  // The tile arrays, each with the Tile field it holds, in Tile's field order.
+  struct TileColumn {
+    PlanArray StepPlan::*array;
+    i64 Tile::*field;
+  };
+  static constexpr std::size_t kTileColumns = 13;
+  static const std::array<TileColumn, kTileColumns>& tile_columns();
+  Tile tile(std::size_t i) const;
   void add_tile(const Tile& t);
   // Every tile array to n entries, new entries left unset (set_tiles writes them).
   void resize_tiles(std::size_t n);
