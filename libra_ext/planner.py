@@ -156,9 +156,11 @@ _METRICS = (
 
 
 PLAN_PHASES = ("input", "placement", "tiles", "exchange", "metrics", "hash")
-"""Phases of planning a step, timed in `StepPlan.phase_ms` (they sum to `plan_ms`): reading and
-validating the input, placing sequences on replicas (VRSP; WLB-LLM's packing), making and placing
-tiles, the exchange tables, the metrics, the hash."""
+"""Phases of planning a step, timed in `StepPlan.phase_ms` (they sum to `plan_ms`): reading,
+validating and copying the input; placing sequences on replicas (VRSP; WLB-LLM's packing), while a
+second thread finishes the document arrays and the placement bounds; making and placing tiles (for
+libra also each group's exchange tables and loads, and laying the arrays out); the other systems'
+exchange tables; the metrics; the hash."""
 
 
 class StepPlan:

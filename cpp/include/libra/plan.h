@@ -79,9 +79,11 @@ struct PlannerState {
   i64 pending() const { return static_cast<i64>(queue.size() + spill.size()); }
 };
 
-// Phases of plan_step, timed into StepPlan::phase_ms: reading and validating the input (WLB-LLM:
-// also its checks), placing sequences on replicas (VRSP, production order, WLB-LLM's packing),
-// making and placing tiles, the exchange tables, the metrics, the hash.
+// Phases of plan_step, timed into StepPlan::phase_ms: reading, validating and copying the input
+// (WLB-LLM: also its checks), placing sequences on replicas (VRSP, production order, WLB-LLM's
+// packing; meanwhile a second thread finishes the document arrays and the placement bounds),
+// making and placing tiles (libra: also each group's exchange tables and loads, and the arrays'
+// layout), the other systems' exchange tables, the metrics, the hash.
 enum class PlanPhase { Input = 0, Placement, Tiles, Exchange, Metrics, Hash };
 constexpr std::size_t kPlanPhases = 6;
 
