@@ -82,77 +82,67 @@ void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
       }
     }
   };
+  // Documents packed again as the input sequences that brought them held them: each (arrival,
+  // input sequence) group whole, heaviest group first, into a bucket of its own while empty ones
+  // remain (`any_bucket` false) or into the bucket with the least work that has room for it
+  // (`any_bucket` true; empty buckets have the least). A group that cannot go whole, or of
+  // unknown origin (a version-1 state), goes one by one; what fits nowhere lands in `left`.
+  auto pack_as_input = [&](const std::vector<Doc>& docs, bool any_bucket, std::vector<Doc>& left) {
+    for (auto& b : buckets) b.clear();
+    std::fill(tokens.begin(), tokens.end(), 0);
+    std::fill(work.begin(), work.end(), 0.0);
+    std::map<std::pair<i64, i64>, std::vector<Doc>> groups;  // (age, origin) -> documents
+    for (const Doc& d : docs) groups[{d.age, d.origin}].push_back(d);
+    std::vector<std::pair<double, std::vector<Doc>*>> order;  // (work, documents)
+    for (auto& [key, group] : groups) {
+      double w = 0;
+      for (const Doc& d : group) w += static_cast<double>(causal_pairs(d.len));
+      order.push_back({w, &group});
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
+    i64 next = 0;  // the first bucket not yet given a group (any_bucket false)
+    for (const auto& [w, group] : order) {
+      i64 sum = 0;
+      for (const Doc& d : *group) sum += d.len;
+      i64 best = -1;
+      if (group->front().origin >= 0) {
+        if (!any_bucket) {
+          if (next < n_buckets && sum <= S) best = next++;
+        } else {
+          for (i64 b = 0; b < n_buckets; ++b) {
+            if (tokens[b] + sum > S) continue;
+            if (best < 0 || work[b] < work[best]) best = b;
+          }
+        }
+      }
+      if (best >= 0) {
+        for (const Doc& d : *group) put(best, d);
+      } else {
+        heaviest_first(*group);
+        pack(*group, left);
+      }
+    }
+  };
   heaviest_first(due);
   std::vector<Doc> due_left;
   pack(due, due_left);
   if (!due_left.empty() && !flush) {
-    // Due documents that arrived in one step fit by the way that step's input held them: each
-    // (arrival, input sequence) group into a bucket of its own, heaviest group first.
-    for (auto& b : buckets) b.clear();
-    std::fill(tokens.begin(), tokens.end(), 0);
-    std::fill(work.begin(), work.end(), 0.0);
+    // Due documents that arrived in one step fit by the way that step's input held them.
     due_left.clear();
-    std::map<std::pair<i64, i64>, std::vector<Doc>> groups;  // (age, origin) -> documents
-    for (const Doc& d : due) groups[{d.age, d.origin}].push_back(d);
-    std::vector<std::pair<double, const std::vector<Doc>*>> order;  // (work, documents)
-    for (const auto& [key, docs] : groups) {
-      double work = 0;
-      for (const Doc& d : docs) work += static_cast<double>(causal_pairs(d.len));
-      order.push_back({work, &docs});
-    }
-    std::stable_sort(order.begin(), order.end(),
-                     [](const auto& x, const auto& y) { return x.first > y.first; });
-    i64 next = 0;
-    for (const auto& [work, docs] : order) {
-      i64 sum = 0;
-      for (const Doc& d : *docs) sum += d.len;
-      if (next < n_buckets && sum <= S && docs->front().origin >= 0) {
-        for (const Doc& d : *docs) put(next, d);
-        ++next;
-      } else {
-        pack(*docs, due_left);  // unknown origin (a version-1 state): wherever it fits
-      }
-    }
+    pack_as_input(due, false, due_left);
   }
   heaviest_first(candidates);
   std::vector<Doc> left;
   pack(candidates, left);
   if (flush && (!due_left.empty() || !left.empty())) {
     // The last step holds nothing back where it can help it: when the greedy leaves documents
-    // over, every document is packed again as the input sequences that brought them held them
-    // (each (arrival, input sequence) group whole, heaviest group first, into the bucket with
-    // the least work that has room for it); only a group that fits nowhere goes one by one.
-    for (auto& b : buckets) b.clear();
-    std::fill(tokens.begin(), tokens.end(), 0);
-    std::fill(work.begin(), work.end(), 0.0);
+    // over, every document is packed again as the input held them.
     due_left.clear();
     left.clear();
-    std::map<std::pair<i64, i64>, std::vector<Doc>> groups;  // (age, origin) -> documents
-    for (const auto* list : {&due, &candidates})
-      for (const Doc& d : *list) groups[{d.age, d.origin}].push_back(d);
-    std::vector<std::pair<double, std::vector<Doc>*>> order;  // (work, documents)
-    for (auto& [key, docs] : groups) {
-      double w = 0;
-      for (const Doc& d : docs) w += static_cast<double>(causal_pairs(d.len));
-      order.push_back({w, &docs});
-    }
-    std::stable_sort(order.begin(), order.end(),
-                     [](const auto& x, const auto& y) { return x.first > y.first; });
-    for (const auto& [w, docs] : order) {
-      i64 sum = 0;
-      for (const Doc& d : *docs) sum += d.len;
-      i64 best = -1;
-      for (i64 b = 0; b < n_buckets && docs->front().origin >= 0; ++b) {
-        if (tokens[b] + sum > S) continue;
-        if (best < 0 || work[b] < work[best]) best = b;
-      }
-      if (best >= 0) {
-        for (const Doc& d : *docs) put(best, d);
-      } else {
-        heaviest_first(*docs);
-        pack(*docs, left);
-      }
-    }
+    std::vector<Doc> all = due;
+    all.insert(all.end(), candidates.begin(), candidates.end());
+    pack_as_input(all, true, left);
   }
   // What did not fit waits (a due document only if even its input's packing did not fit, which
   // a state carried between steps of one run cannot produce).
