@@ -207,21 +207,28 @@ inline void store_fence() {
 #endif
 }
 
+// Writes value(0), ..., value(n - 1) to out with write_once, in chunks, feeding each chunk to
+// `hasher` (when given) on the way; the caller fences.
+template <typename Value>
+void write_hashed(i64* out, std::size_t n, PlanHasher* hasher, Value&& value) {
+  constexpr std::size_t kChunk = 64;
+  i64 chunk[kChunk];
+  for (std::size_t i0 = 0; i0 < n; i0 += kChunk) {
+    const std::size_t m = std::min(kChunk, n - i0);
+    for (std::size_t j = 0; j < m; ++j) chunk[j] = value(i0 + j);
+    write_once(out + i0, chunk, m);
+    if (hasher != nullptr) hasher->words(chunk, m);
+  }
+}
+
 }  // namespace
 
 void StepPlan::set_tiles(std::size_t first, const std::vector<Tile>& tiles, PlanHasher* hashers) {
-  constexpr std::size_t kChunk = 64;
-  i64 column[kChunk];
-  const std::size_t n = tiles.size();
   for (std::size_t k = 0; k < kTileColumns; ++k) {
     const TileColumn& c = tile_columns()[k];
-    i64* out = (this->*c.array).data() + first;
-    for (std::size_t i0 = 0; i0 < n; i0 += kChunk) {
-      const std::size_t m = std::min(kChunk, n - i0);
-      for (std::size_t j = 0; j < m; ++j) column[j] = tiles[i0 + j].*c.field;
-      write_once(out + i0, column, m);
-      if (hashers != nullptr) hashers[k].words(column, m);
-    }
+    write_hashed((this->*c.array).data() + first, tiles.size(),
+                 hashers != nullptr ? &hashers[k] : nullptr,
+                 [&](std::size_t i) { return tiles[i].*c.field; });
   }
   store_fence();
 }
@@ -316,14 +323,7 @@ void finish_documents(StepPlan& p, StepPlan::KnownDigests& digests) {
   PlanHasher ids;
   // The ids are not read while planning: written past the cache, which keeps room for the
   // lengths TAP reads.
-  constexpr std::size_t kChunk = 64;
-  i64 chunk[kChunk];
-  for (std::size_t i0 = 0; i0 < n_docs; i0 += kChunk) {
-    const std::size_t m = std::min(kChunk, n_docs - i0);
-    for (std::size_t j = 0; j < m; ++j) chunk[j] = static_cast<i64>(i0 + j);
-    ids.words(chunk, m);
-    write_once(p.doc_ids.data() + i0, chunk, m);
-  }
+  write_hashed(p.doc_ids.data(), n_docs, &ids, [](std::size_t i) { return static_cast<i64>(i); });
   store_fence();
   ids.value(static_cast<i64>(n_docs));
   digests.push_back({&p.doc_lengths, StepPlan::array_digest(p.doc_lengths)});
@@ -413,16 +413,6 @@ void group_exchange(StepPlan& p, i64 g, const TileList& tiles, ExchangeScratch& 
   i64* send = out.send.data();
   auto& need = scratch.need;
   need.resize(static_cast<std::size_t>(n_need));
-  if (n_need == 0) {  // nothing moves: the send order is the tiles' own, by owner member
-    for (std::size_t c = 0; c < cells; ++c) tile_count[c + 1] += tile_count[c];
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto& t = tiles[i];
-      send[tile_count[static_cast<std::size_t>((t.owner - first_replica) * (Px + 1))]++] =
-          static_cast<i64>(i);
-    }
-    result = std::move(out);
-    return;
-  }
   for (std::size_t c = 0; c < cells; ++c) {
     tile_count[c + 1] += tile_count[c];
     kv_count[c + 1] += kv_count[c];
@@ -456,6 +446,11 @@ void group_exchange(StepPlan& p, i64 g, const TileList& tiles, ExchangeScratch& 
     begin = end;
   }
   result = std::move(out);
+}
+
+// The arrays of one entry per shipped KV prefix.
+std::array<PlanArray*, 7> kv_arrays(StepPlan& p) {
+  return {&p.kv_group, &p.kv_src, &p.kv_dst, &p.kv_seq, &p.kv_start, &p.kv_len, &p.kv_head};
 }
 
 // Zeroed exchange cells for `groups` exchange groups.
@@ -549,7 +544,7 @@ class OrderedLayout {
     }
     p_.resize_tiles(static_cast<std::size_t>(tiles_));
     p_.send_order.resize(static_cast<std::size_t>(tiles_));
-    for (PlanArray* a : kv_list()) a->resize(kv_);
+    for (PlanArray* a : kv_arrays(p_)) a->resize(kv_);
     const auto hashed = hashed_list();
     for (std::size_t k = 0; k < hashed.size(); ++k) {
       hashers_[k].value(tiles_);
@@ -559,9 +554,6 @@ class OrderedLayout {
   }
 
  private:
-  std::vector<PlanArray*> kv_list() {
-    return {&p_.kv_group, &p_.kv_src, &p_.kv_dst, &p_.kv_seq, &p_.kv_start, &p_.kv_len, &p_.kv_head};
-  }
   // The arrays of one entry per tile, hashed as groups are laid out: the tile arrays (in
   // tile_columns() order), then the send order.
   std::array<PlanArray*, StepPlan::kTileColumns + 1> hashed_list() {
@@ -576,7 +568,7 @@ class OrderedLayout {
     p_.send_order.resize(n);
   }
   void reserve_kv(std::size_t n) {
-    for (PlanArray* a : kv_list()) a->resize(n);
+    for (PlanArray* a : kv_arrays(p_)) a->resize(n);
   }
   // Lays out placed groups in order (the caller holds the mutex).
   void drain() {
@@ -625,8 +617,7 @@ void lay_out_exchange(StepPlan& p, const std::vector<GroupExchange>& parts,
     moved_tokens += parts[g].moved_tokens;
     all_tokens += parts[g].all_tokens;
   }
-  for (auto* v : {&p.kv_group, &p.kv_src, &p.kv_dst, &p.kv_seq, &p.kv_start, &p.kv_len, &p.kv_head})
-    v->resize(kv_first[G]);
+  for (PlanArray* a : kv_arrays(p)) a->resize(kv_first[G]);
   p.send_group_offsets.assign(first.begin(), first.end());
   p.send_order.resize(static_cast<std::size_t>(first[G]));
   run_workers(workers, G, [&](WorkQueue& queue) {
