@@ -13,21 +13,65 @@
 namespace libra {
 namespace {
 
-std::vector<i64> heaviest_first(const std::vector<double>& loads) {
-  std::vector<i64> order(loads.size());
-  std::iota(order.begin(), order.end(), 0);
-  // heaviest first, ties by index: the stable order
-  std::sort(order.begin(), order.end(),
-            [&](i64 a, i64 b) { return loads[a] != loads[b] ? loads[a] > loads[b] : a < b; });
+// A key whose unsigned order is the order of the (finite) loads; -0.0 is +0.0.
+u64 order_key(double x) {
+  x += 0.0;  // -0.0 -> +0.0
+  u64 b;
+  std::memcpy(&b, &x, sizeof b);
+  return (b >> 63) != 0 ? ~b : b | (u64(1) << 63);
+}
+
+// Indices of the loads in ascending order of key(load), ties by index. A stable radix sort on the
+// keys' bytes (bytes that every key shares are skipped); a comparison sort below a few hundred
+// loads, where the radix sort's counting would cost more. Either gives the same order.
+template <typename Key>
+std::vector<i64> ordered_indices(const std::vector<double>& loads, Key key) {
+  const std::size_t n = loads.size();
+  std::vector<i64> order(n);
+  std::iota(order.begin(), order.end(), i64{0});
+  std::vector<u64> k(n);
+  for (std::size_t i = 0; i < n; ++i) k[i] = key(order_key(loads[i]));
+  if (n < 512) {
+    std::sort(order.begin(), order.end(), [&](i64 a, i64 b) { return k[a] != k[b] ? k[a] < k[b] : a < b; });
+    return order;
+  }
+  std::vector<i64> next(n);
+  for (int shift = 0; shift < 64; shift += 8) {
+    std::size_t count[256] = {};
+    for (std::size_t i = 0; i < n; ++i) ++count[(k[i] >> shift) & 255];
+    if (count[(k[0] >> shift) & 255] == n) continue;  // every key has this byte
+    std::size_t start = 0;
+    for (std::size_t& c : count) start += std::exchange(c, start);
+    for (const i64 i : order) next[count[(k[i] >> shift) & 255]++] = i;
+    order.swap(next);
+  }
   return order;
 }
 
-void check_cardinality(std::size_t n, i64 n_groups, i64 cardinality) {
+// Heaviest first, ties by lower index.
+std::vector<i64> heaviest_first(const std::vector<double>& loads) {
+  return ordered_indices(loads, [](u64 key) { return ~key; });
+}
+
+// Lightest first, ties by lower index.
+std::vector<i64> lightest_first(const std::vector<double>& loads) {
+  return ordered_indices(loads, [](u64 key) { return key; });
+}
+
+void check_cardinality(const std::vector<double>& loads, i64 n_groups, i64 cardinality) {
   require_positive(n_groups, "n_groups");
   require_positive(cardinality, "cardinality");
-  if (static_cast<i64>(n) != n_groups * cardinality)
+  const i64 n = static_cast<i64>(loads.size());
+  if (n % cardinality != 0 || n / cardinality != n_groups)
     fail("exact-cardinality placement needs n_groups * cardinality = " +
-         std::to_string(n_groups * cardinality) + " items, got " + std::to_string(n));
+         (n_groups <= std::numeric_limits<i64>::max() / cardinality
+              ? std::to_string(n_groups * cardinality)
+              : std::to_string(n_groups) + " * " + std::to_string(cardinality)) +
+         " items, got " + std::to_string(n));
+  for (std::size_t i = 0; i < loads.size(); ++i)
+    if (!(std::isfinite(loads[i]) && loads[i] >= 0))
+      fail(field_at("loads", static_cast<i64>(i)) + " must be a finite number >= 0, got " +
+           std::to_string(loads[i]));
 }
 
 // Local search after LPT: swap one item of the heaviest group with a lighter item of another group
@@ -64,13 +108,15 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
       rs[i] = i > 0 && v[i].first == v[i - 1].first ? rs[i - 1] : i;
     ++version[g];
   };
-  auto resort = [&](i64 g) {
-    auto& v = sorted[g];
-    v.clear();
-    for (std::size_t pos = 0; pos < members[g].size(); ++pos) v.push_back({loads[members[g][pos]], pos});
-    std::sort(v.begin(), v.end());
-    runs(g);
-  };
+  {  // each group's items by load, then position (= by index): from one order of all items
+    std::vector<std::size_t> pos(loads.size());
+    for (std::size_t g = 0; g < G; ++g) {
+      for (std::size_t k = 0; k < members[g].size(); ++k) pos[members[g][k]] = k;
+      sorted[g].reserve(members[g].size());
+    }
+    for (const i64 i : lightest_first(loads)) sorted[group[i]].push_back({loads[i], pos[i]});
+    for (i64 g = 0; g < n_groups; ++g) runs(g);
+  }
   // The item at position pos of group g was replaced: its entry moves to its new place.
   auto replaced = [&](i64 g, std::size_t pos) {
     auto& v = sorted[g];
@@ -79,7 +125,6 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
     v.insert(std::lower_bound(v.begin(), v.end(), e), e);
     runs(g);
   };
-  for (i64 g = 0; g < n_groups; ++g) resort(g);
   // The best swap of the pair (hi, h): the lowest (pair maximum, a, b) below gl[hi], if any;
   // valid while both groups are at the versions it was found at.
   struct PairBest {
@@ -170,7 +215,7 @@ void refine_by_swaps(const std::vector<double>& loads, std::vector<i64>& group, 
 
 std::vector<i64> exact_cardinality_lpt(const std::vector<double>& loads, i64 n_groups,
                                        i64 cardinality) {
-  check_cardinality(loads.size(), n_groups, cardinality);
+  check_cardinality(loads, n_groups, cardinality);
   using Entry = std::pair<double, i64>;  // (group load, group index): min-heap, ties lower index
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> open;
   for (i64 g = 0; g < n_groups; ++g) open.push({0.0, g});
@@ -232,14 +277,14 @@ struct SortedLoads {
 
 double exact_cardinality_lower_bound(const std::vector<double>& loads, i64 n_groups,
                                      i64 cardinality) {
-  check_cardinality(loads.size(), n_groups, cardinality);
+  check_cardinality(loads, n_groups, cardinality);
   const SortedLoads sorted(loads);
   return lower_bound_sorted(sorted.x, sorted.prefix, n_groups, cardinality);
 }
 
 PlacementBounds placement_bounds(const std::vector<double>& seq_loads, i64 dp, i64 pool,
                                  i64 slots) {
-  check_cardinality(seq_loads.size(), dp / pool * slots, pool);
+  check_cardinality(seq_loads, dp / pool * slots, pool);
   const SortedLoads sorted(seq_loads);
   return {lower_bound_sorted(sorted.x, sorted.prefix, dp / pool * slots, pool),
           lower_bound_sorted(sorted.x, sorted.prefix, dp / pool, pool * slots)};

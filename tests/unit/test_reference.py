@@ -97,3 +97,19 @@ def test_core_matches_reference_when_refinement_cuts_tiles():
         "kv_len", "owner", "executor"))))
     assert got == ref.tiles
     assert plan.max_over_mean < uncut.max_over_mean
+
+
+def test_lpt_matches_reference_on_large_inputs_with_ties_and_zeros():
+    # from 512 loads on, the core orders them with a radix sort: the same order (heaviest
+    # first, ties by index; groups' items by load, ties by position) as the comparison sort
+    import random
+
+    rng = random.Random(3)
+    for n, card in [(512, 8), (1024, 16), (768, 4)]:
+        loads = [float(rng.randrange(1, 10**12)) for _ in range(n)]
+        for i in range(0, n, 7):
+            loads[i] = loads[i // 7]  # ties
+        for i in range(3, n, 61):
+            loads[i] = 0.0
+        groups = n // card
+        assert list(core.exact_cardinality_lpt(loads, groups, card)) == lpt(loads, groups, card)

@@ -56,3 +56,18 @@ def test_wrong_item_count_is_rejected():
         core.exact_cardinality_lpt([1.0] * 5, 2, 3)
     with pytest.raises(ValueError, match="n_groups"):
         core.exact_cardinality_lower_bound([1.0], 0, 1)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf"), float("-inf")])
+def test_loads_that_are_not_finite_and_non_negative_are_rejected(bad):
+    loads = [1.0] * 600
+    loads[517] = bad
+    with pytest.raises(ValueError, match=r"loads\[517\] must be a finite number >= 0"):
+        core.exact_cardinality_lpt(loads, 100, 6)
+    with pytest.raises(ValueError, match=r"loads\[517\]"):
+        core.exact_cardinality_lower_bound(loads, 100, 6)
+
+
+def test_a_group_count_whose_product_overflows_is_rejected():
+    with pytest.raises(ValueError, match="n_groups"):
+        core.exact_cardinality_lpt([1.0] * 4, 2**62, 4)

@@ -11,7 +11,8 @@ namespace libra {
 // Place items (loads) into n_groups groups of exactly `cardinality` items each (items.size() must
 // equal n_groups * cardinality): heaviest first (ties: lower index), into the lightest group that
 // still has room (ties: lower group index), then pairwise swaps between the heaviest group and
-// another while they lower the maximum. Returns the group of each item.
+// another while they lower the maximum. Returns the group of each item. Loads must be finite and
+// >= 0 (std::invalid_argument names the first that is not).
 std::vector<i64> exact_cardinality_lpt(const std::vector<double>& loads, i64 n_groups,
                                        i64 cardinality);
 
