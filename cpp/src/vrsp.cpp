@@ -267,9 +267,12 @@ double lower_bound_sorted(const std::vector<double>& x, const std::vector<double
 
 struct SortedLoads {
   std::vector<double> x, prefix;
-  explicit SortedLoads(const std::vector<double>& loads) : x(loads), prefix(loads.size() + 1, 0.0) {
-    std::sort(x.begin(), x.end(), std::greater<double>());
-    for (std::size_t i = 0; i < x.size(); ++i) prefix[i + 1] = prefix[i] + x[i];
+  explicit SortedLoads(const std::vector<double>& loads) : x(loads.size()), prefix(loads.size() + 1, 0.0) {
+    const std::vector<i64> order = heaviest_first(loads);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      x[i] = loads[order[i]];
+      prefix[i + 1] = prefix[i] + x[i];
+    }
   }
 };
 
