@@ -194,12 +194,20 @@ struct GroupTiles {
   std::vector<i64> owner;      // member index
   std::vector<i64> local_doc;  // document index inside the group
   std::vector<double> load;    // pairs * heads
+  // As made (before any cut): member i's tiles are [first[i], first[i + 1]), their loads summed
+  // in tile order own[i]; all loads summed in tile order, total.
+  std::vector<std::size_t> first;
+  std::vector<double> own;
+  double total = 0;
   std::size_t size() const { return tile.size(); }
   void clear() {
     tile.clear();
     owner.clear();
     local_doc.clear();
     load.clear();
+    first.clear();
+    own.clear();
+    total = 0;
   }
   void push(const StepPlan::Tile& t, i64 member, i64 doc) {
     tile.push_back(t);
@@ -247,6 +255,14 @@ class Placer {
   // Tile k executed where it is (if anywhere), `w` lighter (its tail was cut off).
   void shrink(std::size_t k, double w) {
     if (exec_[k] >= 0) load_[exec_[k]] -= w;
+  }
+
+  // Member j, with nothing assigned yet, executes tiles [first, last), its own, whose loads sum
+  // (in order) to `own`: the same as assigning them one by one.
+  void keep(std::size_t first, std::size_t last, i64 j, double own) {
+    std::fill(exec_.begin() + static_cast<std::ptrdiff_t>(first),
+              exec_.begin() + static_cast<std::ptrdiff_t>(last), j);
+    load_[j] = own;
   }
 
   void assign(std::size_t k, i64 j) {
@@ -390,13 +406,21 @@ void make_group_tiles(const StepPlan& plan, const std::vector<i64>& members,
   for (i64 s : members)
     total += static_cast<double>(seq_pairs[s]) * static_cast<double>(plan.heads_local);
   const double max_load = max_tile_share * total / static_cast<double>(members.size());
+  double all = 0;
   for (std::size_t i = 0; i < members.size(); ++i) {
     const i64 first_doc = plan.seq_doc_offsets[members[i]];
+    double own = 0;
+    gt.first.push_back(gt.size());
     sequence_tiles(plan, members[i], block, head_group, max_load, [&](const StepPlan::Tile& t) {
       gt.push(t, static_cast<i64>(i), n_docs + t.doc - first_doc);
+      own += gt.load.back();
+      all += gt.load.back();
     });
+    gt.own.push_back(own);
     n_docs += plan.seq_doc_offsets[members[i] + 1] - first_doc;
   }
+  gt.first.push_back(gt.size());
+  gt.total = all;
 }
 
 // What one worker reuses from group to group (capacity kept, contents reset per group).
@@ -434,7 +458,7 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
   make_group_tiles(plan, members, seq_pairs, opt.block, head_group, opt.max_tile_share, gt, n_docs);
   std::size_t n = gt.size();
   if (n == 0) return;
-  const double total = std::accumulate(gt.load.begin(), gt.load.end(), 0.0);
+  const double total = gt.total;
   const double cap = (1.0 + opt.epsilon) * total / static_cast<double>(P);
   if (static_cast<i64>(doc_slot.size()) < n_docs) doc_slot.resize(static_cast<std::size_t>(n_docs), -1);
   Placer placer(plan, bytes, gt, P, doc_slot);
@@ -447,13 +471,10 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
   auto& order = scratch.order;  // (work per byte, tile)
   auto& rest = scratch.rest;
   rest.clear();
-  for (std::size_t first = 0; first < n;) {
-    std::size_t last = first;
-    double own = 0;
-    for (; last < n && gt.owner[last] == gt.owner[first]; ++last) own += gt.load[last];
-    if (own <= cap) {
-      for (std::size_t k = first; k < last; ++k) placer.assign(k, gt.owner[k]);
-      first = last;
+  for (i64 i = 0; i < P; ++i) {
+    const std::size_t first = gt.first[i], last = gt.first[i + 1];
+    if (gt.own[i] <= cap) {
+      placer.keep(first, last, i, gt.own[i]);
       continue;
     }
     order.clear();
@@ -473,7 +494,6 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
         rest.push_back(k);
       }
     }
-    first = last;
   }
   // Pass 2, heaviest first: among members that stay under the cap, the smallest byte increment
   // (KV prefixes already shipped there are not sent twice), then the lightest; if none stays
@@ -596,7 +616,12 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
   }
   // Never worse than no moves: if the owners' own loads have a lighter maximum, keep them.
   std::vector<double> own(static_cast<std::size_t>(P), 0.0);
-  for (std::size_t k = 0; k < n; ++k) own[gt.owner[k]] += gt.load[k];
+  for (std::size_t k = 0; k < n;) {  // each owner's loads in tile order (its tiles come in runs)
+    const i64 m = gt.owner[k];
+    double sum = own[m];
+    for (; k < n && gt.owner[k] == m; ++k) sum += gt.load[k];
+    own[m] = sum;
+  }
   const bool keep_owners = *std::max_element(own.begin(), own.end()) <
                            *std::max_element(load.begin(), load.end());
   for (std::size_t k = 0; k < n; ++k) {
