@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from libra_ext import _planner as _core
-from libra_ext.workload import ModelConfig
+from libra_ext.workload import ModelConfig, PackedBatch
 
 SYSTEMS = ("libra", "ulysses", "wlb", "distca")
 ORDERS = ("megatron", "contiguous")
@@ -38,9 +38,7 @@ class LayoutConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{f.name} must be an integer, got {v!r}")
+            int64_field(getattr(self, f.name), f.name)
         self.to_core().validate()
 
     def to_core(self) -> "_core.Layout":
@@ -116,10 +114,18 @@ class PlannerOptions:
             if f.name == "block" and v is None:
                 v = 0  # the core's "context / 16"
             expected = type(getattr(out, f.name))
-            if expected is int and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"{f.name} must be an integer, got {v!r}")
-            if expected is float and not isinstance(v, (int, float)):
-                raise ValueError(f"{f.name} must be a number, got {v!r}")
+            if expected is bool:
+                if not isinstance(v, (bool, np.bool_)):
+                    raise ValueError(f"{f.name} must be true or false, got {v!r}")
+                v = bool(v)
+            elif expected is int:
+                v = int64_field(v, f.name)
+            elif expected is float:
+                if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.number)):
+                    raise ValueError(f"{f.name} must be a number, got {v!r}")
+                v = float(v)
+            elif not isinstance(v, str):
+                raise ValueError(f"{f.name} must be a string, got {v!r}")
             setattr(out, f.name, v)
         return out
 
@@ -257,23 +263,24 @@ class StepPlan:
         return out
 
 
-def _sequences_arg(sequences: Sequence[Sequence[int]]) -> list[list[int]]:
-    try:
-        return [list(map(int, s)) if isinstance(s, np.ndarray) else list(s) for s in sequences]
-    except TypeError:
-        raise ValueError("sequences must be a list of lists of document lengths") from None
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _locate_bad_entry(sequences: list[list]) -> str:
-    for i, seq in enumerate(sequences):
-        if not isinstance(seq, (list, tuple)):
-            return f"sequences[{i}] must be a list of document lengths, got {seq!r}"
-        for j, v in enumerate(seq):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                return f"sequences[{i}][{j}] must be an integer, got {v!r}"
-            if not -(2**63) <= int(v) < 2**63:
-                return f"sequences[{i}][{j}] = {v} is out of range"
-    return "sequences must be a list of lists of integers"
+def int64_field(value, name: str) -> int:
+    """An integer that fits the core's 64-bit fields, or a ValueError naming the field (bools
+    and floats are refused, not coerced)."""
+    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    v = int(value)
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise ValueError(f"{name} = {v} is out of range (a 64-bit integer)")
+    return v
+
+
+def _flush_arg(flush) -> bool:
+    if not isinstance(flush, (bool, np.bool_)):
+        raise ValueError(f"flush must be True or False, got {flush!r}")
+    return bool(flush)
 
 
 class Planner:
@@ -288,12 +295,15 @@ class Planner:
         )
         self.state = _core.PlannerState()
 
-    def plan(self, sequences: Sequence[Sequence[int]], flush: bool = False) -> StepPlan:
-        seqs = _sequences_arg(sequences)
-        try:
-            raw = _core.plan_step(seqs, self._layout, self._model, self._options, self.state, flush)
-        except TypeError:
-            raise ValueError(_locate_bad_entry(seqs)) from None
+    def plan(self, sequences: PackedBatch | Sequence[Sequence[int]], flush: bool = False) -> StepPlan:
+        """Plan one step. `sequences`: a PackedBatch (read without a copy), or a list of lists
+        (or 1-D integer arrays) of document lengths; `flush` releases everything WLB-LLM holds."""
+        flush = _flush_arg(flush)
+        core = (self._layout, self._model, self._options, self.state, flush)
+        if isinstance(sequences, PackedBatch):
+            raw = _core.plan_step_flat(sequences.lengths, sequences.offsets, *core)
+        else:
+            raw = _core.plan_step(sequences, *core)
         return StepPlan(raw)
 
     @property
@@ -305,11 +315,24 @@ class Planner:
         return {"planner_state": list(self.state.serialize())}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.state = _core.PlannerState.deserialize(list(sd["planner_state"]))
+        """Load a state from `state_dict` (a checkpoint's: untrusted input). Every entry is
+        checked, against this planner's layout and options too; a refused state leaves the
+        current one in place."""
+        if not isinstance(sd, dict) or "planner_state" not in sd:
+            raise ValueError("planner state: expected a dict with a 'planner_state' list")
+        flat = sd["planner_state"]
+        if isinstance(flat, np.ndarray):
+            flat = flat.tolist()
+        if not isinstance(flat, (list, tuple)):
+            raise ValueError(f"planner_state must be a list of integers, got {type(flat).__name__}")
+        values = [int64_field(v, f"planner_state[{i}]") for i, v in enumerate(flat)]
+        state = _core.PlannerState.deserialize(values)
+        state.validate(self._layout, self._options)
+        self.state = state
 
 
 def plan_step(
-    sequences: Sequence[Sequence[int]],
+    sequences: PackedBatch | Sequence[Sequence[int]],
     layout: LayoutConfig,
     model: ModelConfig | None = None,
     options: PlannerOptions | None = None,

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from libra_ext import _planner as _core
 
 ATTN_BWD_FACTOR = 2.5
@@ -82,6 +84,8 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"model.{name} must be an integer, got {value!r}")
+            if not -(2**63) <= value < 2**63:
+                raise ValueError(f"model.{name} = {value} is out of range (a 64-bit integer)")
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"model.qk_norm must be true or false, got {self.qk_norm!r}")
         if (
@@ -159,6 +163,86 @@ class PackedSequence:
     @property
     def tokens(self) -> int:
         return self.cu_seqlens[-1]
+
+
+class PackedBatch:
+    """A step's packed sequences in CSR form: sequence s holds the document lengths
+    `lengths[offsets[s]:offsets[s + 1]]` (int64 numpy arrays). It reads like a list of lists
+    (len, indexing, iteration and == give lists of ints), and the planner takes it without a copy
+    (`Planner.plan`), so a step never goes through Python ints on its way to the planner."""
+
+    __slots__ = ("lengths", "offsets")
+
+    def __init__(self, lengths, offsets):
+        self.lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        if self.offsets.ndim != 1 or len(self.offsets) == 0 or self.offsets[0] != 0:
+            raise ValueError("offsets must be a 1-D array starting at 0")
+        if self.offsets[-1] != len(self.lengths) or np.any(np.diff(self.offsets) < 0):
+            raise ValueError("offsets must be non-decreasing and end at len(lengths)")
+
+    @classmethod
+    def from_lists(cls, sequences: Sequence[Sequence[int]]) -> "PackedBatch":
+        counts = [len(s) for s in sequences]
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        flat = [int(x) for s in sequences for x in s]
+        return cls(np.asarray(flat, dtype=np.int64), offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            first, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(first, stop, step)]
+            stop = max(first, stop)
+            base = int(self.offsets[first])
+            return PackedBatch(
+                self.lengths[base : int(self.offsets[stop])], self.offsets[first : stop + 1] - base
+            )
+        i = range(len(self))[index]
+        return self.lengths[self.offsets[i] : self.offsets[i + 1]].tolist()
+
+    def __iter__(self):
+        for s in range(len(self)):
+            yield self[s]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, PackedBatch):
+            return np.array_equal(self.offsets, other.offsets) and np.array_equal(
+                self.lengths, other.lengths
+            )
+        try:
+            return self.tolist() == [list(s) for s in other]
+        except TypeError:
+            return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"PackedBatch({len(self)} sequences, {self.n_documents} documents)"
+
+    @property
+    def n_documents(self) -> int:
+        return len(self.lengths)
+
+    def tokens(self) -> np.ndarray:
+        """Tokens of each sequence."""
+        cum = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=cum[1:])
+        return cum[self.offsets[1:]] - cum[self.offsets[:-1]]
+
+    def tolist(self) -> list[list[int]]:
+        flat = self.lengths.tolist()
+        off = self.offsets.tolist()
+        return [flat[off[s] : off[s + 1]] for s in range(len(self))]
+
+
+def document_count(sequences) -> int:
+    """Documents in a step's sequences (a PackedBatch or lists)."""
+    if isinstance(sequences, PackedBatch):
+        return sequences.n_documents
+    return sum(len(s) for s in sequences)
 
 
 def _int_list(values: Iterable, field_name: str) -> list[int]:
@@ -276,18 +360,23 @@ class LengthSource:
         n = check_int(n, "n", 0)
         return list(_core.sample_lengths(self._dist, n, check_seed(seed)))
 
-    def step(self, gbs: int, context: int, seed: int, step: int) -> list[list[int]]:
+    def step(self, gbs: int, context: int, seed: int, step: int, threads: int = 0) -> PackedBatch:
         """The gbs packed sequences of one step: production packing of a seeded document stream,
-        served through a shuffle of `shuffle_window` steps' samples (a function of (seed, step))."""
+        served through a shuffle of `shuffle_window` steps' samples (a function of (seed, step)).
+        The window's sequences are made once (lengths drawn on `threads` threads, 0 =
+        automatic; the result does not depend on it) and each step is a slice of them."""
         gbs = check_int(gbs, "gbs", 1)
         context = check_int(context, "context", 1, MAX_TOKENS)
         seed = check_seed(seed)
+        threads = check_int(threads, "threads", 0, 1024)
         w, k = divmod(check_int(step, "step", 0), self.shuffle_window)
         key = (gbs, context, seed, w)
         if self._window is None or self._window[0] != key:
-            seqs = _core.window_sequences(self._dist, gbs, context, seed, w, self.shuffle_window)
-            self._window = (key, seqs)
-        return [list(s) for s in self._window[1][k * gbs : (k + 1) * gbs]]
+            lengths, offsets = _core.window_batch(
+                self._dist, gbs, context, seed, w, self.shuffle_window, threads
+            )
+            self._window = (key, PackedBatch(lengths, offsets))
+        return self._window[1][k * gbs : (k + 1) * gbs]
 
 
 SEED_LIMIT = 1 << 64

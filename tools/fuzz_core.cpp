@@ -1,9 +1,14 @@
 // Random-input fuzz driver for the planner core, meant to run under AddressSanitizer and
 // UndefinedBehaviorSanitizer (tools/fuzz_core.sh). Mode "any" throws arbitrary, mostly invalid
 // values at every entry point (each must be rejected with std::invalid_argument, nothing else);
-// mode "valid" draws well-formed layouts and steps so the planning paths themselves run.
+// mode "valid" draws well-formed layouts and steps so the planning paths themselves run; mode
+// "state" loads crafted planner states (counts that overflow, extreme ids, lengths and waits)
+// and plans with them under extreme options and CSR inputs with bad offsets.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
+#include <limits>
 #include <random>
 
 #include "libra/packing.h"
@@ -12,7 +17,121 @@
 
 using namespace libra;
 
+namespace {
+
+// One 64-bit value, often one of the edges.
+i64 edge(std::mt19937_64& rng, i64 lo, i64 hi) {
+  static const i64 edges[] = {0,  1,  -1, 2, 3, 4, 100, 4096, i64(1) << 30, (i64(1) << 30) + 1,
+                              i64(1) << 31, i64(1) << 62, INT64_MAX, INT64_MAX - 1, INT64_MIN,
+                              (i64(1) << 62) - 1};
+  if (std::uniform_int_distribution<int>(0, 2)(rng) == 0)
+    return edges[std::uniform_int_distribution<std::size_t>(0, std::size(edges) - 1)(rng)];
+  return std::uniform_int_distribution<i64>(lo, hi)(rng);
+}
+
+double edge_real(std::mt19937_64& rng) {
+  static const double edges[] = {0.0, 0.02, 0.25, 1.0, -0.0, -1.0, 1e300,
+                                 std::numeric_limits<double>::infinity(),
+                                 std::numeric_limits<double>::quiet_NaN()};
+  return edges[std::uniform_int_distribution<std::size_t>(0, std::size(edges) - 1)(rng)];
+}
+
+// States, options and CSR inputs at their edges: everything is planned or refused with
+// std::invalid_argument, and a plan made with a loaded state leaves a state that loads again.
+int fuzz_states(long iterations) {
+  std::mt19937_64 rng(3);
+  auto R = [&](i64 lo, i64 hi) { return std::uniform_int_distribution<i64>(lo, hi)(rng); };
+  long loaded = 0, planned = 0, rejected = 0;
+  for (long it = 0; it < iterations; ++it) {
+    Layout L;
+    L.pool = i64(1) << R(0, 1);
+    L.dp = L.pool * R(1, 2);
+    L.cp = i64(1) << R(0, 1);
+    L.context = R(0, 4) == 0 ? edge(rng, 1, 256) : R(1, 256);
+    ModelDims M;
+    M.heads = 2 * L.cp;
+    M.kv_heads = R(0, 1) ? 1 : 2;
+    M.head_dim = R(0, 6) == 0 ? edge(rng, 1, 64) : 4;
+    PlanOptions o;
+    o.system = R(0, 3) == 0 ? static_cast<System>(R(0, 3)) : System::Wlb;
+    if (R(0, 1)) o.block = edge(rng, 0, 64);
+    if (R(0, 2) == 0) o.head_group = edge(rng, 0, 4);
+    if (R(0, 2) == 0) o.epsilon = edge_real(rng);
+    if (R(0, 2) == 0) o.max_tile_share = edge_real(rng);
+    if (R(0, 2) == 0) o.distca_tolerance = edge_real(rng);
+    if (R(0, 3) == 0) o.max_refine_moves = edge(rng, 0, 10);
+    if (R(0, 3) == 0) o.dtype_bytes = edge(rng, 1, 8);
+    o.wlb_outlier_len = R(0, 1) ? edge(rng, 0, 128) : 0;
+    o.wlb_max_delay = R(0, 1) ? edge(rng, 0, 3) : R(0, 3);
+    o.wlb_release_count = R(0, 1) ? edge(rng, 0, 3) : R(0, 3);
+    if (R(0, 3) == 0) o.threads = edge(rng, 0, 4);
+    if (R(0, 5) == 0) o.micro_batch = edge(rng, 1, 2);
+    // a state: plausible entries, or counts and fields at their edges
+    std::vector<i64> flat{R(0, 5) == 0 ? edge(rng, 0, 3) : R(1, 2),
+                          R(0, 3) == 0 ? edge(rng, 0, 50) : 64, edge(rng, 0, 9),
+                          R(0, 3) == 0 ? edge(rng, 0, 4) : R(0, 4), R(0, 3) == 0 ? edge(rng, 0, 4) : R(0, 4)};
+    const i64 width = flat[0] == 1 ? 3 : 4;
+    const i64 n = R(0, 3) == 0 ? R(0, 20) : (std::clamp<i64>(flat[3], 0, 8) + std::clamp<i64>(flat[4], 0, 8)) * width;
+    for (i64 k = 0; k < n; ++k) {
+      const i64 field = k % width;
+      flat.push_back(R(0, 4) == 0 ? edge(rng, -2, 300)
+                     : field == 0  ? 3 * (k / width) + R(0, 2)
+                     : field == 1  ? R(1, std::min<i64>(std::max<i64>(L.context, 1), 300))
+                     : field == 2  ? R(0, 2)
+                                   : R(-1, 4));
+    }
+    PlannerState state;
+    try {
+      state = PlannerState::deserialize(flat);
+      ++loaded;
+    } catch (const std::invalid_argument&) {
+      ++rejected;
+    }
+    // the step, in CSR form; sometimes with offsets that do not describe the lengths
+    PackedBatch batch;
+    const i64 B = L.dp * R(1, 2);
+    for (i64 q = 0; q < B; ++q) {
+      i64 room = L.context;
+      while (room > 0 && R(0, 3)) {
+        const i64 x = R(0, 8) == 0 ? edge(rng, -2, 300) : R(1, std::min<i64>(room, 300));
+        batch.lengths.push_back(x);
+        room -= std::max<i64>(x, 1);
+      }
+      batch.close_sequence();
+    }
+    SequencesView view = batch.view();
+    std::vector<i64> bad_offsets;
+    if (R(0, 7) == 0) {
+      bad_offsets = batch.offsets;
+      bad_offsets[static_cast<std::size_t>(R(0, B))] = edge(rng, -2, 40);
+      view.offsets = bad_offsets.data();
+    }
+    for (int k = 0; k < 3; ++k) {
+      try {
+        plan_step(view, L, M, o, &state, R(0, 2) == 0);
+      } catch (const std::invalid_argument&) {
+        ++rejected;
+        break;
+      }
+      ++planned;
+      try {  // what a plan leaves behind is a state that loads and validates again
+        PlannerState::deserialize(state.serialize()).validate(L, o);
+      } catch (const std::invalid_argument& e) {
+        std::printf("iteration %ld: a planned state does not load again: %s\n", it, e.what());
+        return 1;
+      }
+    }
+  }
+  std::printf("mode=state iterations=%ld loaded=%ld planned=%ld rejected=%ld\n", iterations, loaded,
+              planned, rejected);
+  return 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "state") == 0)
+    return fuzz_states(argc > 2 ? std::atol(argv[2]) : 20000);
   const bool valid = argc > 1 && std::strcmp(argv[1], "valid") == 0;
   const long iterations = argc > 2 ? std::atol(argv[2]) : 20000;
   std::mt19937_64 rng(valid ? 2 : 1);

@@ -6,6 +6,7 @@
 #include <memory>
 #include <utility>
 
+#include "libra/batch.h"
 #include "libra/generators.h"
 #include "libra/moe.h"
 #include "libra/packing.h"
@@ -24,6 +25,130 @@ py::array_t<T> to_numpy(std::vector<T, A>&& v) {
   auto* heap = new std::vector<T, A>(std::move(v));
   py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<T, A>*>(p); });
   return py::array_t<T>(static_cast<py::ssize_t>(heap->size()), heap->data(), owner);
+}
+
+// --- the planner's input from Python -----------------------------------------------------------
+
+std::string repr_of(py::handle h) {
+  std::string r = py::repr(h).cast<std::string>();
+  return r.size() > 60 ? r.substr(0, 57) + "..." : r;
+}
+
+// One document length: a Python int or a numpy integer (not a bool, not a float).
+i64 length_of(py::handle v, const std::string& field) {
+  PyObject* o = v.ptr();
+  if (PyBool_Check(o) || !PyIndex_Check(o) || PyFloat_Check(o))
+    fail(field + " must be an integer, got " + repr_of(v));
+  int overflow = 0;
+  long long x;
+  if (PyLong_CheckExact(o)) {
+    x = PyLong_AsLongLongAndOverflow(o, &overflow);
+  } else {
+    if (py::hasattr(v, "dtype") && py::str(v.attr("dtype").attr("kind")).cast<std::string>() == "b")
+      fail(field + " must be an integer, got " + repr_of(v));
+    py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(o));
+    if (!i) {
+      PyErr_Clear();
+      fail(field + " must be an integer, got " + repr_of(v));
+    }
+    x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  }
+  if (overflow != 0) fail(field + " = " + repr_of(v) + " is out of range");
+  if (x == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    fail(field + " must be an integer, got " + repr_of(v));
+  }
+  return static_cast<i64>(x);
+}
+
+// A 1-D numpy array of document lengths, appended to `out`: integer dtypes only.
+void append_array(const py::array& a, const std::string& field, std::vector<i64>& out) {
+  const char kind = a.dtype().kind();
+  if ((kind != 'i' && kind != 'u') || a.ndim() != 1)
+    fail(field + " must be a 1-D integer array of document lengths, got a " +
+         std::to_string(a.ndim()) + "-D " + py::str(a.dtype()).cast<std::string>() + " array");
+  const auto n = static_cast<std::size_t>(a.shape(0));
+  if (kind == 'i' && a.itemsize() == 8 && (a.flags() & py::array::c_style)) {
+    const i64* data = static_cast<const i64*>(a.data());
+    out.insert(out.end(), data, data + n);
+    return;
+  }
+  py::array_t<i64> as64;
+  if (kind == 'u' && a.itemsize() == 8) {
+    const py::array_t<std::uint64_t, py::array::c_style | py::array::forcecast> u(a);
+    for (std::size_t j = 0; j < n; ++j) {
+      if (u.data()[j] > static_cast<std::uint64_t>(INT64_MAX))
+        fail(field_at(field, static_cast<i64>(j)) + " = " + std::to_string(u.data()[j]) +
+             " is out of range");
+      out.push_back(static_cast<i64>(u.data()[j]));
+    }
+    return;
+  }
+  const py::array_t<i64, py::array::c_style | py::array::forcecast> c(a);  // exact: smaller ints
+  out.insert(out.end(), c.data(), c.data() + n);
+}
+
+// The step's sequences as Python gives them: a list or tuple of lists, tuples or 1-D integer
+// arrays of document lengths, read into CSR form; every bad entry is named.
+PackedBatch batch_from_python(py::handle seqs) {
+  if (py::hasattr(seqs, "lengths") && py::hasattr(seqs, "offsets")) {  // a Python PackedBatch
+    PackedBatch b;
+    b.offsets.clear();
+    append_array(seqs.attr("lengths"), "lengths", b.lengths);
+    append_array(seqs.attr("offsets"), "offsets", b.offsets);
+    if (b.offsets.empty()) fail("offsets must hold at least one entry (0)");
+    return b;
+  }
+  if (!PyList_Check(seqs.ptr()) && !PyTuple_Check(seqs.ptr()))
+    fail("sequences must be a list of lists of document lengths, got " + repr_of(seqs));
+  const py::sequence outer = py::reinterpret_borrow<py::sequence>(seqs);
+  PackedBatch b;
+  const std::size_t n = outer.size();
+  b.offsets.reserve(n + 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    const py::handle item = PySequence_Fast_GET_ITEM(seqs.ptr(), static_cast<Py_ssize_t>(i));
+    const std::string field = field_at("sequences", static_cast<i64>(i));
+    PyObject* o = item.ptr();
+    if (PyList_Check(o) || PyTuple_Check(o)) {
+      const Py_ssize_t m = PySequence_Fast_GET_SIZE(o);
+      PyObject** items = PySequence_Fast_ITEMS(o);
+      for (Py_ssize_t j = 0; j < m; ++j) {
+        PyObject* v = items[j];
+        if (PyLong_CheckExact(v)) {  // the common case, without building a field name
+          int overflow = 0;
+          const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+          if (overflow == 0) {
+            b.lengths.push_back(static_cast<i64>(x));
+            continue;
+          }
+        }
+        b.lengths.push_back(length_of(v, field_at(field, static_cast<i64>(j))));
+      }
+    } else if (py::isinstance<py::array>(item)) {
+      append_array(py::reinterpret_borrow<py::array>(item), field, b.lengths);
+    } else {
+      fail(field + " must be a list of document lengths, got " + repr_of(item));
+    }
+    b.close_sequence();
+  }
+  return b;
+}
+
+// A flat int64 input array, handed to the core without a copy.
+struct FlatArray {
+  const i64* data = nullptr;
+  std::size_t size = 0;
+};
+
+FlatArray flat_array(const py::buffer& buf, const char* field) {
+  const py::buffer_info info = buf.request();
+  const bool int64 = info.itemsize == 8 && (info.format == "q" || info.format == "l" ||
+                                            info.format == "<q" || info.format == "<l" ||
+                                            info.format == "=q" || info.format == "=l");
+  if (!int64 || info.ndim != 1 || (info.shape[0] > 1 && info.strides[0] != 8))
+    fail(std::string(field) + " must be a 1-D contiguous int64 array, got format '" + info.format +
+         "', " + std::to_string(info.ndim) + "-D");
+  return {static_cast<const i64*>(info.ptr), static_cast<std::size_t>(info.shape[0])};
 }
 
 py::dict plan_to_dict(StepPlan&& p) {
@@ -134,7 +259,8 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("steps", &PlannerState::steps)
       .def_property_readonly("pending", &PlannerState::pending)
       .def("serialize", &PlannerState::serialize)
-      .def_static("deserialize", &PlannerState::deserialize);
+      .def_static("deserialize", &PlannerState::deserialize)
+      .def("validate", &PlannerState::validate, py::arg("layout"), py::arg("options"));
 
   py::class_<LengthDist>(m, "LengthDist")
       .def(py::init<>())
@@ -178,12 +304,38 @@ PYBIND11_MODULE(_planner, m) {
   m.def("preset", &preset, py::arg("name"));
   m.def("preset_names", &preset_names);
   m.def("sample_lengths", &sample_lengths, py::arg("dist"), py::arg("n"), py::arg("seed"));
-  m.def("step_sequences", &step_sequences, py::arg("dist"), py::arg("gbs"), py::arg("context"),
-        py::arg("seed"), py::arg("step"), py::arg("shuffle_window") = 1,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("window_sequences", &window_sequences, py::arg("dist"), py::arg("gbs"),
-        py::arg("context"), py::arg("seed"), py::arg("window"), py::arg("shuffle_window"),
-        py::call_guard<py::gil_scoped_release>());
+  auto batch_arrays = [](PackedBatch&& b) {
+    return py::make_tuple(to_numpy(std::move(b.lengths)), to_numpy(std::move(b.offsets)));
+  };
+  m.def(
+      "step_sequences",
+      [](const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 step, i64 shuffle_window,
+         i64 threads) {
+        PackedBatch b;
+        {
+          py::gil_scoped_release release;
+          b = step_sequences(dist, gbs, context, seed, step, shuffle_window, threads);
+        }
+        return b.nested();
+      },
+      "The step's packed sequences as nested lists (see step_batch).", py::arg("dist"),
+      py::arg("gbs"), py::arg("context"), py::arg("seed"), py::arg("step"),
+      py::arg("shuffle_window") = 1, py::arg("threads") = 0);
+  m.def(
+      "window_batch",
+      [batch_arrays](const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
+                     i64 shuffle_window, i64 threads) {
+        PackedBatch b;
+        {
+          py::gil_scoped_release release;
+          b = window_sequences(dist, gbs, context, seed, window, shuffle_window, threads);
+        }
+        return batch_arrays(std::move(b));
+      },
+      "(lengths, offsets): the W*B packed sequences of steps [window*W, (window+1)*W) in their "
+      "shuffled order, in CSR form.",
+      py::arg("dist"), py::arg("gbs"), py::arg("context"), py::arg("seed"), py::arg("window"),
+      py::arg("shuffle_window"), py::arg("threads") = 0);
 
   m.def("exact_cardinality_lpt", &exact_cardinality_lpt, py::arg("loads"), py::arg("n_groups"),
         py::arg("cardinality"));
@@ -242,24 +394,46 @@ PYBIND11_MODULE(_planner, m) {
 
   m.def(
       "plan_step",
-      [](const std::vector<std::vector<i64>>& sequences, const Layout& layout,
-         const ModelDims& model, const PlanOptions& options, PlannerState* state, bool flush) {
+      [](py::handle sequences, const Layout& layout, const ModelDims& model,
+         const PlanOptions& options, PlannerState* state, bool flush) {
+        const PackedBatch batch = batch_from_python(sequences);
         StepPlan plan;
         {
           py::gil_scoped_release release;  // the sampler plans from a background thread
-          plan = plan_step(sequences, layout, model, options, state, flush);
+          plan = plan_step(batch.view(), layout, model, options, state, flush);
         }
         return plan_to_dict(std::move(plan));
       },
+      "Plan one step from nested lists (or 1-D integer arrays) of document lengths.",
       py::arg("sequences"), py::arg("layout"), py::arg("model"), py::arg("options"),
       py::arg("state") = nullptr, py::arg("flush") = false);
+  m.def(
+      "plan_step_flat",
+      [](const py::buffer& lengths, const py::buffer& offsets, const Layout& layout,
+         const ModelDims& model, const PlanOptions& options, PlannerState* state, bool flush) {
+        const FlatArray l = flat_array(lengths, "lengths"), o = flat_array(offsets, "offsets");
+        if (o.size == 0) fail("offsets must hold at least one entry (0)");
+        const SequencesView view{l.data, o.data, o.size - 1, l.size};
+        StepPlan plan;
+        {
+          // the buffers stay alive (and must not be written) while the core reads them
+          py::gil_scoped_release release;
+          plan = plan_step(view, layout, model, options, state, flush);
+        }
+        return plan_to_dict(std::move(plan));
+      },
+      "Plan one step from the sequences in CSR form: sequence s holds the document lengths "
+      "lengths[offsets[s]:offsets[s + 1]] (1-D contiguous int64 arrays, read without a copy).",
+      py::arg("lengths"), py::arg("offsets"), py::arg("layout"), py::arg("model"),
+      py::arg("options"), py::arg("state") = nullptr, py::arg("flush") = false);
 
   m.def(
       "plan_hashes",
-      [](const std::vector<std::vector<i64>>& sequences, const Layout& layout,
-         const ModelDims& model, const PlanOptions& options, PlannerState* state, bool flush) {
+      [](py::handle sequences, const Layout& layout, const ModelDims& model,
+         const PlanOptions& options, PlannerState* state, bool flush) {
+        const PackedBatch batch = batch_from_python(sequences);
         py::gil_scoped_release release;
-        const StepPlan plan = plan_step(sequences, layout, model, options, state, flush);
+        const StepPlan plan = plan_step(batch.view(), layout, model, options, state, flush);
         return std::make_pair(plan.hash, plan.compute_hash(1));
       },
       "The plan's hash as planned (arrays hashed as they were written) and recomputed from its "

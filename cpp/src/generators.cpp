@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "libra/packing.h"
+#include "libra/parallel.h"
 #include "libra/workload.h"
 
 namespace libra {
@@ -16,8 +17,6 @@ u64 splitmix64(u64& x) {
   return z ^ (z >> 31);
 }
 
-u64 rotl(u64 x, int k) { return (x << k) | (x >> (64 - k)); }
-
 }  // namespace
 
 Rng::Rng(u64 seed) {
@@ -25,27 +24,11 @@ Rng::Rng(u64 seed) {
   for (auto& s : s_) s = splitmix64(x);
 }
 
-u64 Rng::next() {
-  const u64 result = rotl(s_[1] * 5, 7) * 9;
-  const u64 t = s_[1] << 17;
-  s_[2] ^= s_[0];
-  s_[3] ^= s_[1];
-  s_[1] ^= s_[2];
-  s_[0] ^= s_[3];
-  s_[2] ^= t;
-  s_[3] = rotl(s_[3], 45);
-  return result;
-}
-
-double Rng::uniform() { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }
-
 double Rng::normal() {
   const double u1 = uniform();
   const double u2 = uniform();
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
 }
-
-i64 Rng::below(i64 n) { return static_cast<i64>(next() % static_cast<u64>(n)); }
 
 void LengthDist::validate() const {
   if (kind != "lognormal" && kind != "mixture" && kind != "empirical")
@@ -76,21 +59,70 @@ void LengthDist::validate() const {
   }
 }
 
+namespace {
+
+// What draw() takes from the stream for one length: the component (0: Pareto tail, 1: a long
+// document, 2: the lognormal body) and its uniforms, in draw()'s order.
+struct Draw {
+  double a, b;
+  int component;
+};
+
+}  // namespace
+
 i64 LengthDist::draw(Rng& rng) const {
-  if (kind == "empirical") return values[static_cast<std::size_t>(rng.below(static_cast<i64>(values.size())))];
-  double x;
-  double hi = static_cast<double>(cap);
-  const double u = kind == "mixture" ? rng.uniform() : 1.0;
-  if (u < tail_weight) {
-    x = tail_xm * std::pow(rng.uniform(), -1.0 / tail_alpha);  // Pareto(xm, alpha)
-  } else if (u < tail_weight + long_weight) {
-    x = long_median * std::exp(long_sigma * rng.normal());  // a long document
-    hi = static_cast<double>(long_cap);
-  } else {
-    x = median * std::exp(sigma * rng.normal());  // lognormal with the given median
+  i64 out;
+  draw_many(rng, &out, 1);
+  return out;
+}
+
+void LengthDist::draw_many(Rng& rng, i64* out, std::size_t n, std::size_t workers) const {
+  if (kind == "empirical") {
+    const i64 size = static_cast<i64>(values.size());
+    for (std::size_t i = 0; i < n; ++i) out[i] = values[static_cast<std::size_t>(rng.below(size))];
+    return;
   }
-  const double clipped = std::min(std::max(std::round(x), static_cast<double>(min_len)), hi);
-  return static_cast<i64>(clipped);
+  // The uniforms, in order on this thread (a component draw, on mixtures; then one uniform for
+  // the tail or two for a normal deviate, Box-Muller)...
+  const bool mixture = kind == "mixture";
+  std::vector<Draw> draws(n);
+  for (Draw& d : draws) {
+    const double u = mixture ? rng.uniform() : 1.0;
+    if (u < tail_weight) {
+      d.component = 0;
+      d.a = rng.uniform();
+    } else {
+      d.component = u < tail_weight + long_weight ? 1 : 2;
+      d.a = rng.uniform();
+      d.b = rng.uniform();
+    }
+  }
+  // ...then the lengths from them, on the workers: x rounded, at least min_len, at most cap
+  // (long_cap for a long document).
+  const double lo = static_cast<double>(min_len), hi = static_cast<double>(cap);
+  const double long_hi = static_cast<double>(long_cap), inv_alpha = -1.0 / tail_alpha;
+  constexpr std::size_t kChunk = 8192;
+  run_workers(workers, (n + kChunk - 1) / kChunk, [&](WorkQueue& queue) {
+    for (std::size_t c; queue.take(c);) {
+      const std::size_t end = std::min(n, (c + 1) * kChunk);
+      for (std::size_t i = c * kChunk; i < end; ++i) {
+        const Draw& d = draws[i];
+        double x, top = hi;
+        if (d.component == 0) {
+          x = tail_xm * std::pow(d.a, inv_alpha);  // Pareto(xm, alpha)
+        } else {
+          const double z = std::sqrt(-2.0 * std::log(d.a)) * std::cos(6.283185307179586 * d.b);
+          if (d.component == 1) {
+            x = long_median * std::exp(long_sigma * z);  // a long document
+            top = long_hi;
+          } else {
+            x = median * std::exp(sigma * z);  // lognormal with the given median
+          }
+        }
+        out[i] = static_cast<i64>(std::min(std::max(std::round(x), lo), top));
+      }
+    }
+  });
 }
 
 // Presets fitted with tools/calibrate_presets.py to what the Libra paper (arXiv 2607.23250)
@@ -165,62 +197,104 @@ std::vector<i64> sample_lengths(const LengthDist& dist, i64 n, u64 seed) {
   if (n < 0) fail("n must be >= 0");
   Rng rng(seed);
   std::vector<i64> out(static_cast<std::size_t>(n));
-  for (auto& v : out) v = dist.draw(rng);
+  dist.draw_many(rng, out.data(), out.size(), auto_workers(out.size(), kDrawsPerWorker, kMaxDrawThreads));
   return out;
 }
 
 namespace {
 
-// The B*S-token document stream of (seed, index), production-packed into B sequences.
-std::vector<std::vector<i64>> packed_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed,
-                                            i64 index) {
+std::size_t draw_workers(i64 threads, std::size_t n) {
+  return threads > 0 ? static_cast<std::size_t>(threads)
+                     : auto_workers(n, kDrawsPerWorker, kMaxDrawThreads);
+}
+
+// The B*S-token document stream of (seed, index), production-packed into B sequences (appended
+// to `out`). Lengths are drawn in batches sized from the mean so far; what a batch holds past
+// the last document needed is dropped (the stream's generator is not used after it).
+void packed_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 index,
+                   i64 threads, PackedBatch& out) {
   u64 mix = seed ^ (0xD1B54A32D192ED03ULL * static_cast<u64>(index + 1));
   Rng rng(splitmix64(mix));
   const i64 need = gbs * context;
-  std::vector<i64> docs;
-  i64 total = 0;
+  ProductionPacker packer(out, context, gbs);
+  std::vector<i64> batch;
+  i64 total = 0, drawn = 0;
+  std::size_t size = 256;
   while (total < need) {
-    const i64 l = dist.draw(rng);
-    docs.push_back(l);
-    total += l;
+    batch.resize(size);
+    dist.draw_many(rng, batch.data(), size, draw_workers(threads, size));
+    for (const i64 l : batch) {
+      if (total >= need) break;
+      total += l;
+      ++drawn;
+      packer.add(l);
+    }
+    const double mean = static_cast<double>(total) / static_cast<double>(drawn);
+    const double left = static_cast<double>(need - total) / mean;
+    size = static_cast<std::size_t>(std::min(std::max(1.05 * left + 64.0, 256.0), 262144.0));
   }
-  return pack_production(docs, context, gbs);
+  packer.finish();
 }
 
 }  // namespace
 
-std::vector<std::vector<i64>> window_sequences(const LengthDist& dist, i64 gbs, i64 context,
-                                               u64 seed, i64 window, i64 shuffle_window) {
+PackedBatch window_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
+                             i64 shuffle_window, i64 threads) {
   dist.validate();
   require_positive(gbs, "gbs");
   require_positive(context, "context");
   require_positive(shuffle_window, "shuffle_window");
   if (context > kMaxTokens) fail("context exceeds " + std::to_string(kMaxTokens));
   if (window < 0) fail("window must be >= 0");
+  if (threads < 0 || threads > 1024)
+    fail("threads must be in [0, 1024] (0 = automatic), got " + std::to_string(threads));
   constexpr i64 kMaxWindowTokens = i64(1) << 40;
   if (gbs > kMaxWindowTokens / shuffle_window || gbs * shuffle_window > kMaxWindowTokens / context)
     fail("gbs * shuffle_window * context exceeds 2^40 tokens");
-  if (shuffle_window == 1) return packed_stream(dist, gbs, context, seed, window);
+  PackedBatch stream;
+  if (shuffle_window == 1) {
+    packed_stream(dist, gbs, context, seed, window, threads, stream);
+    return stream;
+  }
   // A stream of its own per window (the per-step streams stay those of shuffle_window = 1).
   u64 state = seed ^ 0x5851F42D4C957F2DULL;
   const u64 wseed = splitmix64(state);
-  auto seqs = packed_stream(dist, gbs * shuffle_window, context, wseed, window);
+  packed_stream(dist, gbs * shuffle_window, context, wseed, window, threads, stream);
   u64 pstate = wseed ^ (0x9E3779B97F4A7C15ULL * static_cast<u64>(window + 1));
   Rng rng(splitmix64(pstate));
-  for (std::size_t i = seqs.size(); i > 1; --i)  // Fisher-Yates
-    std::swap(seqs[i - 1], seqs[static_cast<std::size_t>(rng.below(static_cast<i64>(i)))]);
-  return seqs;
+  const std::size_t n = stream.size();
+  std::vector<std::size_t> order(n);  // shuffled position -> stream sequence
+  for (std::size_t i = 0; i < n; ++i) order[i] = i;
+  for (std::size_t i = n; i > 1; --i)  // Fisher-Yates
+    std::swap(order[i - 1], order[static_cast<std::size_t>(rng.below(static_cast<i64>(i)))]);
+  PackedBatch out;
+  out.lengths.resize(stream.lengths.size());
+  out.offsets.resize(n + 1);
+  i64* next = out.lengths.data();
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t s = order[i];
+    next = std::copy(stream.lengths.data() + stream.offsets[s],
+                     stream.lengths.data() + stream.offsets[s + 1], next);
+    out.offsets[i + 1] = static_cast<i64>(next - out.lengths.data());
+  }
+  return out;
 }
 
-std::vector<std::vector<i64>> step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed,
-                                             i64 step, i64 shuffle_window) {
+PackedBatch step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 step,
+                           i64 shuffle_window, i64 threads) {
   if (step < 0) fail("step must be >= 0");
   require_positive(shuffle_window, "shuffle_window");
-  auto seqs = window_sequences(dist, gbs, context, seed, step / shuffle_window, shuffle_window);
-  if (shuffle_window == 1) return seqs;
-  const auto first = static_cast<std::size_t>((step % shuffle_window) * gbs);
-  return {std::make_move_iterator(seqs.begin() + static_cast<std::ptrdiff_t>(first)),
-          std::make_move_iterator(seqs.begin() + static_cast<std::ptrdiff_t>(first + gbs))};
+  PackedBatch window =
+      window_sequences(dist, gbs, context, seed, step / shuffle_window, shuffle_window, threads);
+  if (shuffle_window == 1) return window;
+  const std::size_t first = static_cast<std::size_t>((step % shuffle_window) * gbs);
+  const i64 base = window.offsets[first], stop = window.offsets[first + static_cast<std::size_t>(gbs)];
+  PackedBatch out;
+  out.lengths.assign(window.lengths.begin() + base, window.lengths.begin() + stop);
+  out.offsets.resize(static_cast<std::size_t>(gbs) + 1);
+  for (std::size_t i = 0; i <= static_cast<std::size_t>(gbs); ++i)
+    out.offsets[i] = window.offsets[first + i] - base;
+  return out;
 }
 
 }  // namespace libra

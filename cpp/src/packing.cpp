@@ -15,23 +15,12 @@ std::vector<std::vector<i64>> pack_production(const std::vector<i64>& docs, i64 
   if (context > kMaxTokens) fail("context exceeds " + std::to_string(kMaxTokens));
   if (max_sequences < 0) fail("max_sequences must be >= 0");
   validate_lengths(docs, kMaxTokens, "lengths");
-  std::vector<std::vector<i64>> out(1);
-  i64 room = context;
-  for (i64 len : docs) {
-    while (len > 0) {
-      if (room == 0) {
-        if (max_sequences > 0 && static_cast<i64>(out.size()) == max_sequences) return out;
-        out.emplace_back();
-        room = context;
-      }
-      const i64 take = std::min(len, room);
-      out.back().push_back(take);
-      room -= take;
-      len -= take;
-    }
-  }
-  if (out.size() == 1 && out[0].empty()) out.clear();
-  return out;
+  PackedBatch out;
+  ProductionPacker packer(out, context, max_sequences);
+  for (const i64 len : docs)
+    if (!packer.add(len)) break;
+  packer.finish();
+  return out.nested();
 }
 
 std::vector<std::vector<i64>> pack_best_fit(const std::vector<i64>& docs, i64 context) {

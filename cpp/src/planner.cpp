@@ -8,6 +8,7 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
+#include <sstream>
 #include <thread>
 #include <tuple>
 
@@ -53,23 +54,41 @@ void Layout::validate() const {
   require_positive(tp, "tp");
   require_positive(pool, "pool_size");
   require_positive(context, "context");
+  require_at_most(dp, kMaxReplicas, "dp", "2^24");
+  require_at_most(cp, kMaxSplit, "cp", "2^16");
+  require_at_most(tp, kMaxSplit, "tp", "2^16");
   if (context > kMaxTokens)
     fail("context = " + std::to_string(context) + " exceeds " + std::to_string(kMaxTokens));
   if (dp % pool != 0)
     fail("pool_size (P=" + std::to_string(pool) + ") must divide dp (D=" + std::to_string(dp) + ")");
 }
 
+namespace {
+std::string number(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+}  // namespace
+
 void PlanOptions::validate() const {
   if (block < 0) fail("block must be positive (or 0 for context / 16), got " + std::to_string(block));
-  if (head_group < 0) fail("head_group must be >= 0 (0 = all heads of the slice)");
-  if (!(epsilon >= 0)) fail("epsilon must be >= 0");
-  if (!(max_tile_share >= 0)) fail("max_tile_share must be >= 0 (0 = never split)");
-  if (max_refine_moves < 0) fail("max_refine_moves must be >= 0");
-  if (!(distca_tolerance >= 0)) fail("distca_tolerance must be >= 0");
+  require_at_most(block, kMaxTokens, "block", "2^30");
+  if (head_group < 0)
+    fail("head_group must be >= 0 (0 = all heads of the slice), got " + std::to_string(head_group));
+  if (!(epsilon >= 0)) fail("epsilon must be >= 0, got " + number(epsilon));
+  if (!(max_tile_share >= 0))
+    fail("max_tile_share must be >= 0 (0 = never split), got " + number(max_tile_share));
+  if (max_refine_moves < 0)
+    fail("max_refine_moves must be >= 0, got " + std::to_string(max_refine_moves));
+  if (!(distca_tolerance >= 0)) fail("distca_tolerance must be >= 0, got " + number(distca_tolerance));
   require_positive(dtype_bytes, "dtype_bytes");
-  if (wlb_outlier_len < 0) fail("wlb_outlier_len must be >= 0");
-  if (wlb_max_delay < 0) fail("wlb_max_delay must be >= 0");
-  if (wlb_release_count < 0) fail("wlb_release_count must be >= 0");
+  require_at_most(dtype_bytes, 64, "dtype_bytes", "64");
+  if (wlb_outlier_len < 0) fail("wlb_outlier_len must be >= 0, got " + std::to_string(wlb_outlier_len));
+  if (wlb_max_delay < 0) fail("wlb_max_delay must be >= 0, got " + std::to_string(wlb_max_delay));
+  require_at_most(wlb_max_delay, kMaxTokens, "wlb_max_delay", "2^30");
+  if (wlb_release_count < 0)
+    fail("wlb_release_count must be >= 0, got " + std::to_string(wlb_release_count));
   require_positive(micro_batch, "micro_batch_size");
   if (threads < 0 || threads > 1024)
     fail("threads must be in [0, 1024] (0 = the machine's cores), got " + std::to_string(threads));
@@ -77,9 +96,7 @@ void PlanOptions::validate() const {
 
 std::size_t plan_workers(const PlanOptions& options, std::size_t n_docs) {
   if (options.threads > 0) return static_cast<std::size_t>(options.threads);
-  const std::size_t cores = std::max(1u, std::thread::hardware_concurrency());
-  return std::max<std::size_t>(
-      1, std::min({cores, static_cast<std::size_t>(kMaxPlanThreads), n_docs / kDocsPerPlanWorker}));
+  return auto_workers(n_docs, kDocsPerPlanWorker, kMaxPlanThreads);
 }
 
 std::vector<i64> PlannerState::serialize() const {
@@ -91,24 +108,97 @@ std::vector<i64> PlannerState::serialize() const {
 }
 
 PlannerState PlannerState::deserialize(const std::vector<i64>& flat) {
-  // version 1: (id, len, age) per document; version 2 adds the origin sequence
-  if (flat.size() < 5 || (flat[0] != 1 && flat[0] != 2))
-    fail("planner state: unknown format (version field)");
-  const i64 width = flat[0] == 1 ? 3 : 4;
+  // version 1: (id, len, age) per document; version 2 adds the origin sequence. A state comes
+  // from a checkpoint on disk: every count is checked against the length before it is used,
+  // without overflow, and every entry before it is taken.
+  if (flat.size() < 5)
+    fail("planner state holds " + std::to_string(flat.size()) +
+         " entries; a state starts with 5 (version, next_doc_id, steps, queued, spilled)");
+  if (flat[0] != 1 && flat[0] != 2)
+    fail("planner state[0] (version) must be 1 or 2 (unknown format), got " + std::to_string(flat[0]));
+  const std::size_t width = flat[0] == 1 ? 3 : 4;
+  const i64 nq = flat[3], ns = flat[4];
+  const std::size_t rest = flat.size() - 5, room = rest / width;
+  if (nq < 0 || ns < 0 || static_cast<u64>(nq) > room || static_cast<u64>(ns) > room - static_cast<u64>(nq) ||
+      (static_cast<std::size_t>(nq) + static_cast<std::size_t>(ns)) * width != rest)
+    fail("planner state: length does not match its queue and spill counts: " +
+         std::to_string(flat.size()) + " entries for (" + std::to_string(nq) + ", " +
+         std::to_string(ns) + "), where a version-" + std::to_string(flat[0]) + " state holds 5 + " +
+         std::to_string(width) + " x (queued + spilled)");
   PlannerState st;
   st.next_doc_id = flat[1];
   st.steps = flat[2];
-  const i64 nq = flat[3], ns = flat[4];
-  if (nq < 0 || ns < 0 || static_cast<i64>(flat.size()) != 5 + width * (nq + ns))
-    fail("planner state: length does not match its queue and spill counts");
+  if (st.next_doc_id < 0 || st.next_doc_id > kMaxDocId)
+    fail("planner state[1] (next_doc_id) must be in [0, 2^62], got " + std::to_string(st.next_doc_id));
+  if (st.steps < 0 || st.steps > kMaxDocId)
+    fail("planner state[2] (steps) must be in [0, 2^62], got " + std::to_string(st.steps));
+  st.queue.reserve(static_cast<std::size_t>(nq));
+  st.spill.reserve(static_cast<std::size_t>(ns));
+  std::vector<i64> ids;
+  ids.reserve(static_cast<std::size_t>(nq + ns));
   std::size_t k = 5;
-  for (i64 i = 0; i < nq + ns; ++i, k += static_cast<std::size_t>(width)) {
+  for (i64 i = 0; i < nq + ns; ++i, k += width) {
     const Doc d{flat[k], flat[k + 1], flat[k + 2], width == 4 ? flat[k + 3] : -1};
-    if (d.len <= 0 || d.id < 0 || d.age < 0 || d.origin < -1)
-      fail(field_at("planner state entry", i) + " is invalid");
+    const std::string entry = field_at("planner state entry", i) + " (" +
+                              field_at(i < nq ? "queue" : "spill", i < nq ? i : i - nq) + ")";
+    if (d.id < 0 || d.id >= st.next_doc_id)
+      fail(entry + ": id " + std::to_string(d.id) + " must be in [0, next_doc_id = " +
+           std::to_string(st.next_doc_id) + ")");
+    if (d.len <= 0 || d.len > kMaxTokens)
+      fail(entry + ": length " + std::to_string(d.len) + " must be in [1, 2^30]");
+    if (d.age < 0 || d.age > kMaxDocId)
+      fail(entry + ": steps waited " + std::to_string(d.age) + " must be >= 0");
+    if (d.origin < -1)
+      fail(entry + ": input sequence " + std::to_string(d.origin) + " must be >= 0 (-1: unknown)");
     (i < nq ? st.queue : st.spill).push_back(d);
+    ids.push_back(d.id);
   }
+  std::sort(ids.begin(), ids.end());
+  const auto dup = std::adjacent_find(ids.begin(), ids.end());
+  if (dup != ids.end())
+    fail("planner state: document id " + std::to_string(*dup) + " is held twice");
   return st;
+}
+
+void PlannerState::validate(const Layout& layout, const PlanOptions& options) const {
+  if (options.system != System::Wlb) {
+    if (pending() > 0)
+      fail("planner state holds " + std::to_string(pending()) + " documents, but only wlb carries "
+           "any (system is " + system_name(options.system) + ")");
+    return;
+  }
+  // Held documents have waited 1 to wlb_max_delay steps (0 too in a version-1 state, which
+  // does not know their input sequences). Those of one (arrival step, input sequence) are a
+  // part of that sequence: at most context tokens together, which is what lets due documents
+  // always fit as their input held them.
+  std::vector<std::tuple<i64, i64, i64>> groups;  // (age, origin, length)
+  i64 i = 0;
+  for (const auto* list : {&queue, &spill})
+    for (const Doc& d : *list) {
+      const std::string entry = field_at("planner state entry", i++);
+      if (d.len > layout.context)
+        fail(entry + ": length " + std::to_string(d.len) + " exceeds context " +
+             std::to_string(layout.context) + " (a document longer than a sequence never trains)");
+      if (d.age < (d.origin >= 0 ? 1 : 0) || d.age > options.wlb_max_delay)
+        fail(entry + ": waited " + std::to_string(d.age) + " steps; a held document has waited "
+             "at least 1 and at most wlb_max_delay = " + std::to_string(options.wlb_max_delay));
+      if (d.origin >= 0) groups.emplace_back(d.age, d.origin, d.len);
+    }
+  std::sort(groups.begin(), groups.end());
+  for (std::size_t a = 0; a < groups.size();) {
+    std::size_t b = a;
+    i64 tokens = 0;
+    for (; b < groups.size() && std::get<0>(groups[b]) == std::get<0>(groups[a]) &&
+           std::get<1>(groups[b]) == std::get<1>(groups[a]);
+         ++b)
+      tokens += std::get<2>(groups[b]);  // each <= context <= 2^30, at most 2^62 entries
+    if (tokens > layout.context)
+      fail("planner state: the documents held from input sequence " +
+           std::to_string(std::get<1>(groups[a])) + " of " + std::to_string(std::get<0>(groups[a])) +
+           " steps ago hold " + std::to_string(tokens) + " tokens, more than context " +
+           std::to_string(layout.context));
+    a = b;
+  }
 }
 
 u64 StepPlan::compute_hash(std::size_t workers, const KnownDigests& known) const {
@@ -253,10 +343,10 @@ std::vector<double> pool_totals(const std::vector<double>& group_load, i64 slots
 }
 
 // Causal pairs of each sequence: one integer sum per sequence (exact below 2^63).
-std::vector<i64> pairs_of(const std::vector<std::vector<i64>>& sequences) {
+std::vector<i64> pairs_of(const SequencesView& sequences) {
   std::vector<i64> out(sequences.size(), 0);
   for (std::size_t s = 0; s < sequences.size(); ++s)
-    for (i64 l : sequences[s]) out[s] += causal_pairs(l);
+    for (const i64* l = sequences.begin(s); l != sequences.end(s); ++l) out[s] += causal_pairs(*l);
   return out;
 }
 
@@ -271,12 +361,11 @@ std::vector<double> sequence_flops(const StepPlan& p, const std::vector<i64>& se
 
 // Causal pairs of each input sequence, validating the input in the same pass (an invalid entry
 // is reported as validate_sequences words it) and copying the documents into the plan's CSR
-// arrays (seq_doc_offsets and doc_lengths sized for them; the input's sequences lie apart in
-// memory, so they are read once), on `workers` threads, each a range of sequences; adds the
-// step's tokens and sets the longest document.
-std::vector<i64> read_sequences(StepPlan& p, const std::vector<std::vector<i64>>& sequences,
-                                i64 context, std::size_t workers, i64& total_tokens,
-                                i64& longest) {
+// arrays (seq_doc_offsets already holds the input's offsets; doc_lengths is sized for them), on
+// `workers` threads, each a range of sequences; adds the step's tokens and sets the longest
+// document.
+std::vector<i64> read_sequences(StepPlan& p, const SequencesView& sequences, i64 context,
+                                std::size_t workers, i64& total_tokens, i64& longest) {
   std::vector<i64> seq_pairs(sequences.size());
   const std::size_t pieces = std::min<std::size_t>(workers, sequences.size());
   struct Piece {
@@ -290,10 +379,17 @@ std::vector<i64> read_sequences(StepPlan& p, const std::vector<std::vector<i64>>
       const std::size_t first = sequences.size() * k / pieces;
       const std::size_t last = sequences.size() * (k + 1) / pieces;
       for (std::size_t s = first; s < last; ++s) {
+        // more documents than tokens is a bad sequence (each holds at least one), and below
+        // that the sum of lengths each <= context <= 2^30 cannot overflow
+        if (sequences.docs(s) > static_cast<std::size_t>(context)) {
+          piece.bad = true;
+          break;
+        }
         i64 tokens = 0, pairs = 0, most = 0;
         i64* len = p.doc_lengths.data() + p.seq_doc_offsets[s];
-        for (const i64 l : sequences[s]) {
-          piece.bad |= l <= 0 || l > context;
+        for (const i64* it = sequences.begin(s); it != sequences.end(s); ++it) {
+          piece.bad |= *it <= 0 || *it > context;
+          const i64 l = std::min(std::max(*it, i64{0}), context);  // no overflow on bad input
           tokens += l;
           pairs += causal_pairs(l);
           most = std::max(most, l);
@@ -761,10 +857,30 @@ void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrd
                                      p.head_dim) * bwd;
   const double mean_rank =
       std::accumulate(p.rank_load.begin(), p.rank_load.end(), 0.0) / static_cast<double>(p.rank_load.size());
+  // Pools of the layout hold the sequences; DistCA moves tiles between any replicas (one global
+  // pool), so its figure is over all of them.
+  std::vector<double> totals = pool_totals(p.group_load, m);
+  i64 members = P;
+  if (p.system == System::Distca) {
+    totals.assign(1, std::accumulate(totals.begin(), totals.end(), 0.0));
+    members = p.dp;
+  }
   double worst = 0;
-  for (const double total : pool_totals(p.group_load, m))
-    worst = std::max(worst, std::max(total / static_cast<double>(P * C), unit));
+  for (const double total : totals)
+    worst = std::max(worst, std::max(total / static_cast<double>(members * C), unit));
   p.achievable_max_over_mean = mean_rank > 0 ? worst / mean_rank : 1.0;
+}
+
+// Every element and byte count of a plan fits in 64 bits: an exchange cell counts at most a
+// sequence's tokens x heads x head_dim elements, a few times over.
+void check_sizes(const ModelDims& model, const Layout& layout, const PlanOptions& options) {
+  const double elements = static_cast<double>(layout.context) * static_cast<double>(model.heads) *
+                          static_cast<double>(model.head_dim);
+  if (elements * static_cast<double>(options.dtype_bytes) > 0x1p56)
+    fail("context x model.heads x model.head_dim x dtype_bytes = " +
+         std::to_string(layout.context) + " x " + std::to_string(model.heads) + " x " +
+         std::to_string(model.head_dim) + " x " + std::to_string(options.dtype_bytes) +
+         " exceeds 2^56: a plan's byte counts must fit in 64 bits");
 }
 
 void check_heads(const ModelDims& model, const Layout& layout, System system) {
@@ -785,6 +901,12 @@ void check_heads(const ModelDims& model, const Layout& layout, System system) {
 StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout& layout,
                    const ModelDims& model, const PlanOptions& options, PlannerState* state,
                    bool flush) {
+  const PackedBatch batch = PackedBatch::from_nested(sequences);
+  return plan_step(batch.view(), layout, model, options, state, flush);
+}
+
+StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const ModelDims& model,
+                   const PlanOptions& options, PlannerState* state, bool flush) {
   const auto t0 = std::chrono::steady_clock::now();
   auto lap = t0;  // end of the previous phase
   auto phase_done = [&](StepPlan& p, PlanPhase phase) {
@@ -797,6 +919,8 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   model.validate();
   options.validate();
   check_heads(model, layout, options.system);
+  check_sizes(model, layout, options);
+  sequences.validate_offsets();
   const i64 B = static_cast<i64>(sequences.size());
   if (B == 0) fail("sequences is empty: a step needs at least dp packed sequences");
   if (B % layout.dp != 0)
@@ -808,6 +932,7 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
          ")");
   if (options.system == System::Wlb && state == nullptr)
     fail("state: the wlb system carries a delay queue and needs a PlannerState");
+  if (state != nullptr) state->validate(layout, options);
 
   StepPlan p;
   p.system = options.system;
@@ -844,8 +969,8 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
     validate_sequences(sequences, layout.context);
     // per-document CP: up to 2C chunks of every document (queued ones included)
     double docs = state != nullptr ? static_cast<double>(state->pending()) * 2.0 * layout.cp : 0.0;
-    for (const auto& seq : sequences)
-      for (i64 l : seq) docs += static_cast<double>(std::min<i64>(l, 2 * layout.cp));
+    for (std::size_t i = 0; i < sequences.n_lengths; ++i)
+      docs += static_cast<double>(std::min<i64>(sequences.lengths[i], 2 * layout.cp));
     check_budget(docs);
     input_pairs = pairs_of(sequences);
     phase_done(p, PlanPhase::Input);
@@ -864,13 +989,8 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
     wlb_tiles(p);
   } else {
     i64 tokens = 0;
-    std::size_t n_docs = 0;
-    p.seq_doc_offsets.resize(sequences.size() + 1);
-    p.seq_doc_offsets[0] = 0;
-    for (std::size_t s = 0; s < sequences.size(); ++s) {
-      n_docs += sequences[s].size();
-      p.seq_doc_offsets[s + 1] = static_cast<i64>(n_docs);
-    }
+    const std::size_t n_docs = sequences.n_lengths;
+    p.seq_doc_offsets.assign(sequences.offsets, sequences.offsets + sequences.size() + 1);
     p.doc_lengths.resize(n_docs);
     workers = plan_workers(options, n_docs);  // the input is read on them too
     input_pairs = read_sequences(p, sequences, layout.context, workers, tokens, longest);

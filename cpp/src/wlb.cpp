@@ -4,23 +4,47 @@
 #include <cmath>
 #include <map>
 
+#include "libra/plan.h"
 #include "libra/workload.h"
 
 namespace libra {
 
-void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
-              const PlanOptions& opt, PlannerState& state, bool flush) {
+void wlb_pack(StepPlan& plan, const SequencesView& sequences, const PlanOptions& opt,
+              PlannerState& state, bool flush) {
   using Doc = PlannerState::Doc;
   const i64 n_buckets = plan.dp * plan.slots;
   const i64 S = plan.context;
   const i64 threshold = opt.wlb_outlier_len > 0 ? opt.wlb_outlier_len : std::max<i64>(1, S / 4);
   const i64 release_count = opt.wlb_release_count > 0 ? opt.wlb_release_count : plan.dp;
+  const i64 n_new = static_cast<i64>(sequences.n_lengths);
+  if (state.next_doc_id > kMaxDocId - n_new)
+    fail("planner state: next_doc_id " + std::to_string(state.next_doc_id) + " + this step's " +
+         std::to_string(n_new) + " documents would pass 2^62");
+  if (state.steps >= kMaxDocId)
+    fail("planner state: steps " + std::to_string(state.steps) + " would pass 2^62");
+  {
+    i64 i = 0;  // held documents came from a step of as many sequences as this one
+    for (const auto* list : {&state.queue, &state.spill})
+      for (const Doc& d : *list) {
+        if (d.origin >= static_cast<i64>(sequences.size()))
+          fail(field_at("planner state entry", i) + ": input sequence " +
+               std::to_string(d.origin) + " is not below the step's " +
+               std::to_string(sequences.size()) + " sequences");
+        ++i;
+      }
+  }
 
-  std::vector<Doc> regular;
+  // A document is due once it has waited wlb_max_delay steps (with wlb_max_delay = 0 a document
+  // of this step is due at once, so nothing is ever held). Due documents are packed before
+  // anything else, in a flushed step too.
+  auto is_due = [&](const Doc& d) { return d.age >= opt.wlb_max_delay; };
+  std::vector<Doc> due, candidates, kept, regular;
   for (std::size_t q = 0; q < sequences.size(); ++q)
-    for (i64 len : sequences[q]) {
-      const Doc doc{state.next_doc_id++, len, 0, static_cast<i64>(q)};
-      if (len >= threshold) {
+    for (const i64* len = sequences.begin(q); len != sequences.end(q); ++len) {
+      const Doc doc{state.next_doc_id++, *len, 0, static_cast<i64>(q)};
+      if (is_due(doc)) {
+        due.push_back(doc);
+      } else if (*len >= threshold) {
         state.queue.push_back(doc);
       } else {
         regular.push_back(doc);
@@ -28,23 +52,20 @@ void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
     }
 
   // Outlier levels: floor(log2(len / threshold)). A level is released once it holds
-  // release_count documents. Documents that waited wlb_max_delay steps (queued outliers and
-  // documents that did not fit an earlier step) are due: they are packed before anything else.
+  // release_count documents; `flush` releases every held document.
   std::map<i64, i64> level_count;
   auto level_of = [&](i64 len) {
     i64 lvl = 0;
-    for (i64 t = threshold; t * 2 <= len; t *= 2) ++lvl;
+    for (i64 t = threshold; t <= len / 2; t *= 2) ++lvl;  // t <= 2^29 here: t * 2 cannot overflow
     return lvl;
   };
   for (const Doc& d : state.queue) ++level_count[level_of(d.len)];
-  auto is_due = [&](const Doc& d) { return flush || d.age >= opt.wlb_max_delay; };
-  std::vector<Doc> due, candidates, kept;
   for (const Doc& d : state.spill) (is_due(d) ? due : candidates).push_back(d);
   state.spill.clear();
   for (const Doc& d : state.queue) {
     if (is_due(d)) {
       due.push_back(d);
-    } else if (level_count[level_of(d.len)] >= release_count) {
+    } else if (flush || level_count[level_of(d.len)] >= release_count) {
       candidates.push_back(d);
     } else {
       kept.push_back(d);
@@ -82,72 +103,79 @@ void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
       }
     }
   };
-  // Documents packed again as the input sequences that brought them held them: each (arrival,
-  // input sequence) group whole, heaviest group first, into a bucket of its own while empty ones
-  // remain (`any_bucket` false) or into the bucket with the least work that has room for it
+  // Documents packed again as the input sequences that brought them held them, into empty
+  // buckets: each (arrival, input sequence) group whole, the groups of `first` (heaviest first)
+  // before those of `then` (heaviest first), into a bucket of its own while empty ones remain
+  // (`any_bucket` false) or into the bucket with the least work that has room for it
   // (`any_bucket` true; empty buckets have the least). A group that cannot go whole, or of
-  // unknown origin (a version-1 state), goes one by one; what fits nowhere lands in `left`.
-  auto pack_as_input = [&](const std::vector<Doc>& docs, bool any_bucket, std::vector<Doc>& left) {
+  // unknown origin (a version-1 state), goes one by one; what fits nowhere lands in `first_left`
+  // or `then_left`.
+  auto pack_as_input = [&](const std::vector<Doc>& first, const std::vector<Doc>& then,
+                           bool any_bucket, std::vector<Doc>& first_left,
+                           std::vector<Doc>& then_left) {
     for (auto& b : buckets) b.clear();
     std::fill(tokens.begin(), tokens.end(), 0);
     std::fill(work.begin(), work.end(), 0.0);
-    std::map<std::pair<i64, i64>, std::vector<Doc>> groups;  // (age, origin) -> documents
-    for (const Doc& d : docs) groups[{d.age, d.origin}].push_back(d);
-    std::vector<std::pair<double, std::vector<Doc>*>> order;  // (work, documents)
-    for (auto& [key, group] : groups) {
-      double w = 0;
-      for (const Doc& d : group) w += static_cast<double>(causal_pairs(d.len));
-      order.push_back({w, &group});
-    }
-    std::stable_sort(order.begin(), order.end(),
-                     [](const auto& x, const auto& y) { return x.first > y.first; });
     i64 next = 0;  // the first bucket not yet given a group (any_bucket false)
-    for (const auto& [w, group] : order) {
-      i64 sum = 0;
-      for (const Doc& d : *group) sum += d.len;
-      i64 best = -1;
-      if (group->front().origin >= 0) {
-        if (!any_bucket) {
-          if (next < n_buckets && sum <= S) best = next++;
-        } else {
-          for (i64 b = 0; b < n_buckets; ++b) {
-            if (tokens[b] + sum > S) continue;
-            if (best < 0 || work[b] < work[best]) best = b;
+    for (const auto* docs : {&first, &then}) {
+      std::vector<Doc>& left = docs == &first ? first_left : then_left;
+      std::map<std::pair<i64, i64>, std::vector<Doc>> groups;  // (age, origin) -> documents
+      for (const Doc& d : *docs) groups[{d.age, d.origin}].push_back(d);
+      std::vector<std::pair<double, std::vector<Doc>*>> order;  // (work, documents)
+      for (auto& [key, group] : groups) {
+        double w = 0;
+        for (const Doc& d : group) w += static_cast<double>(causal_pairs(d.len));
+        order.push_back({w, &group});
+      }
+      std::stable_sort(order.begin(), order.end(),
+                       [](const auto& x, const auto& y) { return x.first > y.first; });
+      for (const auto& [w, group] : order) {
+        i64 sum = 0;
+        for (const Doc& d : *group) sum += d.len;
+        i64 best = -1;
+        if (group->front().origin >= 0) {
+          if (!any_bucket) {
+            if (next < n_buckets && sum <= S) best = next++;
+          } else {
+            for (i64 b = 0; b < n_buckets; ++b) {
+              if (tokens[b] + sum > S) continue;
+              if (best < 0 || work[b] < work[best]) best = b;
+            }
           }
         }
-      }
-      if (best >= 0) {
-        for (const Doc& d : *group) put(best, d);
-      } else {
-        heaviest_first(*group);
-        pack(*group, left);
+        if (best >= 0) {
+          for (const Doc& d : *group) put(best, d);
+        } else {
+          heaviest_first(*group);
+          pack(*group, left);
+        }
       }
     }
   };
   heaviest_first(due);
   std::vector<Doc> due_left;
   pack(due, due_left);
-  if (!due_left.empty() && !flush) {
-    // Due documents that arrived in one step fit by the way that step's input held them.
+  if (!due_left.empty()) {
+    // Due documents arrived in one step and fit by the way that step's input held them.
     due_left.clear();
-    pack_as_input(due, false, due_left);
+    pack_as_input(due, {}, false, due_left, due_left);
   }
   heaviest_first(candidates);
   std::vector<Doc> left;
   pack(candidates, left);
-  if (flush && (!due_left.empty() || !left.empty())) {
-    // The last step holds nothing back where it can help it: when the greedy leaves documents
-    // over, every document is packed again as the input held them.
+  if (flush && !left.empty()) {
+    // A flushed step holds back nothing it can help: when the greedy leaves documents over,
+    // the due documents and then all others are packed again as the input held them.
     due_left.clear();
     left.clear();
-    std::vector<Doc> all = due;
-    all.insert(all.end(), candidates.begin(), candidates.end());
-    pack_as_input(all, true, left);
+    pack_as_input(due, candidates, true, due_left, left);
   }
-  // What did not fit waits (a due document only if even its input's packing did not fit, which
-  // a state carried between steps of one run cannot produce).
-  for (const auto* list : {&due_left, &left})
-    for (const Doc& d : *list) state.spill.push_back({d.id, d.len, d.age + 1, d.origin});
+  // What did not fit waits: its wait grows by one. A due document that fits nowhere (only a
+  // version-1 state, whose input sequences are unknown, can leave one: due documents of known
+  // input arrived in one step and fit as it held them) stays due.
+  for (const Doc& d : due_left)
+    state.spill.push_back({d.id, d.len, std::min(d.age + 1, opt.wlb_max_delay), d.origin});
+  for (const Doc& d : left) state.spill.push_back({d.id, d.len, d.age + 1, d.origin});
   for (Doc& d : state.queue) ++d.age;
   ++state.steps;
 

@@ -8,6 +8,8 @@ void ModelDims::validate() const {
   require_positive(kv_heads, "model.kv_heads");
   require_positive(head_dim, "model.head_dim");
   require_positive(layers, "model.layers");
+  require_at_most(heads, kMaxSplit, "model.heads", "2^16");
+  require_at_most(head_dim, kMaxSplit, "model.head_dim", "2^16");
   if (heads % kv_heads != 0)
     fail("model.heads (" + std::to_string(heads) + ") must be divisible by model.kv_heads (" +
          std::to_string(kv_heads) + ")");
@@ -42,15 +44,23 @@ void validate_lengths(const std::vector<i64>& lengths, i64 max_len, const std::s
   }
 }
 
-void validate_sequences(const std::vector<std::vector<i64>>& seqs, i64 context) {
+void validate_sequences(const SequencesView& seqs, i64 context) {
   for (std::size_t s = 0; s < seqs.size(); ++s) {
     const std::string field = field_at("sequences", static_cast<i64>(s));
-    validate_lengths(seqs[s], context, field);
-    i64 total = 0;
-    for (i64 l : seqs[s]) total += l;  // each <= context <= 2^30, no overflow for sane sizes
-    if (total > context)
-      fail(field + " holds " + std::to_string(total) + " tokens, more than context " +
-           std::to_string(context));
+    unsigned __int128 total = 0;  // every length is checked first, so this cannot overflow
+    for (const i64* l = seqs.begin(s); l != seqs.end(s); ++l) {
+      const std::string entry = field_at(field, static_cast<i64>(l - seqs.begin(s)));
+      if (*l <= 0) fail(entry + " must be positive, got " + std::to_string(*l));
+      if (*l > context)
+        fail(entry + " = " + std::to_string(*l) + " exceeds the limit " + std::to_string(context));
+      total += static_cast<unsigned __int128>(*l);
+    }
+    if (total > static_cast<unsigned __int128>(context)) {
+      const std::string tokens = total < (static_cast<unsigned __int128>(1) << 63)
+                                     ? std::to_string(static_cast<i64>(total))
+                                     : std::to_string(static_cast<double>(total));
+      fail(field + " holds " + tokens + " tokens, more than context " + std::to_string(context));
+    }
   }
 }
 

@@ -27,7 +27,8 @@ MODEL = ModelConfig(
         ([], r"sequences is empty"),
         ([[3], ["x"]], r"sequences\[1\]\[0\] must be an integer, got 'x'"),
         ([[3], [2.5]], r"sequences\[1\]\[0\] must be an integer, got 2.5"),
-        ([[3], 7], r"sequences must be a list of lists"),
+        ([[3], 7], r"sequences\[1\] must be a list of document lengths, got 7"),
+        (7, r"sequences must be a list of lists of document lengths, got 7"),
         ([[3], [2**70]], r"sequences\[1\]\[0\] = \d+ is out of range"),
     ],
 )

@@ -113,8 +113,8 @@ def test_steps_are_a_shuffled_draw_of_the_packed_stream():
     steps = [src.step(4, 65536, seed=2, step=k) for k in range(16)]
     fresh = wl.LengthSource(preset="libra-1m")
     assert steps[9] == fresh.step(4, 65536, seed=2, step=9)  # no dependence on what came before
-    window = wl._core.window_sequences(src._dist, 4, 65536, 2, 1, wl.SAMPLE_SHUFFLE_WINDOW)
-    assert [list(s) for s in window] == [s for st in steps[8:16] for s in st]
+    window = wl.PackedBatch(*wl._core.window_batch(src._dist, 4, 65536, 2, 1, wl.SAMPLE_SHUFFLE_WINDOW))
+    assert window.tolist() == [s for st in steps[8:16] for s in st]
     plain = wl.LengthSource(preset="libra-1m", shuffle_window=1)
     assert plain.step(4, 65536, seed=2, step=3) == wl._core.step_sequences(
         src._dist, 4, 65536, 2, 3

@@ -56,6 +56,14 @@ inline void require_positive(i64 value, const std::string& field) {
   if (value <= 0) fail(field + " must be positive, got " + std::to_string(value));
 }
 
+inline void require_at_most(i64 value, i64 limit, const std::string& field, const std::string& shown) {
+  if (value > limit) fail(field + " must be at most " + shown + ", got " + std::to_string(value));
+}
+
+// Largest replica count and cp / tp size accepted (products of them stay far below 2^63).
+constexpr i64 kMaxReplicas = i64(1) << 24;
+constexpr i64 kMaxSplit = i64(1) << 16;
+
 // 64-bit hash over 64-bit words for the StepPlan hash that ranks compare. Words are taken in
 // rounds of eight, two per lane of four: lane = mix(a ^ lane ^ k0, b ^ k1), where mix folds the
 // 128-bit product of its arguments (one multiply per two words; the lanes do not wait on each

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "libra/batch.h"
 #include "libra/common.h"
 
 namespace libra {
@@ -12,12 +13,23 @@ namespace libra {
 class Rng {
  public:
   explicit Rng(u64 seed);
-  u64 next();
-  double uniform();  // in (0, 1)
+  u64 next() {
+    const u64 result = rotl(s_[1] * 5, 7) * 9;
+    const u64 t = s_[1] << 17;
+    s_[2] ^= s_[0];
+    s_[3] ^= s_[1];
+    s_[1] ^= s_[2];
+    s_[0] ^= s_[3];
+    s_[2] ^= t;
+    s_[3] = rotl(s_[3], 45);
+    return result;
+  }
+  double uniform() { return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53; }  // in (0, 1)
   double normal();   // standard normal, Box-Muller
-  i64 below(i64 n);  // uniform integer in [0, n)
+  i64 below(i64 n) { return static_cast<i64>(next() % static_cast<u64>(n)); }  // in [0, n)
 
  private:
+  static u64 rotl(u64 x, int k) { return (x << k) | (x >> (64 - k)); }
   u64 s_[4];
 };
 
@@ -43,7 +55,15 @@ struct LengthDist {
 
   void validate() const;
   i64 draw(Rng& rng) const;
+  // n draws into out, the same values as n calls of draw(rng) (and rng left as they leave it):
+  // the uniforms are taken in order on this thread, the lengths made from them on `workers`.
+  void draw_many(Rng& rng, i64* out, std::size_t n, std::size_t workers = 1) const;
 };
+
+// Automatic workers of draw_many's lengths (threads = 0): one per kDrawsPerWorker draws, at most
+// kMaxDrawThreads and the idle cores (auto_workers).
+constexpr std::size_t kDrawsPerWorker = 32768;
+constexpr std::size_t kMaxDrawThreads = 8;
 
 // Named presets; see generators.cpp for the source of every number.
 LengthDist preset(const std::string& name);
@@ -56,12 +76,13 @@ std::vector<i64> sample_lengths(const LengthDist& dist, i64 n, u64 seed);
 // step is one slice of a shuffled window (window_sequences of step / W): Megatron's GPTDataset
 // packs its document stream into samples and then serves them through a random shuffle index, so
 // the pieces of one long document land in different steps and a step's sequences are a random
-// draw from the packed stream rather than neighbours in it.
-std::vector<std::vector<i64>> step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed,
-                                             i64 step, i64 shuffle_window = 1);
+// draw from the packed stream rather than neighbours in it. `threads`: 0 = automatic
+// (auto_workers); the sequences do not depend on it.
+PackedBatch step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 step,
+                           i64 shuffle_window = 1, i64 threads = 0);
 
 // The W*B packed sequences of steps [window*W, (window+1)*W) in their shuffled order.
-std::vector<std::vector<i64>> window_sequences(const LengthDist& dist, i64 gbs, i64 context,
-                                               u64 seed, i64 window, i64 shuffle_window);
+PackedBatch window_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
+                             i64 shuffle_window, i64 threads = 0);
 
 }  // namespace libra

@@ -1,8 +1,10 @@
 // Packing documents into S-token packed sequences.
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
+#include "libra/batch.h"
 #include "libra/common.h"
 
 namespace libra {
@@ -12,6 +14,41 @@ namespace libra {
 // sequence may be partly filled. If max_sequences > 0, stops after that many full sequences.
 std::vector<std::vector<i64>> pack_production(const std::vector<i64>& docs, i64 context,
                                               i64 max_sequences = 0);
+
+// Production packing one document at a time into `out` (the same sequences as pack_production,
+// appended to what `out` holds). The caller validates the lengths (each in [1, 2^30]).
+class ProductionPacker {
+ public:
+  ProductionPacker(PackedBatch& out, i64 context, i64 max_sequences)
+      : out_(out), context_(context), max_(max_sequences), room_(context),
+        first_(out.lengths.size()) {}
+  // Adds a document; false once max_sequences sequences are full (the rest is dropped).
+  bool add(i64 len) {
+    while (len > 0) {
+      if (room_ == 0) {
+        if (max_ > 0 && started_ == max_) return false;
+        out_.close_sequence();
+        ++started_;
+        room_ = context_;
+      }
+      const i64 take = std::min(len, room_);
+      out_.lengths.push_back(take);
+      room_ -= take;
+      len -= take;
+    }
+    return true;
+  }
+  // Closes the last sequence (none at all if no document was added).
+  void finish() {
+    if (out_.lengths.size() != first_) out_.close_sequence();
+  }
+
+ private:
+  PackedBatch& out_;
+  i64 context_, max_, room_;
+  std::size_t first_;
+  i64 started_ = 1;
+};
 
 // Best-fit greedy knapsack: documents longest first, each into the open sequence with the least
 // room that still fits it; a new sequence when none does. A document longer than `context`

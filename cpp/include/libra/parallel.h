@@ -14,6 +14,18 @@
 
 namespace libra {
 
+// Cores this process may run on: its CPU affinity mask where the platform has one, else the
+// machine's (at least 1).
+std::size_t usable_cores();
+// Of those, the ones no other runnable thread holds right now: the machine's cores less the
+// threads running or waiting to run besides the caller (Linux: /proc/loadavg), at least 1. A
+// plan split over cores that other processes hold waits on descheduled workers at every join,
+// while one thread only runs at its share.
+std::size_t idle_cores();
+// Workers for `units` of work: one per `per_worker` units, at most idle_cores() and `cap`, at
+// least 1.
+std::size_t auto_workers(std::size_t units, std::size_t per_worker, std::size_t cap);
+
 // Hands out piece indices 0, 1, ... count - 1, each once, to whichever worker asks first.
 class WorkQueue {
  public:

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "libra/batch.h"
 #include "libra/common.h"
 #include "libra/order.h"
 #include "libra/workload.h"
@@ -56,9 +57,13 @@ struct PlanOptions {
 constexpr i64 kMaxPlanThreads = 8;
 // Worker threads for a step of n_docs documents: options.threads if set, else one per
 // kDocsPerPlanWorker documents (a thread costs tens of microseconds to start), at most the
-// machine's cores and kMaxPlanThreads.
+// cores no other runnable thread holds (idle_cores) and kMaxPlanThreads.
 constexpr std::size_t kDocsPerPlanWorker = 16384;
 std::size_t plan_workers(const PlanOptions& options, std::size_t n_docs);
+
+// Largest document id and step count a planner state may hold: far below 2^63, so a run can
+// keep adding documents.
+constexpr i64 kMaxDocId = i64(1) << 62;
 
 // Carried planner state across steps (WLB-LLM's delay queue and overflow). Plain data, so it can
 // be checkpointed as a flat integer list.
@@ -75,7 +80,14 @@ struct PlannerState {
   std::vector<Doc> spill;  // documents that did not fit the step's token cap
 
   std::vector<i64> serialize() const;
+  // A state from serialize(), or refused naming the entry: counts that match the length, ids
+  // unique and below next_doc_id, lengths in [1, 2^30], waits >= 0, next_doc_id <= 2^62.
   static PlannerState deserialize(const std::vector<i64>& flat);
+  // What the layout and options must allow of a state before it is planned with (plan_step
+  // checks it, and that every held document's input sequence is below the step's count): only
+  // wlb holds documents; each at most context tokens, having waited 1 to wlb_max_delay steps;
+  // the documents held from one input sequence of one step at most context tokens together.
+  void validate(const Layout& layout, const PlanOptions& options) const;
   i64 pending() const { return static_cast<i64>(queue.size() + spill.size()); }
 };
 
@@ -179,6 +191,9 @@ struct StepPlan {
 
 // Plan one step. `sequences` are the step's B packed sequences (document lengths). `state` carries
 // WLB-LLM's queue between steps (ignored by other systems); `flush` releases everything queued.
+StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const ModelDims& model,
+                   const PlanOptions& options, PlannerState* state, bool flush = false);
+// The same from nested lists (copied into CSR form first).
 StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout& layout,
                    const ModelDims& model, const PlanOptions& options, PlannerState* state,
                    bool flush = false);

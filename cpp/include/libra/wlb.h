@@ -11,7 +11,7 @@ namespace libra {
 
 // Repack the step's documents (plus queued ones) into D*m buckets of at most S tokens and fill
 // plan.seq_* / doc_* with the result. Updates `state`.
-void wlb_pack(StepPlan& plan, const std::vector<std::vector<i64>>& sequences,
+void wlb_pack(StepPlan& plan, const SequencesView& sequences,
               const PlanOptions& opt, PlannerState& state, bool flush);
 
 // Per-document CP tiles: chunks c and 2C-1-c of every document on cp rank c.

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "libra/batch.h"
 #include "libra/common.h"
 
 namespace libra {
@@ -42,6 +43,6 @@ double linear_fwd_flops_per_token(const ModelDims& m);
 void validate_lengths(const std::vector<i64>& lengths, i64 max_len, const std::string& field);
 
 // Validate packed sequences: every length positive, every sequence's sum <= context.
-void validate_sequences(const std::vector<std::vector<i64>>& seqs, i64 context);
+void validate_sequences(const SequencesView& seqs, i64 context);
 
 }  // namespace libra
