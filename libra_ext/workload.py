@@ -372,11 +372,12 @@ class LengthSource:
         w, k = divmod(check_int(step, "step", 0), self.shuffle_window)
         key = (gbs, context, seed, w)
         if self._window is None or self._window[0] != key:
-            lengths, offsets = _core.window_batch(
+            lengths, offsets, order = _core.window_batch(
                 self._dist, gbs, context, seed, w, self.shuffle_window, threads
             )
-            self._window = (key, PackedBatch(lengths, offsets))
-        return self._window[1][k * gbs : (k + 1) * gbs]
+            self._window = (key, (lengths, offsets, order))
+        lengths, offsets, order = self._window[1]
+        return PackedBatch(*_core.gather_sequences(lengths, offsets, order[k * gbs : (k + 1) * gbs]))
 
 
 SEED_LIMIT = 1 << 64

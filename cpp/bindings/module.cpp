@@ -10,6 +10,7 @@
 #include "libra/generators.h"
 #include "libra/moe.h"
 #include "libra/packing.h"
+#include "libra/parallel.h"
 #include "libra/plan.h"
 #include "libra/vrsp.h"
 #include "libra/workload.h"
@@ -292,6 +293,10 @@ PYBIND11_MODULE(_planner, m) {
     d.validate();
     return linear_fwd_flops_per_token(d);
   });
+  m.def("usable_cores", &usable_cores, "Cores this process may run on (its affinity mask).");
+  m.def("idle_cores", &idle_cores,
+        "Usable cores that no other runnable thread holds right now (at least 1): what automatic "
+        "planner threads are capped at.");
   m.attr("ATTN_BWD_FACTOR") = kAttnBwdFactor;
   m.attr("LINEAR_BWD_FACTOR") = kLinearBwdFactor;
   m.attr("MAX_TOKENS") = kMaxTokens;
@@ -323,19 +328,36 @@ PYBIND11_MODULE(_planner, m) {
       py::arg("shuffle_window") = 1, py::arg("threads") = 0);
   m.def(
       "window_batch",
-      [batch_arrays](const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
-                     i64 shuffle_window, i64 threads) {
+      [](const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window, i64 shuffle_window,
+         i64 threads) {
+        ShuffledWindow w;
+        {
+          py::gil_scoped_release release;
+          w = window_stream(dist, gbs, context, seed, window, shuffle_window, threads);
+        }
+        return py::make_tuple(to_numpy(std::move(w.stream.lengths)),
+                              to_numpy(std::move(w.stream.offsets)), to_numpy(std::move(w.order)));
+      },
+      "(lengths, offsets, order): the W*B packed sequences of steps [window*W, (window+1)*W) in "
+      "stream order, in CSR form, and the stream sequence at each shuffled position (step k of "
+      "the window takes positions [k*B, (k+1)*B); gather_sequences makes it).",
+      py::arg("dist"), py::arg("gbs"), py::arg("context"), py::arg("seed"), py::arg("window"),
+      py::arg("shuffle_window"), py::arg("threads") = 0);
+  m.def(
+      "gather_sequences",
+      [batch_arrays](const py::buffer& lengths, const py::buffer& offsets, const py::buffer& order) {
+        const FlatArray l = flat_array(lengths, "lengths"), o = flat_array(offsets, "offsets"),
+                        k = flat_array(order, "order");
+        if (o.size == 0) fail("offsets must hold at least one entry (0)");
         PackedBatch b;
         {
           py::gil_scoped_release release;
-          b = window_sequences(dist, gbs, context, seed, window, shuffle_window, threads);
+          b = gather_sequences(SequencesView{l.data, o.data, o.size - 1, l.size}, k.data, k.size);
         }
         return batch_arrays(std::move(b));
       },
-      "(lengths, offsets): the W*B packed sequences of steps [window*W, (window+1)*W) in their "
-      "shuffled order, in CSR form.",
-      py::arg("dist"), py::arg("gbs"), py::arg("context"), py::arg("seed"), py::arg("window"),
-      py::arg("shuffle_window"), py::arg("threads") = 0);
+      "(lengths, offsets) of sequences order[0], order[1], ... of a CSR batch.", py::arg("lengths"),
+      py::arg("offsets"), py::arg("order"));
 
   m.def("exact_cardinality_lpt", &exact_cardinality_lpt, py::arg("loads"), py::arg("n_groups"),
         py::arg("cardinality"));

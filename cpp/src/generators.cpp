@@ -1,6 +1,7 @@
 #include "libra/generators.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "libra/packing.h"
@@ -61,12 +62,61 @@ void LengthDist::validate() const {
 
 namespace {
 
-// What draw() takes from the stream for one length: the component (0: Pareto tail, 1: a long
-// document, 2: the lognormal body) and its uniforms, in draw()'s order.
-struct Draw {
-  double a, b;
-  int component;
+// What draw() takes from the stream for one length: its component (the top two bits of `a`:
+// 0 the Pareto tail, 1 a long document, 2 the lognormal body) and the 53-bit integers k of its
+// uniforms, (k + 0.5) * 2^-53 as Rng::uniform makes them.
+struct RawDraw {
+  u64 a, b;
 };
+constexpr int kComponentShift = 62;
+constexpr u64 kUniformBits = (u64(1) << 53) - 1;
+
+inline double uniform_of(u64 k) { return (static_cast<double>(k & kUniformBits) + 0.5) * 0x1.0p-53; }
+
+// Takes n draws' uniforms from the stream, in draw()'s order (the component uniform on mixtures,
+// then one for the tail or two for a normal deviate, Box-Muller).
+void take_draws(const LengthDist& dist, Rng& rng, RawDraw* raw, std::size_t n) {
+  const bool mixture = dist.kind == "mixture";
+  const double tail = dist.tail_weight, tail_or_long = dist.tail_weight + dist.long_weight;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double u = mixture ? rng.uniform() : 1.0;
+    if (u < tail) {
+      raw[i].a = rng.next() >> 11;
+      raw[i].b = 0;
+    } else {
+      const u64 component = u < tail_or_long ? 1 : 2;
+      raw[i].a = (rng.next() >> 11) | (component << kComponentShift);
+      raw[i].b = rng.next() >> 11;
+    }
+  }
+}
+
+// The lengths of n raw draws: x rounded half away from zero, at least min_len, at most cap
+// (long_cap for a long document). x is clamped first and rounded as floor(x + 0.5), which is
+// exact there: both bounds are integers and x + 0.5 is exact below 2^52.
+void lengths_of(const LengthDist& dist, const RawDraw* raw, i64* out, std::size_t n) {
+  const double lo = static_cast<double>(dist.min_len), hi = static_cast<double>(dist.cap);
+  const double long_hi = static_cast<double>(dist.long_cap), inv_alpha = -1.0 / dist.tail_alpha;
+  for (std::size_t i = 0; i < n; ++i) {
+    const int component = static_cast<int>(raw[i].a >> kComponentShift);
+    const double a = uniform_of(raw[i].a);
+    double x, top = hi;
+    if (component == 0) {
+      x = dist.tail_xm * std::pow(a, inv_alpha);  // Pareto(xm, alpha)
+    } else {
+      const double z = std::sqrt(-2.0 * std::log(a)) * std::cos(6.283185307179586 * uniform_of(raw[i].b));
+      if (component == 1) {
+        x = dist.long_median * std::exp(dist.long_sigma * z);  // a long document
+        top = long_hi;
+      } else {
+        x = dist.median * std::exp(dist.sigma * z);  // lognormal with the given median
+      }
+    }
+    out[i] = static_cast<i64>(std::min(std::max(x, lo), top) + 0.5);
+  }
+}
+
+constexpr std::size_t kDrawChunk = 8192;
 
 }  // namespace
 
@@ -82,45 +132,12 @@ void LengthDist::draw_many(Rng& rng, i64* out, std::size_t n, std::size_t worker
     for (std::size_t i = 0; i < n; ++i) out[i] = values[static_cast<std::size_t>(rng.below(size))];
     return;
   }
-  // The uniforms, in order on this thread (a component draw, on mixtures; then one uniform for
-  // the tail or two for a normal deviate, Box-Muller)...
-  const bool mixture = kind == "mixture";
-  std::vector<Draw> draws(n);
-  for (Draw& d : draws) {
-    const double u = mixture ? rng.uniform() : 1.0;
-    if (u < tail_weight) {
-      d.component = 0;
-      d.a = rng.uniform();
-    } else {
-      d.component = u < tail_weight + long_weight ? 1 : 2;
-      d.a = rng.uniform();
-      d.b = rng.uniform();
-    }
-  }
-  // ...then the lengths from them, on the workers: x rounded, at least min_len, at most cap
-  // (long_cap for a long document).
-  const double lo = static_cast<double>(min_len), hi = static_cast<double>(cap);
-  const double long_hi = static_cast<double>(long_cap), inv_alpha = -1.0 / tail_alpha;
-  constexpr std::size_t kChunk = 8192;
-  run_workers(workers, (n + kChunk - 1) / kChunk, [&](WorkQueue& queue) {
+  std::vector<RawDraw> raw(n);
+  take_draws(*this, rng, raw.data(), n);  // in order, on this thread
+  run_workers(workers, (n + kDrawChunk - 1) / kDrawChunk, [&](WorkQueue& queue) {
     for (std::size_t c; queue.take(c);) {
-      const std::size_t end = std::min(n, (c + 1) * kChunk);
-      for (std::size_t i = c * kChunk; i < end; ++i) {
-        const Draw& d = draws[i];
-        double x, top = hi;
-        if (d.component == 0) {
-          x = tail_xm * std::pow(d.a, inv_alpha);  // Pareto(xm, alpha)
-        } else {
-          const double z = std::sqrt(-2.0 * std::log(d.a)) * std::cos(6.283185307179586 * d.b);
-          if (d.component == 1) {
-            x = long_median * std::exp(long_sigma * z);  // a long document
-            top = long_hi;
-          } else {
-            x = median * std::exp(sigma * z);  // lognormal with the given median
-          }
-        }
-        out[i] = static_cast<i64>(std::min(std::max(std::round(x), lo), top));
-      }
+      const std::size_t first = c * kDrawChunk;
+      lengths_of(*this, raw.data() + first, out + first, std::min(n, first + kDrawChunk) - first);
     }
   });
 }
@@ -208,37 +225,100 @@ std::size_t draw_workers(i64 threads, std::size_t n) {
                      : auto_workers(n, kDrawsPerWorker, kMaxDrawThreads);
 }
 
+// Draws for one batch of the stream and their lengths.
+struct DrawBatch {
+  std::vector<RawDraw> raw;
+  std::vector<i64> len;
+  std::vector<i64> chunk_tokens;  // tokens of each kDrawChunk draws
+};
+
+std::size_t batch_size(double left_tokens, double mean) {
+  if (!(left_tokens > 0)) return 256;
+  return static_cast<std::size_t>(std::min(std::max(1.05 * left_tokens / mean + 64.0, 256.0), 262144.0));
+}
+
 // The B*S-token document stream of (seed, index), production-packed into B sequences (appended
-// to `out`). Lengths are drawn in batches sized from the mean so far; what a batch holds past
-// the last document needed is dropped (the stream's generator is not used after it).
+// to `out`). Documents are drawn while fewer than B*S tokens are drawn, in batches sized from
+// the mean so far; a batch goes through three stages, one step apart — its uniforms taken in
+// order, its lengths made on the workers, then packed in order — so that one batch's uniforms,
+// the previous one's packing and the current one's lengths run side by side. What is drawn past
+// the last document needed (at most two small batches) is dropped: the stream's generator is not
+// used after it.
 void packed_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 index,
                    i64 threads, PackedBatch& out) {
   u64 mix = seed ^ (0xD1B54A32D192ED03ULL * static_cast<u64>(index + 1));
   Rng rng(splitmix64(mix));
   const i64 need = gbs * context;
   ProductionPacker packer(out, context, gbs);
-  std::vector<i64> batch;
-  i64 total = 0, drawn = 0;
-  std::size_t size = 256;
-  while (total < need) {
-    batch.resize(size);
-    dist.draw_many(rng, batch.data(), size, draw_workers(threads, size));
-    for (const i64 l : batch) {
-      if (total >= need) break;
-      total += l;
-      ++drawn;
-      packer.add(l);
+  if (dist.kind == "empirical") {  // nothing to compute per draw: one stage
+    std::vector<i64> batch(4096);
+    for (i64 total = 0; total < need;) {
+      dist.draw_many(rng, batch.data(), batch.size());
+      for (std::size_t i = 0; i < batch.size() && total < need; ++i) {
+        total += batch[i];
+        packer.add(batch[i]);
+      }
     }
-    const double mean = static_cast<double>(total) / static_cast<double>(drawn);
-    const double left = static_cast<double>(need - total) / mean;
-    size = static_cast<std::size_t>(std::min(std::max(1.05 * left + 64.0, 256.0), 262144.0));
+    packer.finish();
+    return;
+  }
+  DrawBatch b[3];
+  b[0].raw.resize(256);
+  take_draws(dist, rng, b[0].raw.data(), 256);
+  i64 known_tokens = 0, known_docs = 0;  // of the batches whose lengths are made
+  i64 packed = 0;
+  bool done = false;
+  for (std::size_t k = 0; !done; ++k) {
+    DrawBatch& cur = b[k % 3];
+    DrawBatch* prev = k > 0 ? &b[(k + 2) % 3] : nullptr;
+    DrawBatch& next = b[(k + 1) % 3];
+    const double mean = known_docs > 0 ? static_cast<double>(known_tokens) / static_cast<double>(known_docs)
+                                       : static_cast<double>(need);  // unknown: a small batch
+    const std::size_t n = cur.raw.size(), chunks = (n + kDrawChunk - 1) / kDrawChunk;
+    const std::size_t next_size =
+        batch_size(static_cast<double>(need - known_tokens) - static_cast<double>(n) * mean, mean);
+    cur.len.resize(n);
+    cur.chunk_tokens.assign(chunks, 0);
+    std::atomic<bool> finished{false};
+    run_workers(draw_workers(threads, n), chunks + 2, [&](WorkQueue& queue) {
+      for (std::size_t piece; queue.take(piece);) {
+        if (piece == 0) {  // the next batch's uniforms
+          next.raw.resize(next_size);
+          take_draws(dist, rng, next.raw.data(), next_size);
+        } else if (piece == 1) {  // the previous batch packed
+          if (prev == nullptr) continue;
+          for (const i64 l : prev->len) {
+            if (packed >= need) break;
+            packed += l;
+            packer.add(l);
+          }
+          if (packed >= need) finished.store(true, std::memory_order_relaxed);
+        } else {  // lengths of the current batch
+          const std::size_t first = (piece - 2) * kDrawChunk, m = std::min(n, first + kDrawChunk) - first;
+          lengths_of(dist, cur.raw.data() + first, cur.len.data() + first, m);
+          i64 tokens = 0;
+          for (std::size_t i = first; i < first + m; ++i) tokens += cur.len[i];
+          cur.chunk_tokens[piece - 2] = tokens;
+        }
+      }
+    });
+    done = finished.load(std::memory_order_relaxed);
+    for (const i64 t : cur.chunk_tokens) known_tokens += t;
+    known_docs += static_cast<i64>(n);
+    if (k == 1) {  // room for the stream's pieces at the mean so far, so it grows once at most
+      const double mean_now = static_cast<double>(known_tokens) / static_cast<double>(known_docs);
+      out.lengths.reserve(out.lengths.size() +
+                          static_cast<std::size_t>(1.02 * static_cast<double>(need) / mean_now) +
+                          static_cast<std::size_t>(gbs) + 1024);
+      out.offsets.reserve(out.offsets.size() + static_cast<std::size_t>(gbs) + 1);
+    }
   }
   packer.finish();
 }
 
 }  // namespace
 
-PackedBatch window_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
+ShuffledWindow window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
                              i64 shuffle_window, i64 threads) {
   dist.validate();
   require_positive(gbs, "gbs");
@@ -251,50 +331,59 @@ PackedBatch window_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 s
   constexpr i64 kMaxWindowTokens = i64(1) << 40;
   if (gbs > kMaxWindowTokens / shuffle_window || gbs * shuffle_window > kMaxWindowTokens / context)
     fail("gbs * shuffle_window * context exceeds 2^40 tokens");
-  PackedBatch stream;
+  ShuffledWindow out;
   if (shuffle_window == 1) {
-    packed_stream(dist, gbs, context, seed, window, threads, stream);
-    return stream;
+    packed_stream(dist, gbs, context, seed, window, threads, out.stream);
+  } else {
+    // A stream of its own per window (the per-step streams stay those of shuffle_window = 1).
+    u64 state = seed ^ 0x5851F42D4C957F2DULL;
+    const u64 wseed = splitmix64(state);
+    packed_stream(dist, gbs * shuffle_window, context, wseed, window, threads, out.stream);
+    u64 pstate = wseed ^ (0x9E3779B97F4A7C15ULL * static_cast<u64>(window + 1));
+    Rng rng(splitmix64(pstate));
+    out.order.resize(out.stream.size());
+    for (std::size_t i = 0; i < out.order.size(); ++i) out.order[i] = static_cast<i64>(i);
+    for (std::size_t i = out.order.size(); i > 1; --i)  // Fisher-Yates
+      std::swap(out.order[i - 1], out.order[static_cast<std::size_t>(rng.below(static_cast<i64>(i)))]);
+    return out;
   }
-  // A stream of its own per window (the per-step streams stay those of shuffle_window = 1).
-  u64 state = seed ^ 0x5851F42D4C957F2DULL;
-  const u64 wseed = splitmix64(state);
-  packed_stream(dist, gbs * shuffle_window, context, wseed, window, threads, stream);
-  u64 pstate = wseed ^ (0x9E3779B97F4A7C15ULL * static_cast<u64>(window + 1));
-  Rng rng(splitmix64(pstate));
-  const std::size_t n = stream.size();
-  std::vector<std::size_t> order(n);  // shuffled position -> stream sequence
-  for (std::size_t i = 0; i < n; ++i) order[i] = i;
-  for (std::size_t i = n; i > 1; --i)  // Fisher-Yates
-    std::swap(order[i - 1], order[static_cast<std::size_t>(rng.below(static_cast<i64>(i)))]);
+  out.order.resize(out.stream.size());
+  for (std::size_t i = 0; i < out.order.size(); ++i) out.order[i] = static_cast<i64>(i);
+  return out;
+}
+
+PackedBatch gather_sequences(const SequencesView& from, const i64* order, std::size_t n) {
+  from.validate_offsets();
   PackedBatch out;
-  out.lengths.resize(stream.lengths.size());
   out.offsets.resize(n + 1);
-  i64* next = out.lengths.data();
   for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t s = order[i];
-    next = std::copy(stream.lengths.data() + stream.offsets[s],
-                     stream.lengths.data() + stream.offsets[s + 1], next);
-    out.offsets[i + 1] = static_cast<i64>(next - out.lengths.data());
+    if (order[i] < 0 || order[i] >= static_cast<i64>(from.size()))
+      fail(field_at("order", static_cast<i64>(i)) + " = " + std::to_string(order[i]) +
+           " is not a sequence of the " + std::to_string(from.size()));
+    out.offsets[i + 1] = out.offsets[i] + static_cast<i64>(from.docs(static_cast<std::size_t>(order[i])));
+  }
+  out.lengths.resize(static_cast<std::size_t>(out.offsets[n]));
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto s = static_cast<std::size_t>(order[i]);
+    std::copy(from.begin(s), from.end(s), out.lengths.data() + out.offsets[i]);
   }
   return out;
+}
+
+PackedBatch window_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
+                             i64 shuffle_window, i64 threads) {
+  const ShuffledWindow w = window_stream(dist, gbs, context, seed, window, shuffle_window, threads);
+  return gather_sequences(w.stream.view(), w.order.data(), w.order.size());
 }
 
 PackedBatch step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 step,
                            i64 shuffle_window, i64 threads) {
   if (step < 0) fail("step must be >= 0");
   require_positive(shuffle_window, "shuffle_window");
-  PackedBatch window =
-      window_sequences(dist, gbs, context, seed, step / shuffle_window, shuffle_window, threads);
-  if (shuffle_window == 1) return window;
+  const ShuffledWindow w =
+      window_stream(dist, gbs, context, seed, step / shuffle_window, shuffle_window, threads);
   const std::size_t first = static_cast<std::size_t>((step % shuffle_window) * gbs);
-  const i64 base = window.offsets[first], stop = window.offsets[first + static_cast<std::size_t>(gbs)];
-  PackedBatch out;
-  out.lengths.assign(window.lengths.begin() + base, window.lengths.begin() + stop);
-  out.offsets.resize(static_cast<std::size_t>(gbs) + 1);
-  for (std::size_t i = 0; i <= static_cast<std::size_t>(gbs); ++i)
-    out.offsets[i] = window.offsets[first + i] - base;
-  return out;
+  return gather_sequences(w.stream.view(), w.order.data() + first, static_cast<std::size_t>(gbs));
 }
 
 }  // namespace libra

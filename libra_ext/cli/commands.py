@@ -121,7 +121,12 @@ def add_bench_parser(sub) -> None:
     b.add_argument(
         "--threads", type=int, default=0,
         help="planner worker threads for --dp (0: automatic, one per 16K documents up to the "
-        "machine's cores and 8)",
+        "idle cores and 8)",
+    )
+    b.add_argument(
+        "--busy", type=int, default=0,
+        help="with --dp: run this many busy-loop processes meanwhile and time automatic threads "
+        "against one thread on the same steps",
     )
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=run_bench_planner)
@@ -366,9 +371,9 @@ def default_dtype(args) -> str:
     return args.dtype or ("bf16" if args.device == "cuda" else "fp32")
 
 
-def _positive(value: int, field: str) -> int:
-    if value <= 0:
-        raise ValueError(f"{field} must be positive, got {value}")
+def _positive(value: int, field: str, least: int = 1) -> int:
+    if value < least:
+        raise ValueError(f"{field} must be {'positive' if least == 1 else f'>= {least}'}, got {value}")
     return value
 
 
@@ -579,63 +584,136 @@ BENCH_CASES = {
 }
 
 
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+class BusyLoops:
+    """`n` busy-loop processes for the duration of a `with` block: a host whose cores other work
+    holds, as a training host's are."""
+
+    def __init__(self, n: int):
+        import multiprocessing as mp
+
+        self.n, self._ctx = n, mp.get_context("spawn")
+        self._stop, self._procs = self._ctx.Event(), []
+
+    def __enter__(self):
+        for _ in range(self.n):
+            proc = self._ctx.Process(target=_spin, args=(self._stop,), daemon=True)
+            proc.start()
+            self._procs.append(proc)
+        if self.n:
+            time.sleep(0.3)  # let them reach their loops
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+
+
+def _time_source(preset: str, gbs: int, context: int, seed: int, steps: int):
+    """The steps of a fresh source and its time per step, amortized over whole shuffle windows
+    (a window's first step makes all of its steps)."""
+    source = LengthSource(preset=preset)
+    window = source.shuffle_window
+    n = -(-steps // window) * window
+    t0 = time.perf_counter()
+    made = [source.step(gbs, context, seed, s) for s in range(n)]
+    return made[:steps], (time.perf_counter() - t0) * 1e3 / n
+
+
 def run_bench_scaling(args) -> dict | None:
-    """Planning time per step at 256K (B = 8D, C = 8, P = 8) for each D, and its growth: the
-    median over `steps` steps, timed in a second pass after an untimed first one."""
+    """Host time per step at 256K (B = 8D, C = 8, P = 8) for each D: the step source (amortized
+    over its shuffle windows), the call's conversion (wall time of `Planner.plan` less the
+    plan's own time; a PackedBatch goes in flat, lists for comparison) and the plan (median over
+    `steps` steps, timed in a second pass after an untimed first one); with `busy` busy-loop
+    processes running, automatic threads against one thread, interleaved step by step."""
     dps = _int_list_arg(args.dp, "dp")
+    busy = _positive(args.busy, "busy", 0)
     model = ModelConfig()
-    source = LengthSource(preset="libra-256k")
     rows = []
-    for dp in dps:
-        if dp % 8:
-            raise ValueError(f"dp values must be multiples of the pool size 8, got {dp}")
-        layout = LayoutConfig(dp=dp, cp=8, pool_size=8, context=262_144)
-        planner = Planner(layout, model, PlannerOptions(system="libra", threads=args.threads))
-        steps = [source.step(8 * dp, 262_144, args.seed, s) for s in range(args.steps)]
-        ms, tiles, balance, phases = [], [], [], []
-        # warm-up: one pass over the steps untimed, so the timed pass sees the process as a
-        # training run does after its first steps (the allocator grown to plan-sized buffers)
-        plan = None
-        for seqs in steps:
-            plan = planner.plan(seqs)
-        for seqs in steps:
-            # the previous step's plan stays alive while the next is planned, as in training
-            plan = planner.plan(seqs)
-            ms.append(plan.plan_ms)
-            tiles.append(plan.n_tiles)
-            balance.append(plan.max_over_mean)
-            phases.append(plan.phase_ms)
-        del plan
-        rows.append(
-            {
+    with BusyLoops(busy):
+        for dp in dps:
+            if dp % 8:
+                raise ValueError(f"dp values must be multiples of the pool size 8, got {dp}")
+            layout = LayoutConfig(dp=dp, cp=8, pool_size=8, context=262_144)
+            planner = Planner(layout, model, PlannerOptions(system="libra", threads=args.threads))
+            one = Planner(layout, model, PlannerOptions(system="libra", threads=1))
+            steps, source_ms = _time_source("libra-256k", 8 * dp, 262_144, args.seed, args.steps)
+            ms, ms_one, tiles, balance, phases, convert, convert_lists = [], [], [], [], [], [], []
+            # warm-up: one pass over the steps untimed, so the timed pass sees the process as a
+            # training run does after its first steps (the allocator grown to plan-sized buffers)
+            plan = None
+            for seqs in steps:
+                plan = planner.plan(seqs)
+                if busy:
+                    one.plan(seqs)
+            for seqs in steps:
+                # the previous step's plan stays alive while the next is planned, as in training
+                t0 = time.perf_counter()
+                plan = planner.plan(seqs)
+                convert.append((time.perf_counter() - t0) * 1e3 - plan.plan_ms)
+                ms.append(plan.plan_ms)
+                tiles.append(plan.n_tiles)
+                balance.append(plan.max_over_mean)
+                phases.append(plan.phase_ms)
+                if busy:  # the same step on one thread, right after
+                    ms_one.append(one.plan(seqs).plan_ms)
+            as_lists = steps[0].tolist()
+            t0 = time.perf_counter()
+            listed = planner.plan(as_lists)
+            convert_lists.append((time.perf_counter() - t0) * 1e3 - listed.plan_ms)
+            del plan, listed
+            row = {
                 "dp": dp,
                 "gbs": 8 * dp,
-                "documents": int(np.mean([sum(len(s) for s in st) for st in steps])),
+                "documents": int(np.mean([st.n_documents for st in steps])),
                 "tiles": float(np.mean(tiles)),
                 "ms": statistics.median(ms),
                 "phase_ms": {k: statistics.median(p[k] for p in phases) for k in PLAN_PHASES},
                 "max_over_mean": float(np.mean(balance)),
+                "source_ms": source_ms,
+                "convert_ms": statistics.median(convert),
+                "convert_lists_ms": convert_lists[0],
             }
-        )
+            if busy:
+                row["ms_one_thread"] = statistics.median(ms_one)
+                row["auto_over_one_thread"] = row["ms"] / row["ms_one_thread"]
+            rows.append(row)
     exponent = None
     if len(rows) > 1:
         x = np.log([r["dp"] for r in rows])
         y = np.log([r["ms"] for r in rows])
         exponent = float(np.polyfit(x, y, 1)[0])
-    out = {"rows": rows, "growth_exponent": exponent}
+    out = {"rows": rows, "growth_exponent": exponent, "busy": busy,
+           "threads": args.threads or "auto"}
     if args.json:
         return out
-    print("libra bench planner: planning time per step (median), 256K, B = 8D, C = 8, P = 8, "
-          f"{args.threads or 'auto'} threads; then the median ms of each phase")
+    print("libra bench planner: host time per step, 256K, B = 8D, C = 8, P = 8, "
+          f"{args.threads or 'auto'} threads" + (f", {busy} busy-loop processes" if busy else "")
+          + ": step source (amortized), conversion into the call (flat / lists), plan (median); "
+          "then the median ms of each phase")
     head = "".join(f" {k:>9s}" for k in PLAN_PHASES)
-    cols = f"{'D':>5s} {'B':>6s} {'documents':>10s} {'tiles':>8s} {'ms':>8s} {'max/mean':>9s}"
-    print(f"  {cols} |{head}")
+    cols = (f"{'D':>5s} {'B':>6s} {'documents':>10s} {'tiles':>8s} {'source':>8s} "
+            f"{'convert':>8s} {'lists':>7s} {'plan':>8s}")
+    if busy:
+        cols += f" {'1 thread':>9s} {'ratio':>6s}"
+    print(f"  {cols} {'max/mean':>9s} |{head}")
     for r in rows:
         cells = "".join(f" {r['phase_ms'][k]:9.2f}" for k in PLAN_PHASES)
-        print(f"  {r['dp']:5d} {r['gbs']:6d} {r['documents']:10d} {r['tiles']:8.0f} "
-              f"{r['ms']:8.2f} {r['max_over_mean']:9.4f} |{cells}")
+        line = (f"  {r['dp']:5d} {r['gbs']:6d} {r['documents']:10d} {r['tiles']:8.0f} "
+                f"{r['source_ms']:8.2f} {r['convert_ms']:8.3f} {r['convert_lists_ms']:7.2f} "
+                f"{r['ms']:8.2f}")
+        if busy:
+            line += f" {r['ms_one_thread']:9.2f} {r['auto_over_one_thread']:6.2f}"
+        print(f"{line} {r['max_over_mean']:9.4f} |{cells}")
     if exponent is not None:
-        print(f"  growth: time ~ D^{exponent:.2f}")
+        print(f"  growth: plan time ~ D^{exponent:.2f}")
     return None
 
 

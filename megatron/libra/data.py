@@ -15,7 +15,7 @@ import torch
 from libra_ext.attention.core import compile_rank
 from libra_ext.attention.meta import stage
 from libra_ext.planner import Planner, StepPlan
-from libra_ext.workload import LengthSource, pack_production
+from libra_ext.workload import LengthSource, PackedBatch, document_count, pack_production
 from megatron.libra.config import TrainConfig
 
 
@@ -47,7 +47,7 @@ class SyntheticSource:
         self._mul = np.ones(1, dtype=np.int64)  # 7^k mod vocab
         self._add = np.zeros(1, dtype=np.int64)  # 3 (7^k - 1) / 6 mod vocab
 
-    def step(self, step: int, doc_base: int = 0) -> list[list[int]]:
+    def step(self, step: int, doc_base: int = 0) -> PackedBatch:
         return self.src.step(self.gbs, self.context, self.seed, step)
 
     def _tables(self, n: int) -> None:
@@ -305,7 +305,7 @@ class StepSampler:
     def _plan(self, step: int) -> StepBatch:
         seqs = self.source.step(step, self._doc_base)
         plan = self.planner.plan(seqs)
-        n_in = sum(len(s) for s in seqs)
+        n_in = document_count(seqs)
         if self.cfg.system.name == "wlb":  # ids are global already (the planner's counter)
             ids = plan.doc_ids
         else:

@@ -154,7 +154,21 @@ def test_bench_planner_dp_sweep_reports_growth(capsys):
     assert main(["bench", "planner", "--dp", "8,16", "--steps", "1", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert [row["dp"] for row in r["rows"]] == [8, 16] and r["growth_exponent"] is not None
+    for row in r["rows"]:  # the host time around the plan is reported beside it
+        assert row["source_ms"] > 0 and row["convert_ms"] >= 0 and row["convert_lists_ms"] > 0
+        assert "ms_one_thread" not in row
     assert main(["bench", "planner", "--dp", "12"]) == 2  # not a multiple of the pool size
+    assert main(["bench", "planner", "--dp", "8", "--busy", "-1"]) == 2
+
+
+def test_bench_planner_under_busy_loops_times_one_thread_beside_automatic(capsys):
+    from megatron.libra.cli import main
+
+    assert main(["bench", "planner", "--dp", "8", "--steps", "1", "--busy", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    row = r["rows"][0]
+    assert r["busy"] == 1 and row["ms_one_thread"] > 0
+    assert row["auto_over_one_thread"] == pytest.approx(row["ms"] / row["ms_one_thread"])
 
 
 def test_lengths_longer_than_the_context_are_said_to_be_cut(tmp_path, capsys):

@@ -369,3 +369,32 @@ def test_random_states_and_options_plan_or_are_refused_by_name():
         again = Planner(p.layout, p.model, p.options)
         again.load_state_dict(p.state_dict())  # what a plan leaves loads again
     assert refused > 500 and planned > 500
+
+
+# --- automatic threads on a busy host -------------------------------------------------------
+
+
+def _spin(stop):
+    while not stop.is_set():
+        pass
+
+
+def test_automatic_threads_leave_the_cores_other_processes_hold():
+    import multiprocessing as mp
+    import time
+
+    cores = core.usable_cores()
+    assert 1 <= core.idle_cores() <= cores
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(cores)]
+    for proc in procs:
+        proc.start()
+    try:
+        time.sleep(1.0)
+        # every core is taken by a busy loop: a plan runs on one thread
+        assert max(core.idle_cores() for _ in range(20)) == 1
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(timeout=5)

@@ -113,8 +113,10 @@ def test_steps_are_a_shuffled_draw_of_the_packed_stream():
     steps = [src.step(4, 65536, seed=2, step=k) for k in range(16)]
     fresh = wl.LengthSource(preset="libra-1m")
     assert steps[9] == fresh.step(4, 65536, seed=2, step=9)  # no dependence on what came before
-    window = wl.PackedBatch(*wl._core.window_batch(src._dist, 4, 65536, 2, 1, wl.SAMPLE_SHUFFLE_WINDOW))
+    lengths, offsets, order = wl._core.window_batch(src._dist, 4, 65536, 2, 1, wl.SAMPLE_SHUFFLE_WINDOW)
+    window = wl.PackedBatch(*wl._core.gather_sequences(lengths, offsets, order))
     assert window.tolist() == [s for st in steps[8:16] for s in st]
+    assert sorted(order.tolist()) == list(range(32))  # a permutation of the window's sequences
     plain = wl.LengthSource(preset="libra-1m", shuffle_window=1)
     assert plain.step(4, 65536, seed=2, step=3) == wl._core.step_sequences(
         src._dist, 4, 65536, 2, 3
@@ -187,3 +189,47 @@ def test_a_source_over_a_built_distribution_serves_steps_as_a_preset_does():
     assert built.name == "fit" and built.default_context() is None
     with pytest.raises(ValueError, match="shuffle_window"):
         wl.LengthSource.from_dist(core.preset("libra-1m"), shuffle_window=0)
+
+
+# Digests of steps made before the step source was drawn in stages on several threads and
+# packed in CSR form: the same documents, whatever the thread count.
+PINNED_STEPS = {
+    ("libra-256k", 16, 262_144, 0): "1e6ec1e908041e39",
+    ("libra-256k", 16, 262_144, 9): "7c1c80c5a025cdda",
+    ("libra-1m", 8, 1_048_576, 0): "cfa03cbaa4876fe5",
+    ("libra-1m", 8, 1_048_576, 9): "925e220084835ad7",
+    ("libra-256k-v1", 32, 65_536, 0): "c82392010a2a0e35",
+    ("libra-256k-v1", 32, 65_536, 9): "6d085a945a85045c",
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_steps_are_the_pinned_streams_for_any_thread_count(threads):
+    import hashlib
+    import json
+
+    for (preset, gbs, context, step), digest in PINNED_STEPS.items():
+        seqs = wl.LengthSource(preset=preset).step(gbs, context, 0, step, threads=threads)
+        got = hashlib.sha1(json.dumps(seqs.tolist()).encode()).hexdigest()[:16]
+        assert got == digest, (preset, step)
+
+
+def test_a_packed_batch_reads_like_lists_and_slices_without_copying():
+    seqs = [[3, 4], [], [5], [1, 1, 1]]
+    b = wl.PackedBatch.from_lists(seqs)
+    assert len(b) == 4 and b == seqs and b.tolist() == seqs and list(b) == seqs
+    assert b[2] == [5] and b[-1] == [1, 1, 1] and b.n_documents == 6
+    assert b[1:3] == [[], [5]] and b[1:3].lengths.base is not None  # a view of b's lengths
+    assert b.tokens().tolist() == [7, 0, 5, 3]
+    assert wl.document_count(b) == wl.document_count(seqs) == 6
+    with pytest.raises(ValueError, match="offsets must be non-decreasing"):
+        wl.PackedBatch([1, 2], [0, 2, 1])
+    with pytest.raises(IndexError):
+        b[4]
+
+
+def test_gather_refuses_an_order_entry_outside_the_batch():
+    b = wl.PackedBatch.from_lists([[1], [2, 3]])
+    assert wl._core.gather_sequences(b.lengths, b.offsets, np.array([1, 0]))[0].tolist() == [2, 3, 1]
+    with pytest.raises(ValueError, match=r"order\[1\] = 2 is not a sequence of the 2"):
+        wl._core.gather_sequences(b.lengths, b.offsets, np.array([0, 2]))

@@ -81,6 +81,19 @@ std::vector<i64> sample_lengths(const LengthDist& dist, i64 n, u64 seed);
 PackedBatch step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 step,
                            i64 shuffle_window = 1, i64 threads = 0);
 
+// The W*B packed sequences of steps [window*W, (window+1)*W): the packed stream in stream order,
+// and `order`, the stream sequence at each shuffled position (step k of the window takes the
+// positions [k*B, (k+1)*B)).
+struct ShuffledWindow {
+  PackedBatch stream;
+  std::vector<i64> order;
+};
+ShuffledWindow window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
+                             i64 shuffle_window, i64 threads = 0);
+
+// Sequences order[0], ..., order[n-1] of `from`, in that order (each order entry checked).
+PackedBatch gather_sequences(const SequencesView& from, const i64* order, std::size_t n);
+
 // The W*B packed sequences of steps [window*W, (window+1)*W) in their shuffled order.
 PackedBatch window_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
                              i64 shuffle_window, i64 threads = 0);
