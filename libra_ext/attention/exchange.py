@@ -99,22 +99,89 @@ def _backward_calls(outs, leaves, grads, counts: CallCounts):
     return [g[3 * i : 3 * i + 3] for i in range(len(outs))]
 
 
+_CAST_PIECES = 4
+"""A gradient summed into a buffer of a wider dtype is cast in this many pieces, so the cast copy
+alive at once is a quarter of it (a fixed number of kernels, whatever the call's size)."""
+
+
 def _accumulate(buf: torch.Tensor, block: Block, calls_grads, d: int, copy: bool) -> None:
     """Add (or, when every pack vector is distinct, copy) a block's pack gradients into buf."""
     for call, grads in zip(block.calls, calls_grads):
         for (lo, n, _), gr in zip(call.parts(), grads):
             idx = block.gather[lo : lo + n]
-            src = gr.reshape(-1, d).to(buf.dtype)
+            src = gr.reshape(-1, d)
             if copy:
-                buf.index_copy_(0, idx, src)
-            else:
+                buf.index_copy_(0, idx, src.to(buf.dtype))
+            elif src.dtype == buf.dtype:
                 buf.index_add_(0, idx, src)
+            else:
+                step = -(-n // _CAST_PIECES)
+                for a in range(0, n, step):
+                    buf.index_add_(0, idx[a : a + step], src[a : a + step].to(buf.dtype))
+
+
+class _Accumulator:
+    """The gradient of X ([C*t*W, d] in the compute dtype), built from the blocks' pack
+    gradients and the returned ones: Q vectors written (each is a gradient of one tile), K/V
+    vectors summed - into dX itself when dKV is None (an exact dtype, or no vector repeats),
+    else into dKV ([C*t*2kvl, d] fp32, rows of dX's K/V vectors), cast into dX by finish()."""
+
+    def __init__(self, dX, dKV, W: int, hl: int, kvl: int):
+        self.dX, self.dKV, self.W, self.hl, self.kvl = dX, dKV, W, hl, kvl
+
+    def _kv_rows(self, idx):
+        # X vector (token row * W + head, head >= hl) -> its row of dKV
+        row = torch.div(idx, self.W, rounding_mode="floor")
+        return row * (2 * self.kvl) + (idx - row * self.W - self.hl)
+
+    def add_block(self, block: Block, calls_grads, d: int, copy: bool) -> None:
+        if self.dKV is None:
+            _accumulate(self.dX, block, calls_grads, d, copy)
+            return
+        for call, grads in zip(block.calls, calls_grads):
+            for part, ((lo, n, _), gr) in enumerate(zip(call.parts(), grads)):
+                idx = block.gather[lo : lo + n]
+                if part == 0:  # the call's Q vectors: each appears once
+                    self.dX.index_copy_(0, idx, gr.reshape(-1, d))
+                else:
+                    self._add_kv(idx, gr.reshape(-1, d))
+
+    def _add_kv(self, idx, src) -> None:
+        n = len(idx)
+        step = -(-n // _CAST_PIECES)
+        for a in range(0, n, step):  # cast piece by piece
+            self.dKV.index_add_(0, self._kv_rows(idx[a : a + step]),
+                                src[a : a + step].to(self.dKV.dtype))
+
+    def add_returned(self, prog: SlotProgram, d_send) -> None:
+        """The gradients of my vectors that other members' tiles read, returned in my send
+        buffer's layout (per chunk and member: [Q | K | V])."""
+        if self.dKV is None:
+            self.dX.index_add_(0, prog.send_idx, d_send.to(self.dX.dtype))
+            return
+        o = 0
+        for c in prog.chunks:
+            for n, nq in zip(c.qkv_send, c.q_send):
+                if nq:
+                    self.dX.index_add_(0, prog.send_idx[o : o + nq], d_send[o : o + nq])
+                if n > nq:
+                    self._add_kv(prog.send_idx[o + nq : o + n], d_send[o + nq : o + n])
+                o += n
+
+    def finish(self) -> None:
+        if self.dKV is not None:  # K/V rows into their slots of dX (one strided copy)
+            view = self.dX.view(-1, self.W, self.dX.shape[-1])
+            view[:, self.hl :].copy_(self.dKV.view(view.shape[0], 2 * self.kvl, -1))
 
 
 def _place_outputs(dst: torch.Tensor, block: Block, outs, d: int) -> None:
-    """Scatter a block's call outputs to their vectors of dst (block.out)."""
+    """Scatter a block's call outputs to their vectors of dst (block.out; in order when None)."""
     for call, o in zip(block.calls, outs):
-        dst.index_copy_(0, block.out[call.out_off : call.out_off + call.n_out], o.reshape(-1, d))
+        if block.out is None:
+            dst[call.out_off : call.out_off + call.n_out].copy_(o.reshape(-1, d))
+        else:
+            dst.index_copy_(0, block.out[call.out_off : call.out_off + call.n_out],
+                            o.reshape(-1, d))
 
 
 def _output_grads(src: torch.Tensor, block: Block, d: int) -> list:
@@ -185,6 +252,7 @@ class PlannedAttention(torch.autograd.Function):
         _put_kv(send[:, :, hl : hl + kvl], k, C, hl)
         _put_kv(send[:, :, hl + kvl :], v, C, hl)
         X = _cp_a2a(send, C, t * W, d, env, "ulysses.in")
+        del send  # (with cp > 1 X is a copy: free the send buffer now)
         xf = X.view(-1, d)
         pool, pipelined = env.pool_group, env.pipelined
         # pool exchange: every chunk's Q/K/V in flight before any compute
@@ -206,26 +274,33 @@ class PlannedAttention(torch.autograd.Function):
                         pipelined,
                     )
                 )
-        out_flat = xf.new_zeros(C * t * hl, d)
+        local_pack = xf.index_select(0, prog.local.gather) if prog.local is not None else None
+        # Every buffer is released once its last reader has run (device memory of a layer call:
+        # the packs the kernels keep for backward, and what is in flight): X now, as the send
+        # buffer and the local pack hold what is read of it.
+        del X, xf
+        out_flat = q.new_zeros(C * t * hl, d)
         saved = {}
-        if prog.local is not None:  # my own tiles, while the exchange is in flight
+        if local_pack is not None:  # my own tiles, while the exchange is in flight
             b = prog.local
-            outs, leaves = _run_calls(xf.index_select(0, b.gather), b, env, d, counts)
+            outs, leaves = _run_calls(local_pack, b, env, d, counts)
+            del local_pack  # the kernel's leaves are views of it
             _place_outputs(out_flat, b, outs, d)
             saved["local"] = (outs, leaves)
         o_works = []
         if prog.chunks:
-            o_recv_all = xf.new_empty(prog.n_o_recv, d)
+            o_recv_all = q.new_empty(prog.n_o_recv, d)
             for i, c in enumerate(prog.chunks):
                 if works[i] is not None:
                     works[i].wait()
                 if c.block is not None:
                     pack = recv_all.index_select(0, c.block.gather)
                     outs, leaves = _run_calls(pack, c.block, env, d, counts)
-                    o_send = _outputs_in_order(outs, c.block, c.n_o_send, xf, d)
+                    del pack
+                    o_send = _outputs_in_order(outs, c.block, c.n_o_send, q, d)
                     saved[i] = (outs, leaves)
                 else:
-                    o_send = xf.new_empty(0, d)
+                    o_send = q.new_empty(0, d)
                 o_works.append(
                     _a2a(
                         o_recv_all[c.o_recv_off : c.o_recv_off + c.n_o_recv],
@@ -239,12 +314,16 @@ class PlannedAttention(torch.autograd.Function):
                         pipelined,
                     )
                 )
+            del send_all, recv_all, works, o_send  # every Q/K/V message has arrived
             for w in o_works:
                 if w is not None:
                     w.wait()
+            del o_works
             out_flat.index_copy_(0, prog.o_out_idx, o_recv_all)
+            del o_recv_all
         # Ulysses out: [C*t*hl, d] (block j: rank j's slots) -> [t, h*d]
         Y = _cp_a2a(out_flat, C, t * hl, d, env, "ulysses.out")
+        del out_flat
         ctx.prog, ctx.env, ctx.saved = prog, env, saved
         ctx.shape = (t, h, hkv, d)
         ctx.dtype = q.dtype
@@ -265,6 +344,7 @@ class PlannedAttention(torch.autograd.Function):
         pool, pipelined = env.pool_group, env.pipelined
         dY = grad.reshape(t, C, hl, d).transpose(0, 1).contiguous()
         d_out = _cp_a2a(dY, C, t * hl, d, env, "ulysses.out.bwd")
+        del dY
         dof = d_out.view(-1, d)
         chunks = prog.chunks
         n_ch = len(chunks)
@@ -286,29 +366,43 @@ class PlannedAttention(torch.autograd.Function):
                     "pool.do",
                     pipelined,
                 )
+        local = saved.pop("local", None)  # released as soon as its backward has run
+        local_grads = _output_grads(dof, prog.local, d) if local is not None else None
+        del d_out, dof  # (the local gradients are views of it where its outputs were in order)
         exact = dtype == torch.float32 or dtype == torch.float64
         copy_local = prog.local_unique and not n_ch
         buf_dtype = dtype if (exact or copy_local) else torch.float32
-        dX = dof.new_zeros(C * t * W, d, dtype=buf_dtype)
-        if "local" in saved:
-            b = prog.local
-            outs, leaves = saved["local"]
-            grads = _output_grads(dof, b, d)
-            _accumulate(dX, b, _backward_calls(outs, leaves, grads, counts), d, copy_local)
+        # dX in the compute dtype: a Q vector's gradient is written once (its tile runs once);
+        # K/V rows read by several tiles are summed in fp32 in dKV (rows x 2 kvl) when the
+        # dtype is narrower and they can repeat, and written into dX at the end.
+        calls_grads = None
+        if local is not None:  # (before dX exists: the kernel's gradients and dX never overlap
+            outs, leaves = local  # with the saved pack and output)
+            del local
+            calls_grads = _backward_calls(outs, leaves, local_grads, counts)
+            del outs, leaves, local_grads
+        dX = grad.new_zeros(C * t * W, d, dtype=dtype)
+        dKV = None if buf_dtype == dtype else grad.new_zeros(C * t * 2 * kvl, d, dtype=buf_dtype)
+        acc = _Accumulator(dX, dKV, W, hl, kvl)
+        if calls_grads is not None:
+            acc.add_block(prog.local, calls_grads, d, copy_local)
+            del calls_grads
         if n_ch:
-            d_recv = dof.new_zeros(prog.n_recv, d, dtype=buf_dtype)
-            d_send = dof.new_empty(prog.n_send, d)
+            d_recv = dX.new_zeros(prog.n_recv, d, dtype=buf_dtype)
+            d_send = dX.new_empty(prog.n_send, d, dtype=dtype)
             ret_works = []
             for i in reversed(range(n_ch)):
                 c = chunks[i]
                 if do_works[i] is not None:
                     do_works[i].wait()
                 if i in saved:
-                    outs, leaves = saved[i]
+                    outs, leaves = saved.pop(i)
                     msg = d_o_recv[c.o_send_off : c.o_send_off + c.n_o_send]
                     grads = _output_grads(msg, c.block, d)
                     calls_grads = _backward_calls(outs, leaves, grads, counts)
+                    del outs, leaves, grads, msg
                     _accumulate(d_recv, c.block, calls_grads, d, False)
+                    del calls_grads
                 ret = d_recv[c.recv_off : c.recv_off + c.n_recv].to(dtype)
                 ret_works.append(
                     _a2a(
@@ -326,9 +420,14 @@ class PlannedAttention(torch.autograd.Function):
             for w in ret_works:
                 if w is not None:
                     w.wait()
-            dX.index_add_(0, prog.send_idx, d_send.to(buf_dtype))
-        dX = dX.to(dtype).view(C, t, W, d)
+            del ret_works, ret, d_recv, d_o_recv, d_o_send, do_works
+            acc.add_returned(prog, d_send)
+            del d_send
+        acc.finish()
+        del acc, dKV
+        dX = dX.view(C, t, W, d)
         dsend = _cp_a2a(dX, C, t * W, d, env, "ulysses.in.bwd")
+        del dX
         dq = dsend[:, :, :hl].transpose(0, 1).reshape(t, h, d)
         dk = _take_kv(dsend[:, :, hl : hl + kvl], C, hl, hkv)
         dv = _take_kv(dsend[:, :, hl + kvl :], C, hl, hkv)
@@ -350,13 +449,20 @@ class PerDocAttention(torch.autograd.Function):
             ql = q.detach().requires_grad_()  # the local slots are the query pack as they are
             kl = kv[:, :hkv].index_select(0, prog.kv_rows).requires_grad_()
             vl = kv[:, hkv:].index_select(0, prog.kv_rows).requires_grad_()
+            del kv  # the key and value packs hold what the kernel reads of it
             with torch.enable_grad():
                 o = env.kernel.attend(ql, kl, vl, prog.call.seg, env.scale, env.key)
             counts.kernel_calls += 1
             real = prog.real.to(o.dtype)[:, None, None]
+            # Padding slots' outputs are zeroed in the kernel's own output, which it keeps for
+            # its backward: a flash backward reads O only through D = rowsum(dO * O), and the
+            # padding rows' dO is zeroed too (backward), so D and every gradient are unchanged.
+            # The output is then a view of it, not a second copy. (.data: the change is not an
+            # autograd edit of the saved tensor, which the kernel's backward would refuse.)
+            o.data.mul_(real)
             ctx.prog, ctx.env, ctx.graph, ctx.real = prog, env, (o, (ql, kl, vl)), real
             ctx.shape = (t, h, hkv, d)
-            return (o.detach() * real).reshape(t, h * d)
+            return o.detach().view(t, h * d)
 
     @staticmethod
     def backward(ctx, grad):
@@ -364,22 +470,32 @@ class PerDocAttention(torch.autograd.Function):
             prog, env = ctx.prog, ctx.env
             t, h, hkv, d = ctx.shape
             o, leaves = ctx.graph
+            ctx.graph = None  # the packs and the output are released once the kernel is done
             dq, dk, dv = torch.autograd.grad(o, leaves, grad.reshape(t, h, d) * ctx.real)
+            del o, leaves
             counts.kernel_calls += 1
             dtype = dq.dtype
             C = prog.cp
-            buf = dk.new_zeros(C * t, 2 * hkv, d, dtype=torch.promote_types(dtype, torch.float32))
-            buf[:, :hkv].index_add_(0, prog.kv_rows, dk.to(buf.dtype))
-            buf[:, hkv:].index_add_(0, prog.kv_rows, dv.to(buf.dtype))
+            acc = torch.promote_types(dtype, torch.float32)
+            buf = dk.new_zeros(C * t, 2 * hkv, d, dtype=acc)
+            n_k = len(prog.kv_rows)
+            step = -(-n_k // _CAST_PIECES)
+            for a in range(0, n_k, step):  # summed in fp32, cast piece by piece
+                rows = prog.kv_rows[a : a + step]
+                buf[:, :hkv].index_add_(0, rows, dk[a : a + step].to(acc))
+                buf[:, hkv:].index_add_(0, rows, dv[a : a + step].to(acc))
+            del dk, dv
             if C > 1:  # reduce-scatter: rank j gets every rank's gradient of its rows, summed
                 send = buf.to(dtype)
+                del buf
                 recv = torch.empty_like(send)
                 n = t * 2 * hkv * d
                 all_to_all(recv.view(-1), send.view(-1), [n] * C, [n] * C, env.cp_group,
                            env.counter, "wlb.kv.bwd")
-                mine = recv.view(C, t, 2 * hkv, d).sum(0, dtype=buf.dtype)
+                del send
+                mine = recv.view(C, t, 2 * hkv, d).sum(0, dtype=acc)
+                del recv
             else:
                 mine = buf
-            ctx.graph = None
             return dq, mine[:, :hkv].to(dtype), mine[:, hkv:].to(dtype), None, None
 

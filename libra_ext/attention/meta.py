@@ -114,6 +114,8 @@ class Chunk:
     o_recv_off: int
     block: Block | None
     """What this member executes for others in this chunk (None: nothing)."""
+    q_send: list = field(default_factory=list)
+    """Of qkv_send, the Q vectors (each message is [Q | K | V]: the rest is K/V rows)."""
 
     @property
     def n_send(self) -> int:
@@ -642,7 +644,9 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
     mine_blocks = blocks_by_exec[me]
     if mine_blocks[0] is not None:
         local = _block(g, mine_blocks[0], True, xrow, None, None)
-        local.out = g.out_index(mine_blocks[0][0], xrow).astype(_I64)  # piece order
+        out = g.out_index(mine_blocks[0][0], xrow).astype(_I64)  # piece order
+        # outputs already in output-buffer order (one rank's whole sequence in order): no scatter
+        local.out = None if np.array_equal(out, np.arange(C * t * g.hl)) else out
     chunk_list, o_out = [], []
     send_off = recv_off = o_send_off = o_recv_off = 0
     for k in range(n_ch):
@@ -674,6 +678,7 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
         chunk_list.append(
             Chunk(
                 qkv_send=[int(x) for x in send_sizes[k]],
+                q_send=[int(x) for x in g.nq.reshape(-1, px, px)[k, me, :]],
                 qkv_recv=[int(x) for x in recv_sizes[k]],
                 o_send=o_send,
                 o_recv=o_recv,

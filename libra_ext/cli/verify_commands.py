@@ -1,4 +1,5 @@
-"""`libra verify attention`: the multi-process exactness check of the attention runtime."""
+"""`libra verify attention`: the multi-process exactness check of the attention runtime;
+`libra verify gpu-ready`: the GPU-readiness gate on fake CUDA (libra_ext.gpu_ready)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,28 @@ def add_verify_parser(sub) -> None:
     a.add_argument("--tolerance", type=float, default=1e-5)
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=run_verify_attention)
+    g = vsub.add_parser(
+        "gpu-ready",
+        help="the GPU path on fake CUDA: mismatches, host reads, transfers, kernels, memory",
+        description="Run every system's operator forward and backward on fake CUDA tensors "
+        "(a CPU-only PyTorch), with stand-ins for each kernel entry point and for the "
+        "collectives, and report per layer call: device ops, kernel calls, host reads, "
+        "blocking transfers, uploads per step, bytes kept for backward and the peak. Exit "
+        "status 1 when a bound is not met.",
+    )
+    g.add_argument("--systems", default=",".join(SYSTEMS))
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=run_verify_gpu_ready)
+
+
+def run_verify_gpu_ready(args):
+    from libra_ext.gpu_ready.__main__ import main
+
+    argv = ["--systems", args.systems] + (["--json"] if args.json else [])
+    rc = main(argv)
+    if rc:
+        raise SystemExit(rc)
+    return None
 
 
 def run_verify_attention(args):

@@ -66,8 +66,11 @@ def run_group(plan, replica, slot, chunks, seed=0):
         if p.local is not None:
             pack = xf[m][p.local.gather]
             for call, o in zip(p.local.calls, _run_block(p.local, pack, d)):
-                idx = p.local.out[call.out_off : call.out_off + call.n_out]
-                out_flat[m][idx] = o.reshape(-1, d)
+                if p.local.out is None:  # already in output-buffer order
+                    out_flat[m][call.out_off : call.out_off + call.n_out] = o.reshape(-1, d)
+                else:
+                    idx = p.local.out[call.out_off : call.out_off + call.n_out]
+                    out_flat[m][idx] = o.reshape(-1, d)
     recv = {m: [] for m in range(px)}
     o_msgs = {m: [] for m in range(px)}  # per executor, per chunk: its O message
     for i in range(n_ch):

@@ -1,0 +1,63 @@
+"""python -m libra_ext.gpu_ready [--json] [--systems ...] [--standins ...] [--layouts ...]
+
+Builds the fake-CUDA library (once), then runs the gate in a process started with it preloaded
+and prints the report (`--json`: one JSON object) and what fails; exit status 1 on a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+
+def _args(argv):
+    from libra_ext.gpu_ready.standins import BACKEND_STANDINS
+    from libra_ext.gpu_ready.gate import LAYOUTS
+    from libra_ext.planner import SYSTEMS
+
+    p = argparse.ArgumentParser(prog="python -m libra_ext.gpu_ready", description=__doc__)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--standins", default=",".join(BACKEND_STANDINS),
+                   help="kernel entry points to stand in for")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--tokens", type=int, default=65_536)
+    p.add_argument("--mutate", default="", help=argparse.SUPPRESS)  # tests: a planted defect
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from libra_ext.gpu_ready import harness
+
+    if not os.environ.get(harness.PRELOAD_ENV):
+        lib = harness.build_library()
+        cmd = [sys.executable, "-m", "libra_ext.gpu_ready", *argv]
+        return subprocess.run(cmd, env=harness.preload_env(lib)).returncode
+    args = _args(argv)
+    from libra_ext.gpu_ready import gate
+
+    if args.mutate:
+        from libra_ext.gpu_ready import mutations
+
+        mutations.apply(args.mutate)
+    report = gate.run(
+        systems=tuple(s for s in args.systems.split(",") if s),
+        standin_names=tuple(s for s in args.standins.split(",") if s),
+        layouts=tuple(s for s in args.layouts.split(",") if s),
+        shape=gate.Shape(tokens=args.tokens),
+    )
+    failures = gate.check(report)
+    report["failures"] = failures
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        print(gate.summary(report))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

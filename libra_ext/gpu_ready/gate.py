@@ -1,0 +1,304 @@
+"""The GPU-readiness gate's scenarios, run on fake CUDA (see `harness`).
+
+Operator: for every system (libra, ulysses, wlb, distca) and every kernel entry point's
+stand-in (TE DotProductAttention THD, flash-attn 2 and 3, PyTorch varlen_attn of 2.11 and
+2.13), one layer call of `LibraCoreAttention` - forward and backward - on every rank of a
+single-rank layout and of a multi-rank one (cp 2, pool 2; each rank's program against
+stand-in collectives), on a 64K-token sequence of 32 query / 8 KV heads of dimension 128 in
+bf16, as the training app calls it (the step's programs staged in pinned memory by the
+sampler's thread, uploaded by `Runtime.prepare`). Per rank and call it reports device ops
+(kernel launches), the stand-in kernel calls, host reads of device values, blocking transfers,
+the step's uploads, and the bytes kept for backward and the peak, both over the layer's Q/K/V
+bytes (the same measured for one plain varlen call over the whole sequence); and per system how
+the device ops change from 50 to 500 documents per sequence.
+
+Bounds: no errors (a device mismatch, a stand-in refusing its arguments), no host reads, no
+blocking transfers and no host-to-device copies inside a call, one pinned non-blocking upload
+per slot per step, at most KEPT_BOUND x Q/K/V kept for backward, at most PEAK_BOUND x Q/K/V at
+the peak for kernels with native GQA (without it - varlen_attn of 2.11 - K and V are expanded
+to the query heads while the kernel runs, which the peak reports but does not bound; what is
+kept is bounded all the same), and at most GROWTH_BOUND x the device ops from 50 to 500
+documents. `run(...)` returns the report; `check(report)` lists what fails.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+import traceback
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from libra_ext.gpu_ready import harness, standins
+from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
+from libra_ext.workload import ModelConfig
+
+KEPT_BOUND = 3.0
+"""Bytes a layer call keeps for backward, at most this many times its Q/K/V bytes."""
+PEAK_BOUND = 5.0
+"""Peak device bytes of a layer call (forward and backward), at most this many times its Q/K/V."""
+GROWTH_BOUND = 1.1
+"""Device ops per layer call with 500 documents per sequence, at most this many times those
+with 50."""
+
+LAYOUTS = {"single": (1, 1, 1), "cp2-pool2": (2, 2, 2)}
+KERNEL_OPS = ("attn_fwd", "attn_bwd", "varlen_fwd", "varlen_bwd")
+"""The stand-in kernels' op names."""
+"""Layout name -> (dp, cp, pool size)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    tokens: int = 65_536
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+
+
+def _sequences(dp: int, tokens: int, docs: int, seed: int) -> list[list[int]]:
+    """dp sequences of `tokens` tokens and `docs` documents each; the first replica's holds one
+    document of half the sequence, so tiles move in a pool."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in range(dp):
+        head = [tokens // 2] if r == 0 else []
+        rest = tokens - sum(head)
+        n = docs - len(head)
+        cuts = np.sort(rng.choice(np.arange(1, rest), size=n - 1, replace=False))
+        out.append(head + np.diff(np.r_[0, cuts, rest]).astype(int).tolist())
+    return out
+
+
+def _plan(system: str, layout: tuple, shape: Shape, docs: int):
+    dp, cp, pool = layout
+    model = ModelConfig(hidden=shape.heads * shape.head_dim, heads=shape.heads,
+                        kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=64, layers=1,
+                        moe_topk=0)
+    planner = Planner(LayoutConfig(dp=dp, cp=cp, pool_size=pool, context=shape.tokens), model,
+                      PlannerOptions(system=system))
+    return planner.plan(_sequences(dp, shape.tokens, docs, seed=docs), flush=True)
+
+
+def _failure(e: BaseException) -> dict:
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if ("libra_ext" in f.filename or "megatron/libra" in f.filename)
+              and "gpu_ready" not in f.filename]
+    where = f"{frames[-1].filename.split('/libra_ext/')[-1]}:{frames[-1].lineno}" if frames else "?"
+    return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", "where": where}
+
+
+def _rank_call(probe, plan, system: str, backend: str, groups, shape: Shape, chunks: int = 2):
+    """One layer call (forward + backward) of rank (groups.r, groups.c) for slot 0."""
+    from libra_ext.attention.core import LibraCoreAttention, Runtime, compile_rank
+    from libra_ext.attention.meta import sequence_lengths, stage
+
+    runtime = Runtime(groups=groups, chunks=chunks, backend=backend)
+    # the sampler's thread compiles and stages the step's programs (outside the training
+    # thread's modes: host tensors, pinned)
+    with ThreadPoolExecutor(1) as pool:
+        staged = pool.submit(
+            lambda: [stage(p, pin=True) for p in compile_rank(plan, groups.r, groups.c, chunks)]
+        ).result()
+    upload = probe.start("upload")
+    steps = runtime.prepare(plan, "cuda", staged)
+    probe.start("inputs")
+    prog = steps[0].program
+    t, C = prog.t, plan.cp
+    h, hkv, d = shape.heads, shape.kv_heads, shape.head_dim
+    q0 = torch.empty(t, h, d, device="cuda", dtype=shape.dtype, requires_grad=True)
+    k0 = torch.empty(t, hkv, d, device="cuda", dtype=shape.dtype, requires_grad=True)
+    v0 = torch.empty(t, hkv, d, device="cuda", dtype=shape.dtype, requires_grad=True)
+    qkv_bytes = sum(x.numel() * x.element_size() for x in (q0, k0, v0))
+    psp = SimpleNamespace(libra=steps[0],
+                          libra_doc_lengths=sequence_lengths(plan, groups.r, 0).tolist())
+    module = LibraCoreAttention(system=system, runtime=runtime, layer_number=1)
+    fwd = probe.start("fwd")
+    q, k, v = q0.clone(), k0.clone(), v0.clone()  # the layer's Q/K/V, made by its projection
+    out = module(q, k, v, packed_seq_params=psp)
+    del q, k, v  # kept alive now only by what the call saved for backward
+    grad = torch.empty_like(out)
+    bwd = probe.start("bwd")
+    out.backward(grad)
+    probe.start("done")
+    out_bytes = out.numel() * out.element_size() + grad.numel() * grad.element_size()
+    kernel_ops = [n for n in list(fwd.ops) + list(bwd.ops) if n.startswith(KERNEL_OPS)]
+    return {
+        "device_ops": fwd.kernels + bwd.kernels,
+        "device_ops_fwd": fwd.kernels,
+        "device_ops_bwd": bwd.kernels,
+        "kernel_calls": sum(fwd.ops[n] + bwd.ops[n] for n in set(kernel_ops)),
+        "host_reads": fwd.reads + bwd.reads,
+        "blocking_transfers": fwd.blocking + bwd.blocking,
+        "transfers_in_call": len(fwd.h2d) + len(bwd.h2d),
+        "uploads": len(upload.h2d),
+        "uploads_pinned_non_blocking": sum(1 for x in upload.h2d if x[1] and x[2]),
+        "slots": plan.slots,
+        "qkv_bytes": qkv_bytes,
+        "kept": (fwd.end_live - fwd.start_live - out_bytes) / qkv_bytes,
+        "peak": (max(fwd.peak_live, bwd.peak_live) - fwd.start_live) / qkv_bytes,
+    }
+
+
+def _plain_call(probe, shape: Shape, backend: str, docs: int = 500) -> dict:
+    """One plain varlen call over a whole packed sequence (the reference for memory)."""
+    from libra_ext.attention import kernels
+
+    L = np.asarray(_sequences(1, shape.tokens, docs, seed=docs)[0], dtype=np.int64)
+    cu = np.r_[0, np.cumsum(L)]
+    probe.start("inputs")
+    seg = kernels.Segments.from_host(torch.as_tensor(cu, dtype=torch.int32).to("cuda"),
+                                     torch.as_tensor(cu, dtype=torch.int32).to("cuda"), cu, cu)
+    kern = kernels.backend_for(torch.empty(1, shape.heads, shape.head_dim, device="cuda",
+                                           dtype=shape.dtype), backend)
+    n = int(cu[-1])
+    q0 = torch.empty(n, shape.heads, shape.head_dim, device="cuda", dtype=shape.dtype,
+                     requires_grad=True)
+    k0 = torch.empty(n, shape.kv_heads, shape.head_dim, device="cuda", dtype=shape.dtype,
+                     requires_grad=True)
+    v0 = torch.empty_like(k0, requires_grad=True)
+    qkv = sum(x.numel() * x.element_size() for x in (q0, k0, v0))
+    fwd = probe.start("fwd")
+    q, k, v = q0.clone(), k0.clone(), v0.clone()
+    out = kern.attend(q, k, v, seg, 1.0 / math.sqrt(shape.head_dim), key="plain")
+    del q, k, v
+    grad = torch.empty_like(out)
+    bwd = probe.start("bwd")
+    out.backward(grad)
+    probe.start("done")
+    out_bytes = 2 * out.numel() * out.element_size()
+    return {"kept": (fwd.end_live - fwd.start_live - out_bytes) / qkv,
+            "peak": (max(fwd.peak_live, bwd.peak_live) - fwd.start_live) / qkv,
+            "device_ops": fwd.kernels + bwd.kernels}
+
+
+def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts=tuple(LAYOUTS),
+        shape: Shape = Shape(), growth_standin: str = "varlen-2.13") -> dict:
+    """Every scenario of the module docstring; the report (JSON-ready)."""
+    t0 = time.perf_counter()
+    report = {"shape": {"tokens": shape.tokens, "heads": shape.heads, "kv_heads": shape.kv_heads,
+                        "head_dim": shape.head_dim, "dtype": str(shape.dtype)},
+              "bounds": {"kept": KEPT_BOUND, "peak": PEAK_BOUND, "growth": GROWTH_BOUND},
+              "operator": {}, "plain": {}, "growth": {}}
+    with harness.fake_cuda() as probe, standins.fake_collectives():
+        for name in standin_names:
+            with standins.use_backend(name) as backend:
+                try:
+                    report["plain"][name] = _plain_call(probe, shape, backend)
+                except Exception as e:  # noqa: BLE001 - reported, and failed by check()
+                    report["plain"][name] = _failure(e)
+                for system in systems:
+                    for lay in layouts:
+                        report["operator"][f"{system}/{name}/{lay}"] = _layout_calls(
+                            probe, system, backend, LAYOUTS[lay], shape, docs=500)
+        with standins.use_backend(growth_standin) as backend:
+            for system in systems:
+                for lay in layouts:
+                    few = _layout_calls(probe, system, backend, LAYOUTS[lay], shape, docs=50)
+                    many = _layout_calls(probe, system, backend, LAYOUTS[lay], shape, docs=500)
+                    report["growth"][f"{system}/{lay}"] = _growth(few, many)
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def _layout_calls(probe, system, backend, layout, shape, docs) -> dict:
+    dp, cp, _ = layout
+    try:
+        plan = _plan(system, layout, shape, docs)
+    except Exception as e:  # noqa: BLE001
+        return {"plan": _failure(e)}
+    ranks = {}
+    for r in range(dp):
+        for c in range(cp):
+            try:
+                ranks[f"{r}.{c}"] = _rank_call(probe, plan, system, backend,
+                                               standins.FakeGroups(dp, cp, r, c), shape)
+            except Exception as e:  # noqa: BLE001
+                ranks[f"{r}.{c}"] = _failure(e)
+    return ranks
+
+
+def _growth(few: dict, many: dict) -> dict:
+    def ops(ranks):
+        vals = [v["device_ops"] for v in ranks.values() if "device_ops" in v]
+        return max(vals) if vals and len(vals) == len(ranks) else None
+
+    a, b = ops(few), ops(many)
+    return {"device_ops_50_docs": a, "device_ops_500_docs": b,
+            "ratio": (b / a) if a and b else None}
+
+
+def check(report: dict) -> list[str]:
+    """What fails the gate: every error, host read, blocking transfer, upload that is not one
+    pinned non-blocking copy per slot, memory above the bounds, or growth above its bound."""
+    bad = []
+    for name, r in report["plain"].items():
+        if "error" in r:
+            bad.append(f"plain/{name}: {r['error']} at {r['where']}")
+    for key, ranks in report["operator"].items():
+        for rank, r in ranks.items():
+            where = f"{key} rank {rank}"
+            if "error" in r:
+                bad.append(f"{where}: {r['error']} at {r['where']}")
+                continue
+            for op, at in r["host_reads"]:
+                bad.append(f"{where}: host read {op} at {at}")
+            for x in r["blocking_transfers"]:
+                bad.append(f"{where}: blocking transfer of {x[0]} bytes at {x[-1]}")
+            if r["transfers_in_call"]:
+                bad.append(f"{where}: {r['transfers_in_call']} host-to-device copies inside the "
+                           "call")
+            if r["uploads"] != r["slots"] or r["uploads_pinned_non_blocking"] != r["slots"]:
+                bad.append(f"{where}: {r['uploads']} uploads ({r['uploads_pinned_non_blocking']} "
+                           f"pinned and non-blocking) for {r['slots']} slots")
+            if r["kept"] > KEPT_BOUND:
+                bad.append(f"{where}: keeps {r['kept']:.2f}x its Q/K/V for backward "
+                           f"(bound {KEPT_BOUND})")
+            native = key.split("/")[1] in standins.NATIVE_GQA
+            if native and r["peak"] > PEAK_BOUND:
+                bad.append(f"{where}: peaks at {r['peak']:.2f}x its Q/K/V (bound {PEAK_BOUND})")
+    for key, g in report["growth"].items():
+        if g["ratio"] is None:
+            bad.append(f"growth {key}: not measured (a call failed)")
+        elif g["ratio"] > GROWTH_BOUND:
+            bad.append(f"growth {key}: {g['device_ops_50_docs']} -> {g['device_ops_500_docs']} "
+                       f"device ops from 50 to 500 documents (x{g['ratio']:.2f}, bound "
+                       f"{GROWTH_BOUND})")
+    return bad
+
+
+def summary(report: dict) -> str:
+    """The report as a table: per scenario the worst rank's figures, then the growth and what
+    fails."""
+    lines = [f"GPU-readiness gate (fake CUDA), {report['shape']['tokens']} tokens, "
+             f"{report['shape']['heads']}/{report['shape']['kv_heads']} heads x "
+             f"{report['shape']['head_dim']}, {report['shape']['dtype']}: per layer call, the "
+             "worst rank"]
+    lines.append(f"  {'system/kernel/layout':34s} {'ops':>6s} {'kernels':>7s} {'reads':>5s} "
+                 f"{'blocking':>8s} {'uploads':>7s} {'kept':>6s} {'peak':>6s}")
+    for key, ranks in report["operator"].items():
+        ok = [r for r in ranks.values() if "error" not in r]
+        if len(ok) != len(ranks):
+            err = next(r for r in ranks.values() if "error" in r)
+            lines.append(f"  {key:34s} FAILED: {err.get('error')} at {err.get('where')}")
+            continue
+        lines.append(
+            f"  {key:34s} {max(r['device_ops'] for r in ok):6d} "
+            f"{max(r['kernel_calls'] for r in ok):7d} {max(len(r['host_reads']) for r in ok):5d} "
+            f"{max(len(r['blocking_transfers']) for r in ok):8d} "
+            f"{max(r['uploads'] for r in ok):7d} {max(r['kept'] for r in ok):6.2f} "
+            f"{max(r['peak'] for r in ok):6.2f}")
+    for name, r in report["plain"].items():
+        if "error" not in r:
+            lines.append(f"  {'plain varlen call/' + name:34s} {r['device_ops']:6d} {1:7d} "
+                         f"{0:5d} {0:8d} {0:7d} {r['kept']:6.2f} {r['peak']:6.2f}")
+    for key, g in report["growth"].items():
+        lines.append(f"  device ops {key}: {g['device_ops_50_docs']} (50 documents) -> "
+                     f"{g['device_ops_500_docs']} (500)")
+    fails = report.get("failures", [])
+    lines.append(f"  {len(fails)} failures" + "".join(f"\n    {f}" for f in fails[:40]))
+    return "\n".join(lines)

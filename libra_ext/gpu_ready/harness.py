@@ -1,0 +1,309 @@
+"""Fake CUDA on a CPU-only PyTorch, and a probe of what device code does with it.
+
+Under `torch._subclasses.fake_tensor.FakeTensorMode`, tensors on ``device="cuda"`` carry shape,
+dtype and device but no data, so every op runs without a GPU: a host tensor meeting a device
+tensor raises `FakeTensorDeviceMismatchError`, and a device value read on the host (`.item()`,
+`.tolist()`, boolean-mask indexing, `nonzero`) raises `DataDependentOutputException` /
+`DynamicOutputShapeException`. Two things a CPU-only build lacks are supplied by a small
+library (`fake_cuda_guard.cpp`) preloaded into the gate's own process: a CUDA device guard
+(Python bindings open one for slicing, copies and `.to("cuda")`) and CUDA hooks that report one
+device (the autograd engine asks for "the accelerator" before a backward through device
+tensors). Pinned host memory is marked, not allocated.
+
+`Probe` (a TorchDispatchMode inside the fake mode) records, per phase ("setup", "fwd", "bwd"):
+device ops (what would be kernel launches: every op with a CUDA output that is not a view or a
+bare allocation), host-to-device copies (blocking, or from memory that is not pinned, is a sync),
+device-to-host copies, host reads of device values, and the live bytes of device tensors (each
+non-view output counted until it is freed), with their peak.
+
+Only the gate's process loads any of this (`libra_ext.gpu_ready.__main__` re-executes itself
+with the library preloaded); it refuses to run where a real GPU is present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
+LIB_NAME = "libra_fake_cuda"
+PRELOAD_ENV = "LIBRA_FAKE_CUDA_LIB"
+"""Set (to the library's path) in the gate's process, which was started with it preloaded."""
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def build_dir() -> Path:
+    """Where the library is built: build/fake_cuda under the checkout (LIBRA_BUILD_DIR
+    overrides)."""
+    return Path(os.environ.get("LIBRA_BUILD_DIR") or _ROOT / "build") / "fake_cuda"
+
+
+def build_library(verbose: bool = False) -> Path:
+    """Build the library (only what changed is rebuilt) in a process of its own, so that this
+    one never loads it; returns its path."""
+    import subprocess
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    code = (
+        "from torch.utils.cpp_extension import load; "
+        f"load({LIB_NAME!r}, [{str(SOURCE)!r}], build_directory={str(out)!r}, "
+        f"verbose={verbose})"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lib = out / f"{LIB_NAME}.so"
+    if p.returncode != 0 or not lib.exists():
+        raise RuntimeError(
+            f"building the fake-CUDA library failed (a C++ compiler and ninja are needed):\n"
+            f"{p.stderr[-3000:]}"
+        )
+    return lib
+
+
+def preload_env(lib: Path) -> dict:
+    """The environment of a process started with the library preloaded."""
+    env = dict(os.environ)
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    env["LD_LIBRARY_PATH"] = torch_lib + (":" + env["LD_LIBRARY_PATH"]
+                                          if env.get("LD_LIBRARY_PATH") else "")
+    env["LD_PRELOAD"] = str(lib) + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    env[PRELOAD_ENV] = str(lib)
+    return env
+
+
+def activate() -> None:
+    """In the preloaded process: check that the fake device is in place."""
+    lib = os.environ.get(PRELOAD_ENV)
+    if not lib:
+        raise RuntimeError("the fake-CUDA library is not preloaded (run python -m "
+                           "libra_ext.gpu_ready)")
+    if torch.version.cuda is not None:
+        raise RuntimeError("the gate fakes CUDA on a CPU-only PyTorch; this one is a CUDA build")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(LIB_NAME, lib)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not mod.install():
+        raise RuntimeError("the fake CUDA hooks did not take: something asked for CUDA hooks "
+                           "before the preloaded library registered its own")
+
+
+# ----------------------------------------------------------------------------------------------
+# The probe
+# ----------------------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+_NOT_KERNELS = {
+    _aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+    _aten.new_empty.default, _aten.new_empty_strided.default, _aten.detach.default,
+    _aten.lift_fresh.default, _aten._to_copy.default, _aten.copy_.default,
+}
+"""Ops with a device output that launch no kernel (allocations, metadata) or are counted as
+transfers."""
+_HOST_READS = {_aten._local_scalar_dense.default, _aten.nonzero.default,
+               _aten.masked_select.default, _aten.unique_consecutive.default,
+               _aten._unique2.default, _aten.nonzero_static.default}
+
+
+def _where() -> str:
+    """The innermost project frame of the current stack (file:line function)."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        f = frame.filename
+        if ("libra_ext" in f or "megatron/libra" in f) and "gpu_ready" not in f:
+            return f"{Path(f).relative_to(_ROOT) if f.startswith(str(_ROOT)) else f}:" \
+                   f"{frame.lineno} {frame.name}"
+    return "?"
+
+
+def _is_cuda(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "cuda"
+
+
+def _outputs(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    return []
+
+
+@dataclass
+class Phase:
+    """What one phase of device code did."""
+
+    ops: Counter = field(default_factory=Counter)
+    """Device ops (kernel launches) by op name."""
+    h2d: list = field(default_factory=list)
+    """(bytes, non_blocking, pinned, where) of every host-to-device copy."""
+    d2h: list = field(default_factory=list)
+    """(bytes, where) of every device-to-host copy (a sync)."""
+    reads: list = field(default_factory=list)
+    """(op, where) of every host read of a device value."""
+    start_live: int = 0
+    """Live device bytes when the phase began."""
+    peak_live: int = 0
+    """The most live device bytes during the phase."""
+    end_live: int = 0
+    """Live device bytes when the next phase began."""
+    at_peak: list = field(default_factory=list)
+    """With tracing: the largest live device tensors (bytes, op, where) at the peak."""
+
+    @property
+    def kernels(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def blocking(self) -> list:
+        """Transfers that make the host wait: device-to-host copies, and host-to-device copies
+        that are blocking or come from memory that is not pinned."""
+        return [h for h in self.h2d if not (h[1] and h[2])] + list(self.d2h)
+
+
+class Probe(TorchDispatchMode):
+    """Counts device ops, transfers, host reads and live device bytes (see the module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.phases: dict[str, Phase] = {}
+        self.phase = "setup"
+        self.live = 0
+        self.trace = bool(os.environ.get("LIBRA_GATE_TRACE"))
+        """Record the live device tensors (bytes, op, where) at each phase's peak."""
+        self._alive: dict = {}
+        self._holders: dict = {}  # storage -> [bytes, tensors counted on it]
+
+    def start(self, name: str) -> Phase:
+        """Begin phase `name` (events and the peak are attributed to it until the next; a
+        phase started again starts over)."""
+        self.current().end_live = self.live
+        self.phase = name
+        ph = self.phases[name] = Phase(start_live=self.live, peak_live=self.live)
+        return ph
+
+    def current(self) -> Phase:
+        return self.phases.setdefault(self.phase, Phase())
+
+    def _free(self, key: int) -> None:
+        holders = self._holders[key]
+        holders[1] -= 1
+        if holders[1] == 0:
+            self.live -= holders[0]
+            del self._holders[key]
+            self._alive.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ph = self.current()
+        if func in _HOST_READS and any(_is_cuda(a) for a in args):
+            ph.reads.append((str(func), _where()))
+        if func is _aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
+            src, dst = args[0].device.type, torch.device(kwargs.get("device", args[0].device)).type
+            self._transfer(ph, src, dst, args[0], kwargs.get("non_blocking", False))
+            if dst == "cuda":  # a real host tensor goes to the fake device as a fake one
+                args = (self._fake(args[0]), *args[1:])
+        elif func is _aten.copy_.default and len(args) >= 2:
+            nb = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self._transfer(ph, args[1].device.type, args[0].device.type, args[1], nb)
+            if args[0].device.type == "cuda":
+                args = (args[0], self._fake(args[1]), *args[2:])
+        out = func(*args, **kwargs)
+        outs = [o for o in _outputs(out) if _is_cuda(o)]
+        returns = func._schema.returns
+        view = bool(returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in returns
+        )
+        if outs and func not in _NOT_KERNELS and not view:
+            ph.ops[func.__name__] += 1
+        aliasing = any(r.alias_info is not None for r in returns)
+        if not aliasing:
+            for o in outs:
+                storage = o.untyped_storage()
+                key = storage._cdata  # one count per storage (ops without alias annotations,
+                holders = self._holders.get(key)  # such as _unsafe_view, share their input's)
+                if holders is None:
+                    n = storage.nbytes()
+                    self._holders[key] = [n, 1]
+                    self.live += n
+                    if self.trace:
+                        self._alive[key] = (n, func.__name__, _where())
+                else:
+                    holders[1] += 1
+                weakref.finalize(o, self._free, key)
+            if self.live > ph.peak_live:
+                ph.peak_live = self.live
+                if self.trace:
+                    ph.at_peak = sorted(self._alive.values(), reverse=True)[:12]
+        return out
+
+    def _fake(self, t: torch.Tensor) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        return t if isinstance(t, FakeTensor) else self.mode.from_tensor(t)
+
+    def _transfer(self, ph: Phase, src: str, dst: str, t: torch.Tensor, non_blocking) -> None:
+        nbytes = t.numel() * t.element_size()
+        if src == "cpu" and dst == "cuda":
+            ph.h2d.append((nbytes, bool(non_blocking), is_pinned(t), _where()))
+        elif src == "cuda" and dst == "cpu":
+            ph.d2h.append((nbytes, _where()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Pinned memory, marked
+# ----------------------------------------------------------------------------------------------
+
+_PINNED: dict = {}
+"""id -> weak reference of every host tensor pin_memory marked (by identity: tensors compare
+elementwise)."""
+
+
+def _marked(t) -> bool:
+    ref = _PINNED.get(id(t))
+    return ref is not None and ref() is t
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    return _marked(t) or (t._base is not None and _marked(t._base))
+
+
+def _pin_memory(self, device=None):
+    key = id(self)
+    _PINNED[key] = weakref.ref(self, lambda _, k=key: _PINNED.pop(k, None))
+    return self
+
+
+def _is_pinned(self, device=None):
+    return is_pinned(self)
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """Fake CUDA tensors and the probe (yielded) for the block; pin_memory marks host tensors
+    and torch.cuda reports one device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    activate()
+    saved = (torch.Tensor.pin_memory, torch.Tensor.is_pinned, torch.cuda.is_available,
+             torch.cuda.current_device, torch.cuda.device_count)
+    torch.Tensor.pin_memory, torch.Tensor.is_pinned = _pin_memory, _is_pinned
+    torch.cuda.is_available = lambda: True
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device_count = lambda: 1
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, Probe() as probe:
+            probe.mode = mode
+            yield probe
+    finally:
+        (torch.Tensor.pin_memory, torch.Tensor.is_pinned, torch.cuda.is_available,
+         torch.cuda.current_device, torch.cuda.device_count) = saved

@@ -1,0 +1,53 @@
+"""Defects planted on purpose (`python -m libra_ext.gpu_ready --mutate NAME`), so that the tests
+can show the gate failing on each: a host index tensor in a device op, a host read in the
+forward, and a device op per document."""
+
+from __future__ import annotations
+
+import torch
+
+from libra_ext.attention import core, exchange
+
+
+def _host_index() -> None:
+    original = exchange._run_calls
+
+    def run_calls(pack, block, env, d, counts):
+        # gathers with the host copy of an index array
+        pack = pack.index_select(0, torch.arange(pack.shape[0]))
+        return original(pack, block, env, d, counts)
+
+    exchange._run_calls = run_calls
+
+
+def _item() -> None:
+    original = exchange._run_calls
+
+    def run_calls(pack, block, env, d, counts):
+        if float(pack[0, 0].item()) != 0.0:  # a host read of a device value
+            pass
+        return original(pack, block, env, d, counts)
+
+    exchange._run_calls = run_calls
+
+
+def _per_document_loop() -> None:
+    original = core.core_attention
+
+    def core_attention(query, key, value, doc_lengths, *args, **kwargs):
+        start = 0
+        for n in doc_lengths:  # one device op per document
+            query[start : start + n].mul_(1.0)
+            start += n
+        return original(query, key, value, doc_lengths, *args, **kwargs)
+
+    core.core_attention = core_attention
+
+
+MUTATIONS = {"host-index": _host_index, "item": _item, "per-document-loop": _per_document_loop}
+
+
+def apply(name: str) -> None:
+    if name not in MUTATIONS:
+        raise ValueError(f"mutation must be one of {', '.join(MUTATIONS)}, got {name!r}")
+    MUTATIONS[name]()

@@ -1,0 +1,342 @@
+"""Stand-ins for what the fake device cannot run: the attention kernels of every backend, with
+each entry point's own signature and checks, and the collectives of a multi-rank layout.
+
+Kernels. One pair of custom ops (`libra_gate::attn_fwd` / `attn_bwd`, with fake
+implementations and autograd) behaves like a flash kernel: it returns O and the LSE, keeps Q, K,
+V, O and the LSE for its backward, and checks what every real kernel requires - every tensor on
+the query's device, cu_seqlens int32 and 1-D, maximum lengths as host integers (a tensor there
+would be read on the host), GQA only where the entry point supports it. The entry points wrap it
+with the signatures of Transformer Engine's `DotProductAttention` (THD), flash-attn 2's and 3's
+`flash_attn_varlen_func`, and PyTorch's `varlen_attn` of 2.11 (no GQA) and 2.13
+(`enable_gqa`); `use_backend(name)` puts one in place of the real one in `kernels`.
+
+Collectives. `FakeGroups` stands for the runtime's GroupCache at a given (replica, cp rank); the
+all-to-alls and all-gathers check their buffers (device, split sizes) and move nothing, so each
+rank's program runs on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+
+import torch
+
+from libra_ext.attention import exchange, kernels
+
+Tensor = torch.Tensor
+
+
+class StandInError(RuntimeError):
+    """A stand-in kernel or collective was called in a way the real one would refuse (or
+    would have to sync for)."""
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> None:
+    for name, t in (("key", k), ("value", v), ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if t.device != q.device:
+            raise StandInError(f"{name} is on {t.device}, the query on {q.device}")
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if t.dtype != torch.int32 or t.dim() != 1:
+            raise StandInError(f"{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+    if cu_q.shape != cu_k.shape:
+        raise StandInError(f"cu_seqlens_q {tuple(cu_q.shape)} and cu_seqlens_k "
+                           f"{tuple(cu_k.shape)} must have one entry per segment each")
+    if q.dim() != 3 or k.shape != v.shape or k.shape[2] != q.shape[2]:
+        raise StandInError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                           "expected [n_q, hq, d] and [n_k, hk, d]")
+    if q.shape[1] % k.shape[1]:
+        raise StandInError(f"query heads {q.shape[1]} must be a multiple of KV heads {k.shape[1]}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise StandInError(f"flash kernels take fp16/bf16, got {q.dtype}")
+
+
+@torch.library.custom_op("libra_gate::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+             max_k: int, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    raise StandInError("the gate's stand-in kernels run on fake tensors only")
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    _check(q, k, v, cu_q, cu_k)
+    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("libra_gate::attn_bwd", mutates_args=())
+def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float,
+             causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    raise StandInError("the gate's stand-in kernels run on fake tensors only")
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    _check(q, k, v, cu_q, cu_k)
+    if dout.device != q.device or dout.shape != q.shape:
+        raise StandInError(f"dout {tuple(dout.shape)} on {dout.device} must match q")
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
+    ctx.args = (max_q, max_k, scale, causal)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    dq, dk, dv = attn_bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def _int(x, name: str) -> int:
+    if isinstance(x, torch.Tensor) or not isinstance(x, int):
+        raise StandInError(f"{name} must be a host int (a tensor would be read on the host), "
+                           f"got {type(x).__name__}")
+    return x
+
+
+def _call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return attn_fwd(q, k, v, cu_q, cu_k, _int(max_q, "max_seqlen_q"), _int(max_k, "max_seqlen_k"),
+                    scale, bool(causal))
+
+
+# -- entry points, each with its library's signature -------------------------------------------
+
+
+@torch.library.custom_op("libra_gate::varlen_fwd", mutates_args=())
+def varlen_fwd(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
+               max_q: int, max_k: int, is_causal: bool = False, scale: float | None = None,
+               window_size: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    raise StandInError("the gate's stand-in kernels run on fake tensors only")
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+                     scale=None, window_size=None):
+    _check(query, key, value, cu_seq_q, cu_seq_k)
+    if query.size(1) != key.size(1):  # the 2.11 kernel under varlen_attn: no GQA
+        raise StandInError(f"torch_attn::_varlen_attn (2.11) takes as many KV heads as query "
+                           f"heads, got {key.size(1)} for {query.size(1)}")
+    return (torch.empty_like(query),
+            query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32),
+            query.new_empty(2, dtype=torch.uint64))
+
+
+@torch.library.custom_op("libra_gate::varlen_bwd", mutates_args=())
+def varlen_bwd(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+               lse: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int, max_k: int,
+               is_causal: bool, rng_state: Tensor, scale: float | None = None,
+               window_size: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    raise StandInError("the gate's stand-in kernels run on fake tensors only")
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k,
+                     is_causal, rng_state, scale=None, window_size=None):
+    _check(query, key, value, cu_seq_q, cu_seq_k)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                     scale=None, window_size=(-1, -1)):
+    """torch.nn.attention.varlen.varlen_attn of PyTorch 2.11: no GQA."""
+    if query.size(1) != key.size(1):
+        raise StandInError(f"varlen_attn (2.11) takes as many KV heads as query heads, got "
+                           f"{key.size(1)} for {query.size(1)}")
+    out, lse = _call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
+                     tuple(window_size) == (-1, 0))
+    return (out, lse) if return_aux is not None and return_aux.lse else out
+
+
+def varlen_attn_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                     scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None,
+                     block_table=None, num_splits=None):
+    """torch.nn.attention.varlen.varlen_attn of PyTorch 2.13: GQA with enable_gqa."""
+    if not enable_gqa and query.size(1) != key.size(1):
+        raise StandInError(f"varlen_attn (2.13) needs enable_gqa=True for {key.size(1)} KV heads "
+                           f"and {query.size(1)} query heads")
+    out, lse = _call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
+                     tuple(window_size) == (-1, 0))
+    return (out, lse) if return_aux is not None and return_aux.lse else out
+
+
+def flash_attn_varlen_func_2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn 2's flash_attn_varlen_func (GQA native)."""
+    if dropout_p:
+        raise StandInError("the runtime runs attention without dropout")
+    out, lse = _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func_3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                             qv=None, q_descale=None, k_descale=None, v_descale=None,
+                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                             pack_gqa=None, deterministic=False, sm_margin=0,
+                             return_attn_probs=False):
+    """FlashAttention-3's flash_attn_interface.flash_attn_varlen_func: (out, lse)."""
+    return _call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                 causal)
+
+
+class DotProductAttention(torch.nn.Module):
+    """Transformer Engine's DotProductAttention, THD inputs only (what the runtime uses)."""
+
+    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None,
+                 attention_dropout=0.0, qkv_format="sbhd", attn_mask_type="causal",
+                 window_size=None, bottom_right_diagonal=None, sequence_parallel=False,
+                 tp_size=1, get_rng_state_tracker=None, tp_group=None, layer_number=None,
+                 attention_type="self", cp_group=None, cp_global_ranks=None, cp_stream=None,
+                 cp_comm_type="p2p", softmax_scale=None, softmax_type="vanilla",
+                 return_max_logit=False, name=None):
+        super().__init__()
+        self.heads, self.d = num_attention_heads, kv_channels
+        self.groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        self.qkv_format, self.mask, self.scale = qkv_format, attn_mask_type, softmax_scale
+        if attention_dropout:
+            raise StandInError("the runtime runs attention without dropout")
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
+                cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None,
+                cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None,
+                attn_mask_type=None, window_size=None, **kwargs):
+        fmt = qkv_format or self.qkv_format
+        mask = attn_mask_type or self.mask
+        if fmt != "thd" or mask != "padding_causal_bottom_right":
+            raise StandInError(f"expected THD with padding_causal_bottom_right, got {fmt} / {mask}")
+        if query_layer.shape[1] != self.heads or key_layer.shape[1] != self.groups:
+            raise StandInError(f"heads {query_layer.shape[1]}/{key_layer.shape[1]} differ from "
+                               f"the module's {self.heads}/{self.groups}")
+        if max_seqlen_q is None or max_seqlen_kv is None:  # TE would read cu_seqlens on the host
+            raise StandInError("max_seqlen_q / max_seqlen_kv must be given for THD")
+        out, _ = _call(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv,
+                       max_seqlen_q, max_seqlen_kv, self.scale, True)
+        return out.reshape(out.shape[0], -1)
+
+
+BACKEND_STANDINS = {
+    "te": ("te", dict(_TEDotProductAttention=DotProductAttention, HAVE_TE=True)),
+    "flash2": ("flash", dict(_flash_varlen=flash_attn_varlen_func_2, HAVE_FLASH=True,
+                             FLASH_VERSION=2)),
+    "flash3": ("flash", dict(_flash_varlen=flash_attn_varlen_func_3, HAVE_FLASH=True,
+                             FLASH_VERSION=3)),
+    "varlen-2.11": ("varlen", dict(_varlen_attn=varlen_attn_2_11, HAVE_VARLEN=True,
+                                   _VARLEN_ARGS=set(inspect.signature(varlen_attn_2_11).parameters),
+                                   _VARLEN_OPS=(torch.ops.libra_gate.varlen_fwd.default,
+                                                torch.ops.libra_gate.varlen_bwd.default))),
+    "varlen-2.13": ("varlen", dict(_varlen_attn=varlen_attn_2_13, HAVE_VARLEN=True,
+                                   _VARLEN_ARGS=set(inspect.signature(varlen_attn_2_13).parameters))),
+}
+"""Stand-in name -> (the runtime's backend it stands for, the kernels-module names it sets)."""
+NATIVE_GQA = {"te", "flash2", "flash3", "varlen-2.13"}
+"""Entry points that run GQA natively; without it (varlen_attn of 2.11) K and V are expanded
+to the query heads while the kernel runs."""
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Put stand-in `name` in place of its backend's entry point; yields the backend's name."""
+    backend, names = BACKEND_STANDINS[name]
+    saved = {k: getattr(kernels, k, None) for k in names}
+    for k, v in names.items():
+        setattr(kernels, k, v)
+    kernels.select_backend.cache_clear()
+    try:
+        yield backend
+    finally:
+        for k, v in saved.items():
+            setattr(kernels, k, v)
+        kernels.select_backend.cache_clear()
+
+
+# -- collectives -------------------------------------------------------------------------------
+
+
+class FakeGroup:
+    def __init__(self, size: int, name: str):
+        self.size, self.name = size, name
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+class FakeGroups:
+    """The runtime's GroupCache at (replica r, cp rank c) of a layout, with stand-in groups."""
+
+    def __init__(self, dp: int, cp: int, r: int, c: int, tp: int = 1, pp: int = 1):
+        self.tp, self.cp, self.dp, self.pp = tp, cp, dp, pp
+        self.t, self.c, self.r, self.s = 0, c, r, 0
+        self.check_group = FakeGroup(dp * cp * tp * pp, "all")
+        self._cp = FakeGroup(cp, "cp")
+        self._pool: dict = {}
+        self.labels: dict = {}
+
+    def label(self, group) -> str:
+        return getattr(group, "name", "?")
+
+    def cp_group(self):
+        return self._cp
+
+    def pool_group(self, pool: int):
+        return self._pool.setdefault(pool, FakeGroup(pool, f"pool of {pool}") if pool > 1 else None)
+
+
+class CollectiveLog:
+    """What the stand-in collectives were asked to move."""
+
+    def __init__(self):
+        self.calls: list = []  # (kind, group size, bytes out of this rank)
+
+
+def _fake_all_to_all(log: CollectiveLog):
+    def all_to_all(out, inp, out_splits, in_splits, group, counter, kind, async_op=False):
+        if out.device != inp.device:
+            raise StandInError(f"{kind}: all_to_all between {inp.device} and {out.device}")
+        if sum(out_splits) != out.numel() or sum(in_splits) != inp.numel():
+            raise StandInError(f"{kind}: split sizes {sum(in_splits)} -> {sum(out_splits)} do not "
+                               f"cover the buffers ({inp.numel()} -> {out.numel()})")
+        size = group.size if group is not None else 1
+        if len(out_splits) != size or len(in_splits) != size:
+            raise StandInError(f"{kind}: {len(in_splits)} splits for a group of {size}")
+        if any(not isinstance(n, int) for n in list(out_splits) + list(in_splits)):
+            raise StandInError(f"{kind}: split sizes must be host ints")
+        log.calls.append((kind, size, sum(in_splits) * inp.element_size()))
+        return _Done() if async_op else None
+
+    return all_to_all
+
+
+def _fake_all_gather_rows(log: CollectiveLog):
+    def all_gather_rows(x, group, counter, kind):
+        size = group.size
+        log.calls.append((kind, size, x.numel() * x.element_size()))
+        return x.new_empty(size * x.shape[0], *x.shape[1:])
+
+    return all_gather_rows
+
+
+@contextlib.contextmanager
+def fake_collectives():
+    """The operator's all-to-alls and all-gathers replaced by checking stand-ins; yields their
+    log."""
+    log = CollectiveLog()
+    saved = (exchange.all_to_all, exchange.all_gather_rows)
+    exchange.all_to_all, exchange.all_gather_rows = _fake_all_to_all(log), _fake_all_gather_rows(log)
+    try:
+        yield log
+    finally:
+        exchange.all_to_all, exchange.all_gather_rows = saved

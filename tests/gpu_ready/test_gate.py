@@ -1,0 +1,72 @@
+"""The GPU-readiness gate on fake CUDA (libra_ext.gpu_ready), run in a process of its own: the
+operator of every system through every kernel entry point's stand-in, at one rank and at a
+multi-rank layout, with no device mismatch, host read or blocking transfer, one pinned upload
+per slot, device ops that do not grow with documents, and bounded activation memory; and the
+gate failing on each planted defect."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from libra_ext.gpu_ready.gate import GROWTH_BOUND, KEPT_BOUND, PEAK_BOUND
+from libra_ext.gpu_ready.standins import BACKEND_STANDINS, NATIVE_GQA
+from libra_ext.planner import SYSTEMS
+
+
+def _gate(*args):
+    p = subprocess.run([sys.executable, "-m", "libra_ext.gpu_ready", "--json", *args],
+                       capture_output=True, text=True, timeout=900)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    assert lines, f"the gate printed no report (rc {p.returncode}):\n{p.stderr[-3000:]}"
+    return p.returncode, json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def report():
+    rc, rep = _gate()
+    assert rc == 0, "\n".join(rep["failures"])
+    return rep
+
+
+def test_every_system_and_kernel_runs_on_the_device_without_syncs(report):
+    assert set(report["operator"]) == {
+        f"{s}/{k}/{lay}" for s in SYSTEMS for k in BACKEND_STANDINS for lay in ("single", "cp2-pool2")
+    }
+    for key, ranks in report["operator"].items():
+        assert len(ranks) in (1, 4), key  # every rank of the layout ran
+        for rank, r in ranks.items():
+            assert "error" not in r, (key, rank, r)
+            assert r["host_reads"] == [] and r["blocking_transfers"] == [], (key, rank)
+            assert r["transfers_in_call"] == 0, (key, rank)
+            assert r["uploads"] == r["uploads_pinned_non_blocking"] == r["slots"], (key, rank)
+            assert r["kernel_calls"] >= 2, (key, rank)  # forward and backward ran a kernel
+
+
+def test_activation_memory_of_a_layer_call_is_bounded(report):
+    for key, ranks in report["operator"].items():
+        for rank, r in ranks.items():
+            assert r["kept"] <= KEPT_BOUND, (key, rank, r["kept"])  # GQA copies are not kept
+            if key.split("/")[1] in NATIVE_GQA:
+                assert r["peak"] <= PEAK_BOUND, (key, rank, r["peak"])
+
+
+def test_device_ops_do_not_grow_with_documents(report):
+    assert len(report["growth"]) == 2 * len(SYSTEMS)
+    for key, g in report["growth"].items():
+        assert g["ratio"] is not None and g["ratio"] <= GROWTH_BOUND, (key, g)
+
+
+@pytest.mark.parametrize(
+    "mutation, expect",
+    [
+        ("host-index", "FakeTensorDeviceMismatchError"),
+        ("item", "DataDependentOutputException"),
+        ("per-document-loop", "device ops from 50 to 500 documents"),
+    ],
+)
+def test_the_gate_fails_on_a_planted_defect(mutation, expect):
+    rc, rep = _gate("--systems", "libra", "--standins", "varlen-2.13", "--layouts", "single",
+                    "--mutate", mutation)
+    assert rc == 1 and any(expect in f for f in rep["failures"]), rep["failures"]
