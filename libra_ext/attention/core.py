@@ -172,7 +172,10 @@ def core_attention(
     if system == "wlb":
         if step is not None:
             prog = step.program or runtime.program(step.plan, step.slot, query.device)
-        else:  # no plan: compile from the documents (slow path for direct calls)
+        else:  # no plan: compile from the documents (a direct call; LibraCoreAttention
+            # compiles once per micro-batch instead)
+            if doc_lengths is None:
+                raise ValueError("wlb without a step plan needs the documents (doc_lengths)")
             prog = meta.upload(meta.compile_wlb(doc_lengths, C, c), query.device)
         _check_slots(prog, t, c, r, step)
         return PerDocAttention.apply(query, key, value, prog, env)
@@ -267,18 +270,9 @@ class LibraCoreAttention(torch.nn.Module):
                 "LibraCoreAttention needs THD inputs: packed_seq_params with cu_seqlens_q "
                 "(and `libra`, the step's AttentionStep, for the plan)"
             )
-        doc_lengths = getattr(packed_seq_params, "libra_doc_lengths", None)
-        if doc_lengths is None:
-            # Megatron's field: cumulative document lengths (a host read: the plan path below
-            # does not use them, the slow path without a plan does)
-            cu = getattr(packed_seq_params, "cu_seqlens_q", None)
-            if cu is None:
-                raise ValueError(
-                    "LibraCoreAttention needs THD inputs: packed_seq_params.cu_seqlens_q (or "
-                    "libra_doc_lengths)"
-                )
-            cu = cu.tolist() if hasattr(cu, "tolist") else list(cu)
-            doc_lengths = [int(b) - int(a) for a, b in zip(cu, cu[1:])]
+        step = getattr(packed_seq_params, "libra", None)
+        if step is None and self.system == "wlb":  # drop-in use without a step plan
+            step = _drop_in_step(packed_seq_params, self.runtime, query.device)
         squeeze = query.dim() == 4  # [t, 1, h, d] (sbhd with b = 1) or [t, h, d]
         if squeeze:
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
@@ -286,11 +280,37 @@ class LibraCoreAttention(torch.nn.Module):
             query,
             key,
             value,
-            doc_lengths,
+            getattr(packed_seq_params, "libra_doc_lengths", None),
             self.system,
             self.runtime,
-            getattr(packed_seq_params, "libra", None),
+            step,
             self.softmax_scale,
             layer=self.layer_number,
         )
         return out.unsqueeze(1) if squeeze else out
+
+
+def _drop_in_step(packed_seq_params, runtime: Runtime, device) -> AttentionStep:
+    """Per-document CP of a micro-batch that comes without a step plan (a caller of the operator
+    outside the training app): its program is compiled and uploaded once per micro-batch - the
+    first layer's call - and every later layer and the backward reuse it. The documents come
+    from `libra_doc_lengths` (host) or Megatron's `cu_seqlens_q`, read on the host once here
+    (one sync per micro-batch when it is a device tensor; pass libra_doc_lengths to avoid it)."""
+    cached = getattr(packed_seq_params, "_libra_drop_in", None)
+    if cached is not None and cached[0] == torch.device(device):
+        return cached[1]
+    doc_lengths = getattr(packed_seq_params, "libra_doc_lengths", None)
+    if doc_lengths is None:
+        cu = getattr(packed_seq_params, "cu_seqlens_q", None)
+        if cu is None:
+            raise ValueError(
+                "LibraCoreAttention needs THD inputs: packed_seq_params.cu_seqlens_q (or "
+                "libra_doc_lengths)"
+            )
+        cu = np.asarray(cu.tolist() if hasattr(cu, "tolist") else list(cu), dtype=np.int64)
+        doc_lengths = np.diff(cu)
+    g = runtime.groups
+    program = meta.upload(meta.compile_wlb(doc_lengths, g.cp, g.c), device)
+    step = AttentionStep(None, 0, program)
+    packed_seq_params._libra_drop_in = (torch.device(device), step)
+    return step

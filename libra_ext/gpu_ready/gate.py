@@ -6,7 +6,9 @@ stand-in (TE DotProductAttention THD, flash-attn 2 and 3, PyTorch varlen_attn of
 single-rank layout and of a multi-rank one (cp 2, pool 2; each rank's program against
 stand-in collectives), on a 64K-token sequence of 32 query / 8 KV heads of dimension 128 in
 bf16, as the training app calls it (the step's programs staged in pinned memory by the
-sampler's thread, uploaded by `Runtime.prepare`). Per rank and call it reports device ops
+sampler's thread, uploaded by `Runtime.prepare`); and per-document CP as a drop-in operator
+without a plan (Megatron's cu_seqlens only), whose program must be made and uploaded once per
+micro-batch, not per layer. Per rank and call it reports device ops
 (kernel launches), the stand-in kernel calls, host reads of device values, blocking transfers,
 the step's uploads, and the bytes kept for backward and the peak, both over the layer's Q/K/V
 bytes (the same measured for one plain varlen call over the whole sequence); and per system how
@@ -176,6 +178,88 @@ def _plain_call(probe, shape: Shape, backend: str, docs: int = 500) -> dict:
             "device_ops": fwd.kernels + bwd.kernels}
 
 
+def _drop_in_calls(probe, backend: str, layout: tuple, shape: Shape, layers: int = 3) -> dict:
+    """Per-document CP used as a drop-in operator (no step plan: Megatron's cu_seqlens_q only),
+    `layers` layer calls on one micro-batch per rank: its program is made and uploaded once."""
+    from libra_ext.attention.core import LibraCoreAttention, Runtime
+
+    dp, cp, _ = layout
+    L = np.asarray(_sequences(1, shape.tokens, 500, seed=7)[0], dtype=np.int64)
+    ranks = {}
+    for c in range(cp):
+        try:
+            groups = standins.FakeGroups(1, cp, 0, c)
+            runtime = Runtime(groups=groups, backend=backend)
+            with ThreadPoolExecutor(1) as pool:  # a host tensor, made outside the fake mode
+                cu = pool.submit(torch.from_numpy, np.r_[0, np.cumsum(L)].astype(np.int32)).result()
+            psp = SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            t = int(2 * (-(-L // (2 * cp)) * (2 * cp) // (2 * cp)).sum())
+            module = LibraCoreAttention(system="wlb", runtime=runtime, layer_number=1)
+            uploads, blocking = 0, 0
+            for _ in range(layers):
+                x = probe.start("call")
+                q = torch.empty(t, shape.heads, shape.head_dim, device="cuda", dtype=shape.dtype,
+                                requires_grad=True)
+                k = torch.empty(t, shape.kv_heads, shape.head_dim, device="cuda",
+                                dtype=shape.dtype, requires_grad=True)
+                v = torch.empty_like(k, requires_grad=True)
+                out = module(q, k, v, packed_seq_params=psp)
+                out.backward(torch.empty_like(out))
+                uploads += len(x.h2d)
+                blocking += len(x.blocking) + len(x.reads)
+            ranks[f"0.{c}"] = {"layers": layers, "uploads": uploads, "blocking_or_reads": blocking}
+        except Exception as e:  # noqa: BLE001
+            ranks[f"0.{c}"] = _failure(e)
+    return ranks
+
+
+class _CpGroup:
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _rope_calls(probe, shape: Shape, docs: int, cp: int = 2) -> dict:
+    """Device ops of one THD RoPE call (a rank's queries at cp 2): megatron-core's unfused THD
+    path, and the training app's (megatron.libra.rope) on the same micro-batch."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from libra_ext.attention import thd
+    from megatron.libra import rope
+
+    L = np.asarray(_sequences(1, shape.tokens, docs, seed=docs)[0], dtype=np.int64)
+    z = thd.zigzag_split(L, cp, 0)
+    t = len(z.position_ids)
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False,
+                             multi_latent_attention=False)
+    with ThreadPoolExecutor(1) as pool:  # host tensors, as the sampler's thread makes them
+        cu = pool.submit(torch.from_numpy, np.r_[0, np.cumsum(thd.padded_lengths(L, cp))]
+                         .astype(np.int32)).result()
+        positions = pool.submit(torch.from_numpy, z.position_ids.astype(np.int64)).result()
+    out = {}
+    original = rope_utils.apply_rotary_pos_emb
+    for name, fn in (("megatron", original),
+                     ("libra", rope._positions_rope(original, rope_utils._apply_rotary_pos_emb_bshd))):
+        probe.start("inputs")
+        q = torch.empty(t, shape.heads, shape.head_dim, device="cuda", dtype=shape.dtype)
+        freqs = torch.empty(int(L.max()) + 2 * cp, 1, 1, shape.head_dim, device="cuda")
+        if name == "libra":
+            cu.libra_positions = positions.to("cuda", non_blocking=True)
+        call = probe.start("rope")
+        try:
+            fn(q, freqs, config, cu_seqlens=cu, cp_group=_CpGroup(cp, 0))
+            out[name] = {"device_ops": call.kernels, "host_reads": len(call.reads)}
+        except Exception as e:  # noqa: BLE001
+            out[name] = _failure(e)
+        probe.start("done")
+    return out
+
+
 def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts=tuple(LAYOUTS),
         shape: Shape = Shape(), growth_standin: str = "varlen-2.13") -> dict:
     """Every scenario of the module docstring; the report (JSON-ready)."""
@@ -183,7 +267,7 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
     report = {"shape": {"tokens": shape.tokens, "heads": shape.heads, "kv_heads": shape.kv_heads,
                         "head_dim": shape.head_dim, "dtype": str(shape.dtype)},
               "bounds": {"kept": KEPT_BOUND, "peak": PEAK_BOUND, "growth": GROWTH_BOUND},
-              "operator": {}, "plain": {}, "growth": {}}
+              "operator": {}, "plain": {}, "growth": {}, "drop_in": {}}
     with harness.fake_cuda() as probe, standins.fake_collectives():
         for name in standin_names:
             with standins.use_backend(name) as backend:
@@ -196,6 +280,11 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
                         report["operator"][f"{system}/{name}/{lay}"] = _layout_calls(
                             probe, system, backend, LAYOUTS[lay], shape, docs=500)
         with standins.use_backend(growth_standin) as backend:
+            if "wlb" in systems:
+                for lay in layouts:
+                    report["drop_in"][f"wlb/{lay}"] = _drop_in_calls(probe, backend,
+                                                                     LAYOUTS[lay], shape)
+            report["rope"] = {"50": _rope_calls(probe, shape, 50), "500": _rope_calls(probe, shape, 500)}
             for system in systems:
                 for lay in layouts:
                     few = _layout_calls(probe, system, backend, LAYOUTS[lay], shape, docs=50)
@@ -261,6 +350,23 @@ def check(report: dict) -> list[str]:
             native = key.split("/")[1] in standins.NATIVE_GQA
             if native and r["peak"] > PEAK_BOUND:
                 bad.append(f"{where}: peaks at {r['peak']:.2f}x its Q/K/V (bound {PEAK_BOUND})")
+    for key, ranks in report["drop_in"].items():
+        for rank, r in ranks.items():
+            if "error" in r:
+                bad.append(f"drop-in {key} rank {rank}: {r['error']} at {r['where']}")
+            elif r["uploads"] != 1 or r["blocking_or_reads"]:
+                bad.append(f"drop-in {key} rank {rank}: {r['uploads']} uploads and "
+                           f"{r['blocking_or_reads']} blocking transfers or host reads over "
+                           f"{r['layers']} layer calls (one upload per micro-batch, none else)")
+    rope = report.get("rope")
+    if rope:
+        for docs, r in rope.items():
+            if "error" in r["libra"]:
+                bad.append(f"rope ({docs} documents): {r['libra']['error']} at {r['libra']['where']}")
+        if all("device_ops" in rope[k]["libra"] for k in rope):
+            a, b = rope["50"]["libra"]["device_ops"], rope["500"]["libra"]["device_ops"]
+            if b > GROWTH_BOUND * a:
+                bad.append(f"rope: {a} -> {b} device ops from 50 to 500 documents")
     for key, g in report["growth"].items():
         if g["ratio"] is None:
             bad.append(f"growth {key}: not measured (a call failed)")
@@ -296,6 +402,17 @@ def summary(report: dict) -> str:
         if "error" not in r:
             lines.append(f"  {'plain varlen call/' + name:34s} {r['device_ops']:6d} {1:7d} "
                          f"{0:5d} {0:8d} {0:7d} {r['kept']:6.2f} {r['peak']:6.2f}")
+    for key, ranks in report["drop_in"].items():
+        ok = [r for r in ranks.values() if "error" not in r]
+        if ok:
+            lines.append(f"  drop-in {key} (no plan), {ok[0]['layers']} layer calls: "
+                         f"{max(r['uploads'] for r in ok)} upload(s), "
+                         f"{max(r['blocking_or_reads'] for r in ok)} blocking transfers/reads")
+    rope = report.get("rope") or {}
+    for name in ("megatron", "libra"):
+        if rope and all("device_ops" in rope[k][name] for k in rope):
+            lines.append(f"  THD RoPE ({name}): {rope['50'][name]['device_ops']} (50 documents) -> "
+                         f"{rope['500'][name]['device_ops']} (500) device ops per call")
     for key, g in report["growth"].items():
         lines.append(f"  device ops {key}: {g['device_ops_50_docs']} (50 documents) -> "
                      f"{g['device_ops_500_docs']} (500)")

@@ -130,6 +130,25 @@ def _is_cuda(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "cuda"
 
 
+def _touches_device(args, kwargs) -> bool:
+    """Whether an op involves the fake device: a fake tensor among its arguments, or a CUDA
+    device asked for."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def hit(a) -> bool:
+        if isinstance(a, FakeTensor):
+            return True
+        if isinstance(a, torch.device):
+            return a.type == "cuda"
+        if isinstance(a, str):
+            return a.startswith("cuda")
+        if isinstance(a, (list, tuple)):
+            return any(hit(x) for x in a)
+        return False
+
+    return any(hit(a) for a in args) or any(hit(v) for v in kwargs.values())
+
+
 def _outputs(out):
     if isinstance(out, torch.Tensor):
         return [out]
@@ -204,6 +223,11 @@ class Probe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not _touches_device(args, kwargs):  # host math on host tensors runs for real
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                return func(*args, **kwargs)
         ph = self.current()
         if func in _HOST_READS and any(_is_cuda(a) for a in args):
             ph.reads.append((str(func), _where()))
@@ -293,9 +317,18 @@ def fake_cuda():
     and torch.cuda reports one device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from torch.utils._python_dispatch import _disable_current_modes
+
     activate()
     saved = (torch.Tensor.pin_memory, torch.Tensor.is_pinned, torch.cuda.is_available,
-             torch.cuda.current_device, torch.cuda.device_count)
+             torch.cuda.current_device, torch.cuda.device_count, torch.from_numpy)
+    from_numpy = torch.from_numpy
+
+    def host_from_numpy(a):  # host memory, as on a GPU host (the fake mode would fake it)
+        with _disable_current_modes():
+            return from_numpy(a)
+
+    torch.from_numpy = host_from_numpy
     torch.Tensor.pin_memory, torch.Tensor.is_pinned = _pin_memory, _is_pinned
     torch.cuda.is_available = lambda: True
     torch.cuda.current_device = lambda: 0
@@ -306,4 +339,4 @@ def fake_cuda():
             yield probe
     finally:
         (torch.Tensor.pin_memory, torch.Tensor.is_pinned, torch.cuda.is_available,
-         torch.cuda.current_device, torch.cuda.device_count) = saved
+         torch.cuda.current_device, torch.cuda.device_count, torch.from_numpy) = saved

@@ -488,6 +488,14 @@ class TrainConfig:
             )
         if self.dtype not in ("fp32", "fp64", "bf16"):
             raise ValueError(f"dtype must be fp32, fp64 or bf16, got {self.dtype!r}")
+        if self.dtype != "bf16" and _cuda():
+            raise ValueError(
+                f"dtype {self.dtype} on a GPU: the fused attention kernels (Transformer Engine, "
+                "flash-attn, PyTorch's varlen_attn) take bf16, and the PyTorch reference kernel "
+                "that wider dtypes fall back to is the CPU's (it reads segment boundaries on the "
+                "host and its memory grows with the scores); set dtype: bf16 (with "
+                "transformer-engine or flash-attn installed, or PyTorch >= 2.10)"
+            )
         impl = resolve_impl(self.transformer_impl)  # unknown name, or TE asked for but unusable
         if self.parallel.sequence_parallel and impl != "transformer_engine":
             raise ValueError(

@@ -16,6 +16,7 @@ from libra_ext.attention.core import compile_rank
 from libra_ext.attention.meta import stage
 from libra_ext.planner import Planner, StepPlan
 from libra_ext.workload import LengthSource, PackedBatch, document_count, pack_production
+from megatron.libra.batch import make_micro_batch
 from megatron.libra.config import TrainConfig
 
 
@@ -245,6 +246,7 @@ class StepBatch:
     recent_bases: dict  # step -> doc_base of the steps whose documents may still run (WLB-LLM)
     programs: list | None = None  # this rank's attention programs per slot, staged for upload
     slot_order: list | None = None  # the order this replica runs its slots in (micro_batch_order)
+    micro: dict | None = None  # slot -> this rank's MicroBatch, staged for upload (batch.py)
 
 
 def micro_batch_order(cfg: TrainConfig):
@@ -322,12 +324,18 @@ class StepSampler:
         self._bases[step] = self._doc_base
         for gone in [k for k in self._bases if k <= step - self.keep_steps]:
             del self._bases[gone]
-        programs = None
+        programs = micro = None
         if self.cp_rank is not None:
             programs = [
                 stage(p, self._pin)
                 for p in compile_rank(plan, self.replica, self.cp_rank, self.cfg.system.chunks)
             ]
+            micro = {}
+            for slot in range(plan.slots):  # this rank's THD micro-batches, staged for one copy
+                seq = plan.sequence_at(self.replica, slot)
+                docs = range(off[seq], off[seq + 1])
+                micro[slot] = make_micro_batch([pieces[i] for i in docs], self.cfg.parallel.cp,
+                                               self.cp_rank, None).stage(self._pin)
         batch = StepBatch(
             step,
             plan,
@@ -339,6 +347,7 @@ class StepSampler:
             dict(self._bases),
             programs,
             [int(x) for x in self._order(plan)[self.replica]],
+            micro,
         )
         self._doc_base += n_in
         return batch

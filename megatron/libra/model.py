@@ -153,7 +153,13 @@ def build_model_chunks(
     `record_routing`, keeping each step's routing)."""
     if moe is not None and moe.balancer == "libra":
         config_overrides.setdefault("moe_token_dispatcher_type", "allgather")
-    spec = layer_spec(model, system, runtime, resolve_impl(transformer_impl), init_seed=init_seed,
+    from megatron.libra import rope
+
+    rope.install()  # THD RoPE from each slot's position: a fixed number of kernels
+    impl = resolve_impl(transformer_impl)
+    if impl == "transformer_engine":  # TE's fused THD RoPE kernel
+        config_overrides.setdefault("apply_rope_fusion", True)
+    spec = layer_spec(model, system, runtime, impl, init_seed=init_seed,
                       moe=moe, record_routing=record_routing)
     cfg = transformer_config(
         model,

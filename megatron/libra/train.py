@@ -357,19 +357,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def micro_batches(self, batch) -> list:
-        """This rank's micro-batches of the step, in the order the schedule runs them."""
+        """This rank's micro-batches of the step, in the order the schedule runs them, on the
+        device: the attention metadata of every slot and the micro-batch's tokens, labels,
+        positions and loss mask, each one non-blocking copy from the pinned buffers the
+        sampler's thread staged."""
         from megatron.libra.batch import make_micro_batch
 
         plan, C = batch.plan, self.cfg.parallel.cp
-        # this rank's attention metadata of every slot: one host-to-device copy each
         steps = self.runtime.prepare(plan, self.device, batch.programs)
         micro = []
         for slot in batch.slot_order:
-            seq = plan.sequence_at(self.r, slot)
-            docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
-            micro.append(
-                make_micro_batch([batch.pieces[i] for i in docs], C, self.c, steps[slot])
-            )
+            mb = batch.micro.get(slot) if batch.micro else None
+            if mb is None:  # not staged ahead (a sampler without this rank's cp index)
+                seq = plan.sequence_at(self.r, slot)
+                docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
+                mb = make_micro_batch([batch.pieces[i] for i in docs], C, self.c, None)
+            mb = mb.to(self.device)
+            mb.packed_seq_params.libra = steps[slot]
+            micro.append(mb)
         return micro
 
     def forward_backward(self, micro: list, global_tokens: float) -> list:
@@ -392,24 +397,23 @@ class Trainer:
         def forward_step(data, model_chunk):
             # each model chunk reads the micro-batches in order from its own iterator; the
             # tokens matter on the first stage, the labels on the last, the plan everywhere
-            mb = next(data)
-            dev = next(model_chunk.parameters()).device
+            mb = next(data)  # already on the device (micro_batches)
             gpt = model_chunk.module
             rows = mb.tokens.shape[1] // (T if sp else 1)  # this micro-batch's hidden rows
             if not gpt.pre_process:  # the previous stage's activations, padded: our rows
                 gpt.decoder.input_tensor = gpt.decoder.input_tensor[:rows]
             out = model_chunk(
-                mb.tokens.to(dev),
-                mb.position_ids.to(dev),
+                mb.tokens,
+                mb.position_ids,
                 None,
-                labels=mb.labels.to(dev),
+                labels=mb.labels,
                 packed_seq_params=mb.packed_seq_params,
             )
             if not gpt.post_process:  # to the next stage at the step's one shape
                 out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, stage_rows - rows))
 
             def loss_fn(per_token):
-                local = (per_token.float() * mb.loss_mask.to(dev)).sum()
+                local = (per_token.float() * mb.loss_mask).sum()
                 return local * scale, {"local_sum": local.detach()}
 
             return out, loss_fn

@@ -52,6 +52,23 @@ def test_activation_memory_of_a_layer_call_is_bounded(report):
                 assert r["peak"] <= PEAK_BOUND, (key, rank, r["peak"])
 
 
+def test_a_drop_in_call_without_a_plan_uploads_once_per_micro_batch(report):
+    # Megatron's cu_seqlens only (no step plan, no libra_doc_lengths): per-document CP
+    # compiles and uploads its program at the first layer and every later layer reuses it
+    assert set(report["drop_in"]) == {"wlb/single", "wlb/cp2-pool2"}
+    for key, ranks in report["drop_in"].items():
+        for rank, r in ranks.items():
+            assert r == {"layers": 3, "uploads": 1, "blocking_or_reads": 0}, (key, rank, r)
+
+
+def test_thd_rope_runs_in_a_fixed_number_of_kernels(report):
+    rope = report["rope"]
+    assert rope["500"]["libra"]["device_ops"] == rope["50"]["libra"]["device_ops"]
+    assert rope["500"]["libra"]["host_reads"] == 0
+    # megatron-core's unfused THD path, on the same micro-batches, grows with the documents
+    assert rope["500"]["megatron"]["device_ops"] > 5 * rope["50"]["megatron"]["device_ops"]
+
+
 def test_device_ops_do_not_grow_with_documents(report):
     assert len(report["growth"]) == 2 * len(SYSTEMS)
     for key, g in report["growth"].items():

@@ -222,3 +222,14 @@ def test_cluster_configs_have_consistent_layouts(name, world, dp):
     )
     assert cfg.validate(world) == dp
     assert cfg.model.qk_norm and cfg.model.experts % cfg.parallel.ep == 0
+
+
+def test_a_wide_dtype_is_refused_on_a_gpu(monkeypatch):
+    # fp32 / fp64 would fall to the CPU's reference kernel on a GPU: refused before launch
+    from megatron.libra import config
+
+    monkeypatch.setattr(config, "_cuda", lambda: True)
+    for dtype in ("fp32", "fp64"):
+        cfg = TrainConfig.load(CPU_TINY, [f"dtype={dtype}", "optimizer.distributed=false"])
+        with pytest.raises(ValueError, match=rf"dtype {dtype} on a GPU: .* set dtype: bf16"):
+            cfg._check_rest(4, 2)

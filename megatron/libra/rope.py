@@ -1,0 +1,58 @@
+"""Rotary embeddings of THD micro-batches in a fixed number of kernels.
+
+megatron-core's unfused THD RoPE (`_apply_rotary_pos_emb_thd`) splits the packed sequence by
+cu_seqlens and gathers each document's frequencies on its own: its device kernels per call grow
+with the documents (tens of thousands per micro-batch over a deep model on long-tail data), and
+it reads cu_seqlens on the host. Libra's micro-batches carry each slot's position inside its
+(padded) document, the same positions megatron-core's CP split gives it, on cu_seqlens_q_padded
+(`libra_positions`, with the device copy of the offsets as `libra_device`). `install()` puts a
+wrapper in place of the `apply_rotary_pos_emb` that megatron-core's attention calls; for such a
+micro-batch it gathers the frequencies of every slot by its position (one index_select) and
+rotates as megatron-core's bshd path does - the same arithmetic per token, whatever the
+document count - or, with `apply_rope_fusion` (Transformer Engine), calls TE's fused THD kernel
+with the device offsets. Any other call goes to megatron-core's own function unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+
+def _positions_rope(original, bshd):
+    accepted = set(inspect.signature(bshd).parameters)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
+                             *args, **kwargs):
+        positions = getattr(cu_seqlens, "libra_positions", None)
+        if positions is None or args or kwargs:
+            return original(t, freqs, config, cu_seqlens, mscale, cp_group, *args, **kwargs)
+        if getattr(config, "apply_rope_fusion", False):  # TE's fused THD kernel, device offsets
+            device_cu = getattr(cu_seqlens, "libra_device", None)
+            return original(t, freqs, config, device_cu if device_cu is not None else cu_seqlens,
+                            mscale, cp_group)
+        if positions.device != t.device:
+            positions = positions.to(t.device)
+        # freqs [max_s, 1, 1, d] -> each slot's [t, 1, 1, d]
+        f = freqs.index_select(0, positions)
+        kw = {"rotary_interleaved": config.rotary_interleaved, "mscale": mscale,
+              "multi_latent_attention": getattr(config, "multi_latent_attention", False)}
+        return bshd(t.unsqueeze(1), f, **{k: v for k, v in kw.items() if k in accepted}).squeeze(1)
+
+    apply_rotary_pos_emb.libra_positions_rope = True
+    return apply_rotary_pos_emb
+
+
+def install() -> None:
+    """Route megatron-core's attention RoPE through the positions path (idempotent)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    if getattr(attention.apply_rotary_pos_emb, "libra_positions_rope", False):
+        return
+    attention.apply_rotary_pos_emb = _positions_rope(
+        attention.apply_rotary_pos_emb, rope_utils._apply_rotary_pos_emb_bshd
+    )
