@@ -461,7 +461,11 @@ class Trainer:
         self.phase = "the optimizer step (megatron-core's grad-norm and parameter collectives)"
         updated, grad_norm, _ = self.opt.step()
         self.sched.step(1)
-        local = sum(float(x["local_sum"]) for x in outs) if outs else 0.0
+        # the step's loss sum, summed on the device and read once (one sync per step, not one
+        # per micro-batch)
+        local = 0.0
+        if outs:
+            local = float(torch.stack([x["local_sum"] for x in outs]).sum(dtype=torch.float64))
         # step statistics over host tensors on the gloo group (no device sync under NCCL)
         group = self.runtime.groups.check_group
         self.phase = "the step statistics' all-reduce (group of all ranks, gloo)"
