@@ -17,6 +17,9 @@
 `PerDocAttention` (wlb): K and V all-gathered in the CP group, the rank's chunks of every
 document in one kernel call, dK/dV reduce-scattered back (summed in fp32).
 
+Index arrays are int32 (meta.INDEX_DTYPE): gathers are index_select, scatters of distinct
+vectors index_put_, sums index_add_ - all take int32 indices.
+
 Every collective is issued inside these Functions in one fixed order on every rank, so
 autograd never interleaves collectives differently on different ranks. Kernel calls go
 through `kernels.Backend.attend` with their own autograd graph: the forward keeps each call's
@@ -111,7 +114,7 @@ def _accumulate(buf: torch.Tensor, block: Block, calls_grads, d: int, copy: bool
             idx = block.gather[lo : lo + n]
             src = gr.reshape(-1, d)
             if copy:
-                buf.index_copy_(0, idx, src.to(buf.dtype))
+                buf.index_put_((idx,), src.to(buf.dtype))
             elif src.dtype == buf.dtype:
                 buf.index_add_(0, idx, src)
             else:
@@ -142,7 +145,7 @@ class _Accumulator:
             for part, ((lo, n, _), gr) in enumerate(zip(call.parts(), grads)):
                 idx = block.gather[lo : lo + n]
                 if part == 0:  # the call's Q vectors: each appears once
-                    self.dX.index_copy_(0, idx, gr.reshape(-1, d))
+                    self.dX.index_put_((idx,), gr.reshape(-1, d))
                 else:
                     self._add_kv(idx, gr.reshape(-1, d))
 
@@ -180,8 +183,8 @@ def _place_outputs(dst: torch.Tensor, block: Block, outs, d: int) -> None:
         if block.out is None:
             dst[call.out_off : call.out_off + call.n_out].copy_(o.reshape(-1, d))
         else:
-            dst.index_copy_(0, block.out[call.out_off : call.out_off + call.n_out],
-                            o.reshape(-1, d))
+            dst.index_put_((block.out[call.out_off : call.out_off + call.n_out],),
+                           o.reshape(-1, d))
 
 
 def _output_grads(src: torch.Tensor, block: Block, d: int) -> list:
@@ -319,7 +322,7 @@ class PlannedAttention(torch.autograd.Function):
                 if w is not None:
                     w.wait()
             del o_works
-            out_flat.index_copy_(0, prog.o_out_idx, o_recv_all)
+            out_flat.index_put_((prog.o_out_idx,), o_recv_all)
             del o_recv_all
         # Ulysses out: [C*t*hl, d] (block j: rank j's slots) -> [t, h*d]
         Y = _cp_a2a(out_flat, C, t * hl, d, env, "ulysses.out")

@@ -810,12 +810,23 @@ def _clone(prog):
     )
 
 
+INDEX_DTYPE = np.int32
+"""The staged (and device) index arrays' dtype: every index of a rank's buffers is below 2^31,
+and the device ops take int32 indices (index_select, index_add_, index_put_; cu_seqlens are
+int32 anyway), so a step's metadata is half the bytes of int64 - on the host, in the upload
+and on the device."""
+
+
 def stage(prog, pin: bool = False) -> Staged:
-    """Flatten a host program's arrays into one host tensor (pinned: for a non-blocking copy).
-    Runs off the critical path (the sampler's thread)."""
+    """Flatten a host program's arrays into one int32 host tensor (pinned: for a non-blocking
+    copy). Runs off the critical path (the sampler's thread)."""
     prog = _clone(prog)
-    arrays = [np.asarray(getattr(h, a), dtype=_I64).reshape(-1) for h, a in _walk(prog)]
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=_I64)
+    arrays = [np.asarray(getattr(h, a)).reshape(-1) for h, a in _walk(prog)]
+    top = max((int(x.max()) for x in arrays if len(x)), default=0)
+    if top >= 2**31:
+        raise ValueError(f"an index of this rank's program ({top}) does not fit in int32")
+    flat = (np.concatenate(arrays).astype(INDEX_DTYPE, copy=False) if arrays
+            else np.zeros(0, dtype=INDEX_DTYPE))
     host = torch.from_numpy(flat)
     if pin:
         host = host.pin_memory()
@@ -823,7 +834,7 @@ def stage(prog, pin: bool = False) -> Staged:
 
 
 def upload(prog, device: torch.device | str, pin: bool | None = None):
-    """The program with every index array on `device` (int64; cu_seqlens int32), copied in one
+    """The program with every index array on `device` (int32, INDEX_DTYPE), copied in one
     host-to-device transfer (non-blocking, from pinned memory on CUDA). `prog` is a host
     program or a `Staged` one; a new program is returned (CallSpecs keep their host offsets in
     `seg`, for the reference kernel)."""
@@ -838,9 +849,9 @@ def upload(prog, device: torch.device | str, pin: bool | None = None):
         v, hv = buf[o : o + n], host_np[o : o + n]
         o += n
         if a == "cu_q":
-            cu_q = (v.to(torch.int32), hv)
+            cu_q = (v, hv)
         elif a == "cu_k":  # right after the same call's cu_q
-            h.cu_q, h.cu_k = cu_q[0], v.to(torch.int32)
+            h.cu_q, h.cu_k = cu_q[0], v
             # on CPU the reference kernel runs: its work items are made here, ahead of the call
             h.seg = Segments.from_host(h.cu_q, h.cu_k, cu_q[1], hv,
                                        reference_work=device.type == "cpu")

@@ -130,6 +130,19 @@ def add_bench_parser(sub) -> None:
     )
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=run_bench_planner)
+    bh = bsub.add_parser(
+        "host",
+        help="the sampler thread's host work per step against the modeled GPU step",
+        description="At the paper's layouts (256K: GBS 128, DP 16, CP 8, P 8; 1M: GBS 32, DP 16, "
+        "CP 16, P 8; Qwen3-30B-A3B) the host time the sampler's thread spends one step ahead "
+        "(the step source, the plan, one rank's attention metadata for every slot, staging it) "
+        "beside the step's modeled time on the GPUs (the simulator's H200 profile): the lead "
+        "by which the thread runs ahead of the training loop.",
+    )
+    bh.add_argument("--steps", type=int, default=2, help="steps timed per layout")
+    bh.add_argument("--seed", type=int, default=0)
+    bh.add_argument("--json", action="store_true")
+    bh.set_defaults(func=run_bench_host)
     bb = bsub.add_parser(
         "balance",
         help="every system on a sweep of length distributions against the achievable bound",
@@ -714,6 +727,55 @@ def run_bench_scaling(args) -> dict | None:
         print(f"{line} {r['max_over_mean']:9.4f} |{cells}")
     if exponent is not None:
         print(f"  growth: plan time ~ D^{exponent:.2f}")
+    return None
+
+
+def run_bench_host(args) -> dict | None:
+    """See the `bench host` parser."""
+    from libra_ext.attention import meta
+    from libra_ext.attention.core import compile_rank
+    from libra_ext.simulator.cost import simulate_plan
+    from libra_ext.simulator.hardware import HardwareProfile
+
+    _positive(args.steps, "steps")
+    check_seed(args.seed)
+    model, hw = ModelConfig(), HardwareProfile.load("h200-sxm")
+    out = {"model": "qwen3-30b-a3b", "hardware": "h200-sxm", "layouts": {}}
+    for name, (preset, context, gbs, dp, cp, pool) in BENCH_CASES.items():
+        steps, source_ms = _time_source(preset, gbs, context, args.seed, args.steps)
+        planner = Planner(LayoutConfig(dp=dp, cp=cp, pool_size=pool, context=context), model,
+                          PlannerOptions(system="libra"))
+        rows = []
+        for seqs in steps:
+            plan = planner.plan(seqs)
+            t0 = time.perf_counter()
+            programs = compile_rank(plan, 0, 0, 2)
+            t1 = time.perf_counter()
+            staged = [meta.stage(p) for p in programs]
+            t2 = time.perf_counter()
+            rows.append({
+                "plan_ms": plan.plan_ms, "compile_ms": (t1 - t0) * 1e3,
+                "stage_ms": (t2 - t1) * 1e3,
+                "staged_mib": sum(x.host.numel() * x.host.element_size() for x in staged) / 2**20,
+                "gpu_step_ms": simulate_plan(plan, model, hw).step * 1e3,
+            })
+        r = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+        r["source_ms"] = source_ms
+        r["slots"] = int(plan.slots)
+        r["host_ms"] = r["source_ms"] + r["plan_ms"] + r["compile_ms"] + r["stage_ms"]
+        r["lead_ms"] = r["gpu_step_ms"] - r["host_ms"]
+        r["host_over_step"] = r["host_ms"] / r["gpu_step_ms"]
+        out["layouts"][name] = r
+    if args.json:
+        return out
+    print("libra bench host: the sampler thread's host work per step (one rank) against the "
+          "modeled GPU step (H200), Qwen3-30B-A3B; medians over the timed steps")
+    print(f"  {'layout':7s} {'source':>8s} {'plan':>8s} {'compile':>9s} {'stage':>8s} "
+          f"{'host':>9s} {'GPU step':>10s} {'lead':>10s} {'staged MiB':>11s}")
+    for name, r in out["layouts"].items():
+        print(f"  {name:7s} {r['source_ms']:8.1f} {r['plan_ms']:8.1f} {r['compile_ms']:9.1f} "
+              f"{r['stage_ms']:8.1f} {r['host_ms']:9.1f} {r['gpu_step_ms']:10.1f} "
+              f"{r['lead_ms']:10.1f} {r['staged_mib']:11.1f}")
     return None
 
 

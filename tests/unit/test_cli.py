@@ -218,3 +218,14 @@ def test_planner_cli_starts_without_torch_or_megatron_core(module):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"importing {module} pulled in {out.stdout.strip()}"
+
+
+def test_bench_host_reports_the_sampler_lead_over_the_modeled_step(capsys):
+    assert main(["bench", "host", "--steps", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r["layouts"]) == {"256k", "1m"}
+    for name, row in r["layouts"].items():
+        parts = row["source_ms"] + row["plan_ms"] + row["compile_ms"] + row["stage_ms"]
+        assert row["host_ms"] == pytest.approx(parts)
+        assert row["lead_ms"] == pytest.approx(row["gpu_step_ms"] - row["host_ms"])
+        assert row["staged_mib"] > 0 and row["slots"] >= 1
