@@ -84,15 +84,18 @@ class Runtime:
     stats: RuntimeStats = field(default_factory=RuntimeStats)
     _programs: dict = field(default_factory=dict)
 
-    def prepare(self, plan: StepPlan, device, host_programs: list | None = None) -> list:
+    def prepare(self, plan: StepPlan, device, host_programs: list | None = None,
+                device_buffers: list | None = None) -> list:
         """AttentionSteps of every slot of this rank for `plan`, their programs on `device`
-        (compiled now unless `host_programs` were built ahead)."""
+        (compiled now unless `host_programs` were built ahead; uploaded now unless
+        `device_buffers` hold each slot's staged arrays on the device already)."""
         g = self.groups
         if host_programs is None:
             host_programs = compile_rank(plan, g.r, g.c, self.chunks)
         device = torch.device(device)
         self._programs = {
-            (plan.hash, slot, device): meta.upload(p, device)
+            (plan.hash, slot, device): meta.upload(
+                p, device, device_buffer=device_buffers[slot] if device_buffers else None)
             for slot, p in enumerate(host_programs)
         }
         return [

@@ -833,16 +833,20 @@ def stage(prog, pin: bool = False) -> Staged:
     return Staged(prog, host, [len(x) for x in arrays])
 
 
-def upload(prog, device: torch.device | str, pin: bool | None = None):
+def upload(prog, device: torch.device | str, pin: bool | None = None, device_buffer=None):
     """The program with every index array on `device` (int32, INDEX_DTYPE), copied in one
     host-to-device transfer (non-blocking, from pinned memory on CUDA). `prog` is a host
     program or a `Staged` one; a new program is returned (CallSpecs keep their host offsets in
-    `seg`, for the reference kernel)."""
+    `seg`, for the reference kernel). `device_buffer`: the staged arrays already on the device
+    (a copy the caller made together with other data)."""
     device = torch.device(device)
     if not isinstance(prog, Staged):
         prog = stage(prog, pin=device.type == "cuda" if pin is None else pin)
     dev, host = prog.prog, prog.host
-    buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    if device_buffer is not None:
+        buf = device_buffer
+    else:
+        buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
     host_np = host.numpy()
     o = 0
     for (h, a), n in zip(_walk(dev), prog.sizes):

@@ -25,6 +25,8 @@ def _args(argv):
                    help="kernel entry points to stand in for")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--tokens", type=int, default=65_536)
+    p.add_argument("--no-trainer", action="store_true",
+                   help="leave out the training-step scenario (megatron-core's GPTModel)")
     p.add_argument("--mutate", default="", help=argparse.SUPPRESS)  # tests: a planted defect
     return p.parse_args(argv)
 
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
         standin_names=tuple(s for s in args.standins.split(",") if s),
         layouts=tuple(s for s in args.layouts.split(",") if s),
         shape=gate.Shape(tokens=args.tokens),
+        trainer=not args.no_trainer,
     )
     failures = gate.check(report)
     report["failures"] = failures

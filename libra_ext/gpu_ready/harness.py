@@ -200,7 +200,7 @@ class Probe(TorchDispatchMode):
         self.trace = bool(os.environ.get("LIBRA_GATE_TRACE"))
         """Record the live device tensors (bytes, op, where) at each phase's peak."""
         self._alive: dict = {}
-        self._holders: dict = {}  # storage -> [bytes, tensors counted on it]
+        self._holders: dict = {}  # live storage -> its bytes
 
     def start(self, name: str) -> Phase:
         """Begin phase `name` (events and the peak are attributed to it until the next; a
@@ -214,12 +214,8 @@ class Probe(TorchDispatchMode):
         return self.phases.setdefault(self.phase, Phase())
 
     def _free(self, key: int) -> None:
-        holders = self._holders[key]
-        holders[1] -= 1
-        if holders[1] == 0:
-            self.live -= holders[0]
-            del self._holders[key]
-            self._alive.pop(key, None)
+        self.live -= self._holders.pop(key)
+        self._alive.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -252,18 +248,19 @@ class Probe(TorchDispatchMode):
         aliasing = any(r.alias_info is not None for r in returns)
         if not aliasing:
             for o in outs:
+                # counted per storage, until the storage is freed (ops without alias
+                # annotations, such as _unsafe_view, return their input's); the storage, not
+                # the tensor, carries the finalizer (a tensor with a weak reference cannot be
+                # swapped, as Module.cuda() does with fake parameters)
                 storage = o.untyped_storage()
-                key = storage._cdata  # one count per storage (ops without alias annotations,
-                holders = self._holders.get(key)  # such as _unsafe_view, share their input's)
-                if holders is None:
+                key = storage._cdata
+                if key not in self._holders:
                     n = storage.nbytes()
-                    self._holders[key] = [n, 1]
+                    self._holders[key] = n
                     self.live += n
                     if self.trace:
                         self._alive[key] = (n, func.__name__, _where())
-                else:
-                    holders[1] += 1
-                weakref.finalize(o, self._free, key)
+                    weakref.finalize(storage, self._free, key)
             if self.live > ph.peak_live:
                 ph.peak_live = self.live
                 if self.trace:
@@ -311,6 +308,33 @@ def _is_pinned(self, device=None):
     return is_pinned(self)
 
 
+class FakeEvent:
+    """torch.cuda.Event on the fake device: recording is asynchronous (nothing waits); reading
+    a time or synchronizing is a host wait, counted by the probe that made it."""
+
+    probe = None
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        if FakeEvent.probe is not None:
+            FakeEvent.probe.current().d2h.append((0, f"event synchronize at {_where()}"))
+
+    def elapsed_time(self, end):
+        self.synchronize()
+        return 0.0
+
+
 @contextlib.contextmanager
 def fake_cuda():
     """Fake CUDA tensors and the probe (yielded) for the block; pin_memory marks host tensors
@@ -321,22 +345,36 @@ def fake_cuda():
 
     activate()
     saved = (torch.Tensor.pin_memory, torch.Tensor.is_pinned, torch.cuda.is_available,
-             torch.cuda.current_device, torch.cuda.device_count, torch.from_numpy)
+             torch.cuda.current_device, torch.cuda.device_count, torch.from_numpy, torch.tensor)
     from_numpy = torch.from_numpy
 
     def host_from_numpy(a):  # host memory, as on a GPU host (the fake mode would fake it)
         with _disable_current_modes():
             return from_numpy(a)
 
-    torch.from_numpy = host_from_numpy
+    make_tensor = torch.tensor
+
+    def tensor(data, *args, device=None, **kwargs):
+        # torch.tensor(..., device="cuda") builds on the device below the dispatch modes; built on
+        # the host and moved, it becomes a fake device tensor like any other copy
+        if device is not None and str(device).startswith("cuda"):
+            return make_tensor(data, *args, **kwargs).to(device)
+        return make_tensor(data, *args, device=device, **kwargs)
+
+    torch.from_numpy, torch.tensor = host_from_numpy, tensor
     torch.Tensor.pin_memory, torch.Tensor.is_pinned = _pin_memory, _is_pinned
     torch.cuda.is_available = lambda: True
     torch.cuda.current_device = lambda: 0
     torch.cuda.device_count = lambda: 1
+    event = torch.cuda.Event
+    torch.cuda.Event = FakeEvent
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, Probe() as probe:
             probe.mode = mode
+            FakeEvent.probe = probe
             yield probe
     finally:
+        torch.cuda.Event, FakeEvent.probe = event, None
         (torch.Tensor.pin_memory, torch.Tensor.is_pinned, torch.cuda.is_available,
-         torch.cuda.current_device, torch.cuda.device_count, torch.from_numpy) = saved
+         torch.cuda.current_device, torch.cuda.device_count, torch.from_numpy,
+         torch.tensor) = saved

@@ -1,6 +1,7 @@
 """Defects planted on purpose (`python -m libra_ext.gpu_ready --mutate NAME`), so that the tests
 can show the gate failing on each: a host index tensor in a device op, a host read in the
-forward, and a device op per document."""
+forward, a device op per document, and a micro-batch copied to the device field by field with
+blocking copies."""
 
 from __future__ import annotations
 
@@ -44,7 +45,20 @@ def _per_document_loop() -> None:
     core.core_attention = core_attention
 
 
-MUTATIONS = {"host-index": _host_index, "item": _item, "per-document-loop": _per_document_loop}
+def _blocking_batch_copies() -> None:
+    from megatron.libra import batch
+
+    def to(self, device, buffer=None):  # each field copied on its own, blocking
+        return batch.MicroBatch(
+            tokens=self.tokens.to(device), labels=self.labels.to(device),
+            loss_mask=self.loss_mask.to(device), position_ids=self.position_ids.to(device),
+            packed_seq_params=self.packed_seq_params, num_tokens=self.num_tokens)
+
+    batch.MicroBatch.to = to
+
+
+MUTATIONS = {"host-index": _host_index, "item": _item, "per-document-loop": _per_document_loop,
+             "blocking-batch-copies": _blocking_batch_copies}
 
 
 def apply(name: str) -> None:

@@ -340,3 +340,81 @@ def fake_collectives():
         yield log
     finally:
         exchange.all_to_all, exchange.all_gather_rows = saved
+
+
+# -- torch.distributed with fake tensors (the training step's own collectives) ----------------
+
+_DEVICE_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                       "reduce_scatter_tensor", "broadcast", "all_to_all_single",
+                       "_all_gather_base", "_reduce_scatter_base")
+_OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
+                       "scatter_object_list")
+
+
+@contextlib.contextmanager
+def fake_distributed():
+    """torch.distributed as a one-process training step on the fake device uses it: collectives
+    over fake (device) tensors move nothing (their counts are logged), those over host tensors
+    and picklable objects run for real on the gloo group, outside the fake mode. Yields the log
+    of faked calls."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    log: list = []
+
+    def tensors(args, kwargs):
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                yield from (x for x in a if isinstance(x, torch.Tensor))
+
+    def device_collective(name, original):
+        def call(*args, **kwargs):
+            if any(isinstance(t, FakeTensor) for t in tensors(args, kwargs)):
+                log.append(name)
+                return _Done() if kwargs.get("async_op") else None
+            return original(*args, **kwargs)
+        return call
+
+    def host_collective(original):
+        def call(*args, **kwargs):
+            with _disable_current_modes():
+                return original(*args, **kwargs)
+        return call
+
+    saved = {n: getattr(dist, n) for n in _DEVICE_COLLECTIVES + _OBJECT_COLLECTIVES
+             if hasattr(dist, n)}
+    for n in saved:
+        setattr(dist, n, device_collective(n, saved[n]) if n in _DEVICE_COLLECTIVES
+                else host_collective(saved[n]))
+    try:
+        yield log
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
+def _module_cuda(self, device=None):
+    """Module.cuda() with fake parameters: parameters and buffers not on the device move there
+    as new tensors (a fake parameter cannot be swapped in place, as Module._apply does)."""
+    for m in self.modules():
+        for key, p in list(m._parameters.items()):
+            if p is not None and p.device.type != "cuda":
+                m._parameters[key] = torch.nn.Parameter(p.detach().to("cuda"),
+                                                        requires_grad=p.requires_grad)
+        for key, b in list(m._buffers.items()):
+            if b is not None and b.device.type != "cuda":
+                m._buffers[key] = b.to("cuda")
+    return self
+
+
+@contextlib.contextmanager
+def fake_module_cuda():
+    saved = torch.nn.Module.cuda
+    torch.nn.Module.cuda = _module_cuda
+    try:
+        yield
+    finally:
+        torch.nn.Module.cuda = saved

@@ -27,41 +27,44 @@ class MicroBatch:
     packed_seq_params: object
     num_tokens: int  # tokens that count in the loss on this rank
     host: torch.Tensor | None = None
-    """The micro-batch in one flat int64 host tensor (pinned when staged for a GPU): tokens,
+    """The micro-batch in one flat int32 host tensor (pinned when staged for a GPU): tokens,
     labels, position ids, the loss mask's float32 bits, each [t], then cu_seqlens_padded
     [n_doc + 1]. Made by `stage`, off the critical path (the sampler's thread)."""
 
     def stage(self, pin: bool) -> "MicroBatch":
         """Lay the micro-batch out in `host` (pinned with `pin`) for one transfer."""
-        cu_pad = self.packed_seq_params.cu_seqlens_q_padded.numpy().astype(np.int64)
-        mask_bits = self.loss_mask[0].numpy().view(np.int32).astype(np.int64)
-        flat = np.concatenate([self.tokens[0].numpy(), self.labels[0].numpy(),
-                               self.position_ids[0].numpy().astype(np.int64), mask_bits, cu_pad])
+        cu_pad = self.packed_seq_params.cu_seqlens_q_padded.numpy().astype(np.int32)
+        mask_bits = self.loss_mask[0].numpy().view(np.int32)
+        flat = np.concatenate([self.tokens[0].numpy().astype(np.int32),
+                               self.labels[0].numpy().astype(np.int32),
+                               self.position_ids[0].numpy().astype(np.int32), mask_bits, cu_pad])
         host = torch.from_numpy(flat)
         self.host = host.pin_memory() if pin else host
         return self
 
-    def to(self, device) -> "MicroBatch":
+    def to(self, device, buffer: torch.Tensor | None = None) -> "MicroBatch":
         """The micro-batch on `device`: one non-blocking copy of `host` (staged if it was not),
-        every tensor a view of it (the loss mask cast back from its bits). The host
+        or `buffer`, that copy made already; every tensor a view of it or cast from it (token
+        ids and labels widened to int64, the loss mask viewed back from its bits). The host
         cu_seqlens stay what megatron-core reads on the host; the device ones and the device
         position ids ride on cu_seqlens_q_padded for Libra's RoPE (`megatron.libra.rope`)."""
         device = torch.device(device)
         if device.type == "cpu":
             return self
-        if self.host is None:
-            self.stage(pin=True)
+        if buffer is None:
+            if self.host is None:
+                self.stage(pin=True)
+            buffer = self.host.to(device, non_blocking=True)
         t = self.tokens.shape[1]
-        buf = self.host.to(device, non_blocking=True)
         psp = self.packed_seq_params
         cu = psp.cu_seqlens_q_padded
-        cu.libra_positions = buf[2 * t : 3 * t]
-        cu.libra_device = buf[4 * t :].to(torch.int32)
+        cu.libra_positions = buffer[2 * t : 3 * t]  # int32: index_select takes it
+        cu.libra_device = buffer[4 * t :]
         return MicroBatch(
-            tokens=buf[:t][None],
-            labels=buf[t : 2 * t][None],
-            loss_mask=buf[3 * t : 4 * t].to(torch.int32).view(torch.float32)[None],
-            position_ids=buf[2 * t : 3 * t][None],
+            tokens=buffer[:t].long()[None],
+            labels=buffer[t : 2 * t].long()[None],
+            loss_mask=buffer[3 * t : 4 * t].view(torch.float32)[None],
+            position_ids=buffer[2 * t : 3 * t].long()[None],
             packed_seq_params=psp,
             num_tokens=self.num_tokens,
         )

@@ -247,6 +247,7 @@ class StepBatch:
     programs: list | None = None  # this rank's attention programs per slot, staged for upload
     slot_order: list | None = None  # the order this replica runs its slots in (micro_batch_order)
     micro: dict | None = None  # slot -> this rank's MicroBatch, staged for upload (batch.py)
+    uploads: list | None = None  # per slot (pinned joint buffer, program length): one copy each
 
 
 def micro_batch_order(cfg: TrainConfig):
@@ -324,18 +325,27 @@ class StepSampler:
         self._bases[step] = self._doc_base
         for gone in [k for k in self._bases if k <= step - self.keep_steps]:
             del self._bases[gone]
-        programs = micro = None
+        programs = micro = uploads = None
         if self.cp_rank is not None:
+            # per slot, this rank's attention program and THD micro-batch staged side by side
+            # in one (pinned, on a GPU) int32 buffer: one non-blocking copy each (Trainer)
             programs = [
-                stage(p, self._pin)
-                for p in compile_rank(plan, self.replica, self.cp_rank, self.cfg.system.chunks)
+                stage(p) for p in compile_rank(plan, self.replica, self.cp_rank,
+                                               self.cfg.system.chunks)
             ]
-            micro = {}
-            for slot in range(plan.slots):  # this rank's THD micro-batches, staged for one copy
+            micro, uploads = {}, []
+            for slot in range(plan.slots):
                 seq = plan.sequence_at(self.replica, slot)
                 docs = range(off[seq], off[seq + 1])
-                micro[slot] = make_micro_batch([pieces[i] for i in docs], self.cfg.parallel.cp,
-                                               self.cp_rank, None).stage(self._pin)
+                mb = make_micro_batch([pieces[i] for i in docs], self.cfg.parallel.cp,
+                                      self.cp_rank, None).stage(pin=False)
+                joint = torch.cat([programs[slot].host, mb.host])
+                if self._pin:
+                    joint = joint.pin_memory()
+                n = len(programs[slot].host)
+                programs[slot].host, mb.host = joint[:n], joint[n:]
+                micro[slot] = mb
+                uploads.append((joint, n))
         batch = StepBatch(
             step,
             plan,
@@ -348,6 +358,7 @@ class StepSampler:
             programs,
             [int(x) for x in self._order(plan)[self.replica]],
             micro,
+            uploads,
         )
         self._doc_base += n_in
         return batch

@@ -364,7 +364,13 @@ class Trainer:
         from megatron.libra.batch import make_micro_batch
 
         plan, C = batch.plan, self.cfg.parallel.cp
-        steps = self.runtime.prepare(plan, self.device, batch.programs)
+        on_device = None
+        if batch.uploads and self.device.type != "cpu":  # one copy per slot
+            on_device = [joint.to(self.device, non_blocking=True) for joint, _ in batch.uploads]
+        steps = self.runtime.prepare(
+            plan, self.device, batch.programs,
+            [buf[:n] for buf, (_, n) in zip(on_device, batch.uploads)] if on_device else None,
+        )
         micro = []
         for slot in batch.slot_order:
             mb = batch.micro.get(slot) if batch.micro else None
@@ -372,7 +378,8 @@ class Trainer:
                 seq = plan.sequence_at(self.r, slot)
                 docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
                 mb = make_micro_batch([batch.pieces[i] for i in docs], C, self.c, None)
-            mb = mb.to(self.device)
+            buf = on_device[slot][batch.uploads[slot][1]:] if on_device else None
+            mb = mb.to(self.device, buf)
             mb.packed_seq_params.libra = steps[slot]
             micro.append(mb)
         return micro
