@@ -229,7 +229,20 @@ RECOMPUTE_METHODS = ("uniform", "block")
 
 @dataclass
 class TrainModelConfig(ModelConfig):
-    """The model's dimensions and how its activations are kept."""
+    """The model's dimensions and how its activations are kept. Every key left out takes the
+    tiny dense model's value below (the defaults docs/config_reference.md lists), whether the
+    `model` section is absent or partial - never the planner's Qwen3-30B-A3B shape."""
+
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    layers: int = 2
+    moe_topk: int = 0
+    moe_ffn: int = 0
+    experts: int = 1
+    vocab: int = 256
 
     recompute: str = "none"
     """Activation recompute: none, selective (core attention recomputed in the backward; the
@@ -281,20 +294,7 @@ class TrainModelConfig(ModelConfig):
 
 @dataclass
 class TrainConfig:
-    model: TrainModelConfig = field(
-        default_factory=lambda: TrainModelConfig(
-            hidden=64,
-            heads=4,
-            kv_heads=2,
-            head_dim=16,
-            ffn=128,
-            layers=2,
-            moe_topk=0,
-            moe_ffn=0,
-            experts=1,
-            vocab=256,
-        )
-    )
+    model: TrainModelConfig = field(default_factory=TrainModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
