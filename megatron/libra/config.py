@@ -8,6 +8,7 @@ by `TrainConfig.validate(world_size)`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import yaml
 from libra_ext.attention import BACKENDS, DEFAULT_CHUNKS
 from libra_ext.pipeline import PP_ORDERS
 from libra_ext.planner import ORDERS, SYSTEMS
-from libra_ext.workload import ModelConfig, check_int, preset_names, read_lengths_file
+from libra_ext.workload import MAX_TOKENS, ModelConfig, check_int, preset_names, read_lengths_file
 
 
 @dataclass
@@ -304,7 +305,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     dtype: str = "fp32"
-    """Parameter and activation dtype: fp32, fp64 (exact comparisons on CPU) or bf16 (GPU)."""
+    """Parameter and activation dtype: fp32, fp64 (exact comparisons on CPU) or bf16 (GPU).
+    Validation refuses bf16 without a GPU and fp32 / fp64 with one."""
     transformer_impl: str = "auto"
     """Layer spec: transformer_engine (TE's fused layers), local (megatron-core's PyTorch
     layers), or auto (transformer_engine when TE imports on a GPU). Core attention is Libra's
@@ -454,6 +456,11 @@ class TrainConfig:
             )
         if d.context <= 0:
             raise ValueError(f"data.context must be positive, got {d.context}")
+        if d.context > MAX_TOKENS:
+            raise ValueError(
+                f"data.context = {d.context} exceeds 2^30 tokens, the most one packed sequence "
+                "may hold (the planner's and the attention metadata's limit)"
+            )
         if d.order not in ORDERS:
             raise ValueError(f"data.order must be one of {', '.join(ORDERS)}, got {d.order!r}")
         check_int(d.seed, "data.seed", 0, 2**31 - 1)  # megatron-core offsets it per rank
@@ -496,6 +503,12 @@ class TrainConfig:
                 "host and its memory grows with the scores); set dtype: bf16 (with "
                 "transformer-engine or flash-attn installed, or PyTorch >= 2.10)"
             )
+        if self.dtype == "bf16" and not _cuda():
+            raise ValueError(
+                "dtype bf16 needs a GPU: megatron-core's bf16 mixed precision (fp32 main "
+                "weights, Float16Module) runs on CUDA devices only; on CPU set dtype: fp32 "
+                "(or fp64 for exact comparisons)"
+            )
         impl = resolve_impl(self.transformer_impl)  # unknown name, or TE asked for but unusable
         if self.parallel.sequence_parallel and impl != "transformer_engine":
             raise ValueError(
@@ -504,7 +517,10 @@ class TrainConfig:
                 "(transformer_impl auto or transformer_engine)"
             )
         o, c, lg = self.optimizer, self.checkpoint, self.logging
-        if o.lr <= 0:
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
+            if not math.isfinite(getattr(o, name)):
+                raise ValueError(f"optimizer.{name} must be a finite number, got {getattr(o, name)}")
+        if not o.lr > 0:
             raise ValueError(f"optimizer.lr must be positive, got {o.lr}")
         if not 0 <= o.min_lr <= o.lr:
             raise ValueError(f"optimizer.min_lr ({o.min_lr}) must be in [0, optimizer.lr = {o.lr}]")

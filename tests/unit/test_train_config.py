@@ -105,6 +105,11 @@ MOE = ["moe.balancer=libra", "model.moe_topk=2", "model.experts=8", "model.moe_f
         (MOE + ["transformer_impl=local", "model.recompute=full"], 4,
          r"does not support model.recompute = full"),
         (["logging.record_routing=true"], 4, r"logging.record_routing .* needs moe.balancer"),
+        (["data.context=1099511627776"], 4, r"data.context = 1099511627776 exceeds 2\^30 tokens"),
+        (["optimizer.lr=.nan"], 4, r"optimizer.lr must be a finite number, got nan"),
+        (["optimizer.lr=inf"], 4, r"optimizer.lr must be a finite number, got inf"),
+        (["optimizer.weight_decay=nan"], 4, r"optimizer.weight_decay must be a finite number"),
+        (["optimizer.clip_grad=nan"], 4, r"optimizer.clip_grad must be a finite number"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, world, message):
@@ -194,6 +199,9 @@ def test_gpu_only_features_are_refused_on_cpu():
         cfg = TrainConfig.load(CPU_TINY, [f"optimizer.{name}=true"])
         with pytest.raises(ValueError, match=f"optimizer.{name} needs a GPU"):
             cfg.validate(4)
+    cfg = TrainConfig.load(CPU_TINY, ["dtype=bf16"])
+    with pytest.raises(ValueError, match="dtype bf16 needs a GPU: .* on CPU set dtype: fp32"):
+        cfg.validate(4)
     assert resolve_impl("auto") == "local"
 
 
@@ -213,9 +221,13 @@ def test_layer_spec_replaces_only_core_attention():
 @pytest.mark.parametrize(
     "name, world, dp", [("qwen3_30b_a3b_256k", 128, 16), ("qwen3_30b_a3b_1m", 256, 16)]
 )
-def test_cluster_configs_have_consistent_layouts(name, world, dp):
+def test_cluster_configs_have_consistent_layouts(name, world, dp, monkeypatch):
     """The paper's settings: 16 replicas in pools of 8 on 128 (256K) or 256 (1M) GPUs. The
-    GPU-only switches and the cluster's data path are set aside to check the rest here."""
+    GPU-only switches and the cluster's data path are set aside to check the rest here; bf16
+    is checked as a GPU host would."""
+    from megatron.libra import config
+
+    monkeypatch.setattr(config, "_cuda", lambda: True)
     cfg = TrainConfig.load(
         f"configs/train/{name}.yaml",
         ["optimizer.distributed=false", "transformer_impl=local", "data.source=synthetic"],
