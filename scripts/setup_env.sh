@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or update) .venv/ at the repository root and install this package into it.
-# Idempotent: a second run only rebuilds the C++ extension if its sources changed.
+# Idempotent: a second run rebuilds the C++ extension only if its sources or toolchain changed.
 # torch 2.13.0 is installed explicitly when no torch is present, so that pip never resolves a
 # plain `torch` requirement to a multi-GB CUDA build on CPU-only machines.
 set -euo pipefail
@@ -20,5 +20,19 @@ fi
   "megatron-core>=0.15" psutil pytest hypothesis ninja
 # Build the extension in place and expose the sources to the venv (editable, compat mode: the
 # repository root goes on sys.path, so `megatron.libra` joins the installed `megatron` namespace).
-"$vpy" -m pip install -q --no-build-isolation --no-deps -e . --config-settings editable_mode=compat
+# Skipped when nothing it depends on changed since the last build: the C++ sources, the build
+# files, and the Python, torch and pybind11 it was built with (a digest kept in .venv/).
+stamp=.venv/.libra_build_digest
+digest="$( { find cpp -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.hpp' \) -print0 | sort -z \
+             | xargs -0 sha256sum; sha256sum setup.py pyproject.toml;
+             "$vpy" -c 'import sys, torch, pybind11; print(sys.version, torch.__version__, pybind11.__version__)';
+           } | sha256sum | cut -d' ' -f1 )"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ] && [ -x .venv/bin/libra ] \
+   && "$vpy" -c "import libra_ext._planner" >/dev/null 2>&1; then
+  echo "[setup] C++ extension up to date (sources unchanged since the last build)"
+else
+  rm -f "$stamp"
+  "$vpy" -m pip install -q --no-build-isolation --no-deps -e . --config-settings editable_mode=compat
+  echo "$digest" > "$stamp"
+fi
 echo "[setup] ok: $("$vpy" -c 'import libra_ext, libra_ext._planner as p; print("libra_ext", libra_ext.__version__)')"

@@ -13,10 +13,12 @@ export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
-mkdir -p logs
 # Inside the container of the Dockerfile, or with the repository's .venv on a shared filesystem.
 LIBRA="${LIBRA:-libra}"
-srun --kill-on-bad-exit=1 bash -c "torchrun \
-  --nnodes=$SLURM_JOB_NUM_NODES --nproc-per-node=$GPUS_PER_NODE \
-  --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT \
-  \$(command -v $LIBRA) $*"
+export GPUS_PER_NODE MASTER_ADDR MASTER_PORT LIBRA
+# The arguments travel as "$@" (an override that holds spaces stays one argument); the node's own
+# shell resolves the libra executable.
+srun --kill-on-bad-exit=1 bash -c 'exec torchrun \
+  --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$GPUS_PER_NODE" \
+  --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
+  "$(command -v "$LIBRA")" "$@"' libra-launch "$@"
