@@ -66,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ["LIBRA_LOG_LEVEL"] = args.log_level.upper()  # spawned training workers read it
+    from megatron.libra.notices import quiet_megatron_notices
+
+    quiet_megatron_notices()  # e.g. megatron-core imported to read a checkpoint
     try:
         result = args.func(args)
     except ValueError as e:

@@ -157,6 +157,15 @@ class ScheduleConfig:
     warmup_steps: int = 5
     decay_style: str = "cosine"
     """constant | linear | cosine."""
+    decay_steps: int | None = None
+    """Steps over which the learning rate goes from its warmup peak to optimizer.min_lr, where
+    it stays afterwards (as Megatron-LM's --lr-decay-iters); None: schedule.train_steps. To
+    extend a finished run keeping its schedule, raise train_steps and set decay_steps to the old
+    train_steps."""
+
+    def decay_length(self) -> int:
+        """The decay's length in steps (decay_steps, or train_steps when unset)."""
+        return self.train_steps if self.decay_steps is None else self.decay_steps
 
 
 @dataclass
@@ -166,7 +175,8 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every N steps (0: only at the end)."""
     resume: bool = True
-    """Continue from the latest checkpoint in `dir` if there is one."""
+    """Continue from the latest checkpoint in `dir` if there is one; false is refused while
+    `dir` holds checkpoints (the run would overwrite them)."""
     async_save: bool = False
     """Write checkpoints in the background (megatron-core's async save): training continues
     while a writer process stores the host copy of each rank's shards."""
@@ -174,17 +184,22 @@ class CheckpointConfig:
     """Resume with this config's learning-rate schedule (optimizer.lr, min_lr, weight_decay,
     schedule.*) where it differs from the checkpoint's (as Megatron-LM's
     --override-opt_param-scheduler); false: such a change is refused."""
+    load_dir: str | None = None
+    """Another run's checkpoint directory to start from while checkpoint.dir holds no checkpoint
+    yet (as Megatron-LM's --load beside --save): a full resume continues that run, saving into
+    checkpoint.dir; with finetune, only its weights. Once checkpoint.dir holds a checkpoint, the
+    run resumes from there. None: load from checkpoint.dir."""
     finetune: bool = False
-    """Load only the model weights from the checkpoint and start at step 0 with a fresh
-    optimizer, schedule and data position (as Megatron-LM's --finetune); the data and system
-    may then differ from the checkpoint's."""
+    """Load only the model weights from checkpoint.load_dir (required; never checkpoint.dir,
+    which this run writes) and start at step 0 with a fresh optimizer, schedule and data
+    position (as Megatron-LM's --finetune); the data and system may then differ."""
     save_on_signal: bool = False
     """On SIGTERM or SIGINT (e.g. a scheduler's pre-emption warning) save a checkpoint after the
     current iteration and stop, as Megatron-LM's --exit-signal-handler; the launcher then waits
     up to 10 minutes for the save instead of 10 seconds."""
     load_iteration: int | None = None
-    """Resume from this saved iteration instead of the newest one (e.g. the newest intact one
-    when the latest is damaged)."""
+    """Load this saved iteration instead of the newest one of the directory loaded from (e.g.
+    the newest intact one when the latest is damaged)."""
 
 
 BALANCERS = ("none", "libra")
@@ -345,6 +360,7 @@ class TrainConfig:
         schedule (SCHEDULE_FIELDS) and what decides each step's documents and their placement
         (STREAM_FIELDS)."""
         d = self.to_dict()
+        d["schedule"]["decay_steps"] = self.schedule.decay_length()
         return {k: d[k.split(".")[0]][k.split(".")[1]] for k in SCHEDULE_FIELDS + STREAM_FIELDS}
 
     # ------------------------------------------------------------------ validation
@@ -488,6 +504,12 @@ class TrainConfig:
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be in "
                 f"[0, schedule.train_steps = {self.schedule.train_steps})"
             )
+        ds = self.schedule.decay_steps
+        if ds is not None and not self.schedule.warmup_steps < ds:
+            raise ValueError(
+                f"schedule.decay_steps ({ds}) must exceed schedule.warmup_steps "
+                f"({self.schedule.warmup_steps})"
+            )
         if self.schedule.decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(
                 f"schedule.decay_style must be constant, linear or cosine, got "
@@ -560,6 +582,26 @@ class TrainConfig:
             raise ValueError(f"checkpoint.save_interval must be >= 0, got {c.save_interval}")
         if c.dir is not None and Path(c.dir).exists() and not Path(c.dir).is_dir():
             raise ValueError(f"checkpoint.dir {c.dir} exists and is not a directory")
+        if c.load_dir is not None and not Path(c.load_dir).is_dir():
+            raise ValueError(f"checkpoint.load_dir {c.load_dir} is not a directory")
+        if c.finetune and c.load_dir is None:
+            raise ValueError(
+                "checkpoint.finetune needs checkpoint.load_dir, the run whose weights to load "
+                "(checkpoint.dir is where this run saves: loading from it would overwrite the "
+                "source run's iterations)"
+            )
+        if (c.finetune and c.dir is not None
+                and Path(c.dir).resolve() == Path(c.load_dir).resolve()):
+            raise ValueError(
+                f"checkpoint.finetune would write into its source: checkpoint.dir and "
+                f"checkpoint.load_dir are both {c.load_dir}; set checkpoint.dir to a new "
+                "directory"
+            )
+        if c.load_dir is not None and c.dir is None:
+            raise ValueError(
+                "checkpoint.load_dir needs checkpoint.dir, where this run saves (it may be a "
+                "new directory)"
+            )
         if lg.log_interval < 1:
             raise ValueError(f"logging.log_interval must be >= 1, got {lg.log_interval}")
         if d.source == "synthetic" and d.lengths_file is not None:
@@ -608,7 +650,7 @@ SCHEDULE_FIELDS = (
     "optimizer.lr",
     "optimizer.min_lr",
     "optimizer.weight_decay",
-    "schedule.train_steps",
+    "schedule.decay_steps",
     "schedule.warmup_steps",
     "schedule.decay_style",
 )

@@ -18,23 +18,13 @@ import torch.distributed as dist
 
 from libra_ext import hostmem
 from megatron.libra.config import TrainConfig
+from megatron.libra.notices import quiet_megatron_notices
 
 logger = logging.getLogger("libra.train")
 
 
 # megatron-core's notices that hold on every CPU run and say nothing a user can act on: filtered
 # once, deliberately, in each training process (every other warning still shows).
-MEGATRON_NOTICES = (
-    r"Transformer Engine and Apex are not installed",
-    r"full scope is deprecated",
-)
-
-
-def quiet_megatron_notices() -> None:
-    for text in MEGATRON_NOTICES:
-        warnings.filterwarnings("ignore", message=text, category=UserWarning)
-
-
 def _progress_log() -> None:
     """Iteration lines on stderr as Megatron prints them (message only), under torchrun, Slurm
     or `--nproc` alike; `libra --log-level` still governs everything else."""
@@ -278,7 +268,7 @@ class Trainer:
             max_lr=o.lr,
             min_lr=o.min_lr,
             lr_warmup_steps=s.warmup_steps,
-            lr_decay_steps=s.train_steps,
+            lr_decay_steps=s.decay_length(),
             lr_decay_style=s.decay_style,
             start_wd=o.weight_decay,
             end_wd=o.weight_decay,
@@ -307,30 +297,26 @@ class Trainer:
         )
         self.start, doc_base, recent = 0, 0, {}
         model_fields = cfg.model.weight_fields()
-        self.latest = (
-            checkpoint.resume_step(ck.dir, model_fields, cfg.resume_fields(),
-                                   ck.override_scheduler, ck.finetune, ck.load_iteration)
-            if ck.resume and ck.dir
-            else None
-        )
-        if self.latest is not None:
-            resumed = checkpoint.load(ck.dir, self.latest, self.chunks, self.opt, self.sched,
-                                      model_fields, ck.finetune)
+        src = checkpoint.load_plan(ck, model_fields, cfg.resume_fields())
+        self.latest = None if src is None else src.step
+        if src is not None:
+            resumed = checkpoint.load(src.root, src.step, self.chunks, self.opt, self.sched,
+                                      model_fields, src.finetune)
             if resumed.planner_state is not None:
                 planner.load_state_dict(resumed.planner_state)
             self.start, doc_base, recent = (
                 resumed.next_step, resumed.doc_base, resumed.recent_bases
             )
             if self.rank == 0:
-                what = "loaded the weights of" if ck.finetune else "resumed from"
-                logger.info("%s %s at step %d", what,
-                            checkpoint.iteration_dir(ck.dir, self.latest), self.start)
+                what = "loaded the weights of" if src.finetune else "resumed from"
+                logger.info("%s %s at step %d", what, src.path, self.start)
         self.sampler = StepSampler(
             cfg, planner, replica=self.r, start_step=self.start, doc_base=doc_base,
             recent_bases=recent, cp_rank=self.c,
         )
         self.saver = (
-            checkpoint.Checkpointer(ck.dir, ck.async_save, model_fields, cfg.resume_fields())
+            checkpoint.Checkpointer(ck.dir, ck.async_save, model_fields, cfg.resume_fields(),
+                                    need=checkpoint.checkpoint_bytes(cfg))
             if ck.dir
             else None
         )

@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None)
     # the launcher's --log-level reaches its workers
     level = os.environ.get("LIBRA_LOG_LEVEL", "WARNING")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    from megatron.libra.train import quiet_megatron_notices
+    from megatron.libra.notices import quiet_megatron_notices
 
     quiet_megatron_notices()  # before megatron-core is imported
     from libra_ext.attention.verify import share_cores
@@ -45,7 +45,12 @@ def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None)
     share_cores(world)
     from megatron.libra.train import run
 
-    history = run(cfg, rank, world, f"tcp://127.0.0.1:{port}")
+    try:
+        history = run(cfg, rank, world, f"tcp://127.0.0.1:{port}")
+    except (Exception, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # e.g. torch's CheckpointException: reported as a failure
+        raise RuntimeError(_first_line(e)) from e
     if out and rank == 0:
         Path(out).write_text(json.dumps(history))
 
@@ -54,6 +59,14 @@ STOP_GRACE_S = 10.0
 """Seconds workers get to end after SIGTERM before they are killed."""
 SAVE_GRACE_S = 600.0
 """The same with checkpoint.save_on_signal: time to finish the iteration and save."""
+
+
+_PLAIN_ERRORS = ("ValueError", "megatron.libra.checkpoint.CheckpointError")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def _become_subreaper() -> None:
@@ -136,6 +149,9 @@ def _run_workers(mp, args: tuple, nproc: int, grace_s: float = STOP_GRACE_S) -> 
     from torch.multiprocessing.spawn import ProcessException
 
     _become_subreaper()
+    # torch's "Terminating process N via signal SIGTERM" per worker once one failed: the line
+    # below says which worker failed and why
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     stop: dict = {}
 
     def on_signal(signum, _frame):
@@ -165,6 +181,9 @@ def _run_workers(mp, args: tuple, nproc: int, grace_s: float = STOP_GRACE_S) -> 
     except ProcessException as e:  # a worker failed: its own last error line, not a dump
         text = str(e).strip().splitlines()
         last = next((t.strip() for t in reversed(text) if t.strip()), type(e).__name__)
+        for name in _PLAIN_ERRORS:  # errors written for the user read without their type
+            if last.startswith(name + ": "):
+                last = last[len(name) + 2:]
         print(f"libra train: worker {e.error_index} failed: {last}", file=sys.stderr)
         failed = e
     else:
@@ -210,18 +229,23 @@ def run_train(args):
 
         check_indexed_dataset(cfg.data.path, cfg.model.vocab)
     ck = cfg.checkpoint
-    if ck.resume and ck.dir:  # damaged, another model or changed settings: refused here
+    if ck.dir or ck.load_dir:  # damaged, another model, changed settings, overwrites: refused
+        from megatron.libra.checkpoint import check_writable, load_plan
 
-        from megatron.libra.checkpoint import iteration_dir, resume_step
-
-        step = resume_step(ck.dir, cfg.model.weight_fields(), cfg.resume_fields(),
-                           ck.override_scheduler, ck.finetune, ck.load_iteration)
-        if step is not None and not ck.finetune and step >= cfg.schedule.train_steps:
+        src = load_plan(ck, cfg.model.weight_fields(), cfg.resume_fields())
+        if src is not None and not src.finetune and src.step >= cfg.schedule.train_steps:
+            decay = src.saved_decay_steps()
             print(
-                f"libra train: nothing to do: {iteration_dir(ck.dir, step)} is at step {step} "
-                f"and schedule.train_steps is {cfg.schedule.train_steps}"
+                f"libra train: nothing to do: {src.path} is at step {src.step} and "
+                f"schedule.train_steps is {cfg.schedule.train_steps}; to train further, raise "
+                "schedule.train_steps and keep the saved learning-rate schedule with "
+                f"schedule.decay_steps={decay if decay is not None else src.step} (the rate "
+                "stays at optimizer.min_lr past it), or let the schedule follow the new length "
+                "with checkpoint.override_scheduler=true"
             )
             return None
+        if ck.dir:
+            check_writable(ck.dir, cfg)
     _cli_launch(cfg, world, args.nproc)
     return None
 
