@@ -7,7 +7,7 @@ FROM nvcr.io/nvidia/pytorch:25.09-py3
 ENV PIP_NO_CACHE_DIR=1 \
     CUDA_DEVICE_MAX_CONNECTIONS=1
 WORKDIR /opt/libra
-RUN pip install "megatron-core>=0.15" psutil && \
+RUN pip install "megatron-core>=0.15" psutil "tokenizers>=0.19" && \
     MAX_JOBS=8 pip install --no-build-isolation "flash-attn>=2.6"
 COPY . /opt/libra
 RUN pip install --no-build-isolation -e . && \

@@ -1,11 +1,20 @@
 #!/usr/bin/env python3
 """Turn a folder of text files into a Megatron indexed dataset (PREFIX.bin / PREFIX.idx).
 
-Tokenizer: UTF-8 bytes (ids 0-255) with id 256 closing every document; it needs no download,
-so it works offline, and `model.vocab` >= 257 covers it. One document per file (or per
-non-empty line with --per-line).
+Tokenizer (--tokenizer):
+  bpe (default)  a byte-level BPE of --vocab-size ids (default 512, what
+                 configs/train/cpu_tiny.yaml's model.vocab holds) trained on the corpus itself,
+                 offline, and saved beside the dataset as PREFIX.tokenizer.json (a HuggingFace
+                 `tokenizers` file: Megatron-LM's HuggingFaceTokenizer and `transformers` load it)
+  FILE.json      an existing HuggingFace `tokenizers` file (e.g. a model's tokenizer.json),
+                 copied beside the dataset as PREFIX.tokenizer.json
+  bytes          UTF-8 bytes (ids 0-255), id 256 closing each document (model.vocab >= 257)
+Every document is closed by the end-of-document id (--eod-token for bpe and FILE.json).
+Files are found recursively (--glob, default '*.txt', matched in every subfolder); one document
+per file, or per non-empty line with --per-line.
 
-    python tools/build_indexed_dataset.py DIR PREFIX [--glob '*.txt'] [--per-line]
+    python tools/build_indexed_dataset.py DIR PREFIX [--tokenizer bpe|bytes|FILE.json]
+        [--vocab-size 512] [--glob '*.txt'] [--per-line]
 """
 
 from __future__ import annotations
@@ -19,38 +28,123 @@ import numpy as np
 import torch
 
 EOD = 256
+"""The end-of-document id of the bytes tokenizer."""
+EOD_TOKEN = "<|endoftext|>"
+DEFAULT_VOCAB = 512
 
 
 def encode(text: str) -> np.ndarray:
+    """The bytes tokenizer: a document's UTF-8 bytes."""
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
 
+def tokenizer_path(prefix: str | Path) -> Path:
+    """Where a dataset's BPE tokenizer is kept: beside PREFIX.bin / .idx."""
+    return Path(f"{prefix}.tokenizer.json")
+
+
+def _documents(files: list[Path], per_line: bool):
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        if per_line:
+            yield from (line for line in text.splitlines() if line.strip())
+        elif text:
+            yield text
+
+
+def train_bpe(files: list[Path], per_line: bool, vocab_size: int, eod_token: str = EOD_TOKEN):
+    """A byte-level BPE trained on the corpus: every byte has an id (nothing is unknown), then
+    the corpus's most frequent merges up to `vocab_size` ids, the end-of-document token first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ValueError(f"--vocab-size must be >= 257 (256 bytes and {eod_token}), got "
+                         f"{vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[eod_token], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_documents(files, per_line), trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str | Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # not a tokenizers file
+        raise ValueError(f"--tokenizer {path} is not a HuggingFace tokenizers file: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _files(folder: Path, pattern: str) -> list[Path]:
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a directory")
+    found = folder.glob(pattern) if "/" in pattern else folder.rglob(pattern)
+    return sorted(f for f in found if f.is_file())
+
+
 def build(
-    folder: str | Path, prefix: str | Path, pattern: str = "*.txt", per_line: bool = False
+    folder: str | Path,
+    prefix: str | Path,
+    pattern: str = "*.txt",
+    per_line: bool = False,
+    tokenizer: str = "bpe",
+    vocab_size: int = DEFAULT_VOCAB,
+    eod_token: str = EOD_TOKEN,
 ) -> int:
-    """Write PREFIX.bin/.idx; returns the number of documents."""
+    """Write PREFIX.bin/.idx (and PREFIX.tokenizer.json for a BPE); returns the number of
+    documents."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    files = sorted(Path(folder).glob(pattern))
+    folder, out_dir = Path(folder), Path(prefix).parent
+    if not out_dir.is_dir():
+        raise ValueError(f"output directory {out_dir} does not exist")
+    files = _files(folder, pattern)
     if not files:
-        raise ValueError(f"{folder}: no files match {pattern!r}")
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
-    n = 0
-    for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
-        docs = [line for line in text.splitlines() if line.strip()] if per_line else [text]
-        for doc in docs:
-            ids = np.concatenate([encode(doc), [EOD]]).astype(np.uint16)
+        raise ValueError(f"{folder}: no files match {pattern!r} (searched recursively)")
+    if tokenizer == "bytes":
+        tok, eod, dtype = None, EOD, np.uint16
+    else:
+        tok = (train_bpe(files, per_line, vocab_size, eod_token) if tokenizer == "bpe"
+               else load_tokenizer(tokenizer))
+        eod = tok.token_to_id(eod_token)
+        if eod is None:
+            raise ValueError(f"--tokenizer {tokenizer} has no {eod_token!r} token "
+                             "(--eod-token names the end-of-document token)")
+        dtype = np.uint16 if tok.get_vocab_size() <= 65536 else np.int32
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    n, batch = 0, []
+
+    def flush() -> None:
+        nonlocal n
+        encoded = ([encode(d) for d in batch] if tok is None else
+                   [np.asarray(e.ids) for e in tok.encode_batch(batch)])
+        for ids in encoded:
+            ids = np.concatenate([ids, [eod]]).astype(np.int64)
             if len(ids) < 2:
                 continue
-            builder.add_item(torch.from_numpy(ids.astype(np.int64)))
+            builder.add_item(torch.from_numpy(ids))
             builder.end_document()
             n += 1
+        batch.clear()
+
+    for doc in _documents(files, per_line):
+        batch.append(doc)
+        if len(batch) >= 1024:
+            flush()
+    flush()
     if n == 0:
         raise ValueError(f"{folder}: the files hold no text")
     builder.finalize(f"{prefix}.idx")
+    if tok is not None:  # kept with the data: training checks model.vocab against it
+        tok.save(str(tokenizer_path(prefix)))
     return n
 
 
@@ -58,15 +152,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("folder")
     ap.add_argument("prefix")
-    ap.add_argument("--glob", default="*.txt")
+    ap.add_argument("--glob", default="*.txt", help="file name pattern, matched recursively")
     ap.add_argument("--per-line", action="store_true", help="one document per non-empty line")
+    ap.add_argument("--tokenizer", default="bpe", help="bpe (trained here), bytes, or FILE.json")
+    ap.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
+                    help="ids of the trained BPE (--tokenizer bpe)")
+    ap.add_argument("--eod-token", default=EOD_TOKEN, help="the end-of-document token")
     args = ap.parse_args(argv)
     try:
-        n = build(args.folder, args.prefix, args.glob, args.per_line)
+        n = build(args.folder, args.prefix, args.glob, args.per_line, args.tokenizer,
+                  args.vocab_size, args.eod_token)
     except ValueError as e:
         print(f"build_indexed_dataset: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.prefix}.bin / .idx with {n} documents")
+    extra = "" if args.tokenizer == "bytes" else f", tokenizer {tokenizer_path(args.prefix)}"
+    print(f"wrote {args.prefix}.bin / .idx with {n} documents{extra}")
     return 0
 
 

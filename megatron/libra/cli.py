@@ -82,5 +82,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def entry() -> int:
+    """The `libra` command: main(), then the process ends without Python's final garbage
+    collection (seconds over torch's and megatron-core's objects; see train_commands)."""
+    code = main()
+    from megatron.libra.train_commands import _end_quickly
+
+    _end_quickly()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -126,6 +126,34 @@ class DataConfig:
     seed: int = 1234
     """Seed of the document stream, synthetic token ids and the model's initialisation, in
     [0, 2^31)."""
+    split: str = "969,30,1"
+    """indexed: train,valid,test weights over the dataset's documents in index order, as
+    Megatron-LM's --split: training reads the first part, validation (schedule.eval_interval)
+    the second; the test part is left alone. synthetic: validation reads a stream of its own
+    (seed data.seed + 1)."""
+
+    def split_weights(self) -> tuple[float, float, float]:
+        """data.split as three non-negative weights summing to 1."""
+        try:
+            w = [float(x) for x in str(self.split).split(",")]
+        except ValueError:
+            w = []
+        if not 1 <= len(w) <= 3 or any(not (x >= 0) or x == float("inf") for x in w) \
+                or sum(w) <= 0:
+            raise ValueError(f"data.split must be up to three comma-separated weights >= 0 "
+                             f"(train,valid,test) with a positive sum, got {self.split!r}")
+        w += [0.0] * (3 - len(w))
+        return tuple(x / sum(w) for x in w)
+
+
+def split_bounds(weights: tuple[float, float, float], n: int) -> list[int]:
+    """Document index bounds [0, a, b, n] of the train / valid / test parts of n documents, as
+    Megatron-LM rounds them (each part rounded, the last bound moved to n)."""
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w * n)))
+    diff = bounds[-1] - n
+    return [bounds[0]] + [b - diff for b in bounds[1:]]
 
 
 @dataclass
@@ -162,6 +190,13 @@ class ScheduleConfig:
     it stays afterwards (as Megatron-LM's --lr-decay-iters); None: schedule.train_steps. To
     extend a finished run keeping its schedule, raise train_steps and set decay_steps to the old
     train_steps."""
+
+    eval_interval: int = 0
+    """Validate every N steps and after the last one (0: never), as Megatron-LM's
+    --eval-interval: the validation loss and perplexity of schedule.eval_iters global batches
+    of the validation data, planned by the run's system, forward only."""
+    eval_iters: int = 2
+    """Global batches per validation (the same ones every time, so validations compare)."""
 
     def decay_length(self) -> int:
         """The decay's length in steps (decay_steps, or train_steps when unset)."""
@@ -258,7 +293,8 @@ class TrainModelConfig(ModelConfig):
     moe_topk: int = 0
     moe_ffn: int = 0
     experts: int = 1
-    vocab: int = 256
+    vocab: int = 512
+    """Token ids; 512 is what tools/build_indexed_dataset.py's default BPE holds."""
 
     recompute: str = "none"
     """Activation recompute: none, selective (core attention recomputed in the backward; the
@@ -504,6 +540,14 @@ class TrainConfig:
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be in "
                 f"[0, schedule.train_steps = {self.schedule.train_steps})"
             )
+        if self.schedule.eval_interval < 0:
+            raise ValueError(
+                f"schedule.eval_interval must be >= 0 (0: no validation), got "
+                f"{self.schedule.eval_interval}"
+            )
+        if self.schedule.eval_iters < 1:
+            raise ValueError(f"schedule.eval_iters must be >= 1, got {self.schedule.eval_iters}")
+        d.split_weights()  # names the field
         ds = self.schedule.decay_steps
         if ds is not None and not self.schedule.warmup_steps < ds:
             raise ValueError(
@@ -666,6 +710,7 @@ STREAM_FIELDS = (
     "data.gbs",
     "data.order",
     "data.seed",
+    "data.split",
 )
 """Settings that decide each step's documents and where they run (change: checkpoint.finetune)."""
 

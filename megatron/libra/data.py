@@ -41,15 +41,21 @@ class SyntheticSource:
     (next = 7 * token + 3 mod vocab, else uniform), so a model has something to learn and the
     loss falls below ln(vocab)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, split: str = "train"):
         d = cfg.data
         self.src = LengthSource(preset=d.workload, lengths_file=d.lengths_file)
-        self.gbs, self.context, self.seed, self.vocab = d.gbs, d.context, d.seed, cfg.model.vocab
+        # validation reads a stream of its own: the next seed
+        seed = d.seed if split == "train" else (d.seed + 1) % 2**31
+        self.gbs, self.context, self.seed, self.vocab = d.gbs, d.context, seed, cfg.model.vocab
         self._mul = np.ones(1, dtype=np.int64)  # 7^k mod vocab
         self._add = np.zeros(1, dtype=np.int64)  # 3 (7^k - 1) / 6 mod vocab
 
     def step(self, step: int, doc_base: int = 0) -> PackedBatch:
         return self.src.step(self.gbs, self.context, self.seed, step)
+
+    def epochs(self, step: int) -> tuple[int, int]:
+        """A synthetic stream has no passes: always (0, 0)."""
+        return 0, 0
 
     def _tables(self, n: int) -> None:
         """Extend the affine-map tables to k < n: k steps of x -> 7x + 3 (mod vocab) take x to
@@ -129,23 +135,67 @@ def check_indexed_dataset(path: str, vocab: int, chunk: int = 1 << 26) -> None:
             )
 
 
-class IndexedSource:
-    """Documents of a Megatron indexed dataset, production-packed into the step's sequences
-    (documents split at sequence boundaries; a document's last token has no label). With
-    `data.shuffle` the documents are visited in a seeded random order, a new one each pass over
-    the dataset (epoch); otherwise in index order. Either way a step's documents are a function
-    of (seed, step) only, so a resumed run reads exactly what the uninterrupted one read."""
+SPLITS = ("train", "valid", "test")
 
-    def __init__(self, cfg: TrainConfig):
+
+def split_documents(cfg: TrainConfig, n: int) -> dict[str, range]:
+    """The document index ranges of data.split's train / valid / test parts of n documents."""
+    from megatron.libra.config import split_bounds
+
+    b = split_bounds(cfg.data.split_weights(), n)
+    return {name: range(b[i], b[i + 1]) for i, name in enumerate(SPLITS)}
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """Everything about an indexed dataset that can fail a run, before any worker starts: its
+    files (check_indexed_dataset), a tokenizer beside it with more ids than model.vocab, and a
+    data.split that leaves training (or, with schedule.eval_interval, validation) empty."""
+    d = cfg.data
+    check_indexed_dataset(d.path, cfg.model.vocab)
+    tok = Path(f"{d.path}.tokenizer.json")
+    if tok.is_file() and tokenizer_size(tok) > cfg.model.vocab:
+        raise ValueError(f"model.vocab ({cfg.model.vocab}) is smaller than the dataset's "
+                         f"tokenizer ({tokenizer_size(tok)} ids, {tok})")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(d.path)
+    n = len(ds.sequence_lengths)
+    del ds
+    parts = split_documents(cfg, n)
+    needed = ["train"] + (["valid"] if cfg.schedule.eval_interval else [])
+    for name in needed:
+        if not len(parts[name]):
+            raise ValueError(
+                f"data.split {d.split!r} leaves no {name} documents of the {n} in {d.path}"
+                + ("; raise its second weight, or schedule.eval_interval=0" if name == "valid"
+                   else "")
+            )
+
+
+class IndexedSource:
+    """Documents of one part (data.split) of a Megatron indexed dataset, production-packed
+    into the step's sequences (documents split at sequence boundaries; a document's last token
+    has no label). With `data.shuffle` the documents are visited in a seeded random order, a new
+    one each pass over the part (epoch); otherwise in index order. Either way a step's documents
+    are a function of (seed, step) only, so a resumed run reads exactly what the uninterrupted
+    one read."""
+
+    def __init__(self, cfg: TrainConfig, split: str = "train"):
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from megatron.core.datasets.indexed_dataset import IndexedDataset
         self.ds = IndexedDataset(cfg.data.path)
-        self.lengths = np.asarray(self.ds.sequence_lengths, dtype=np.int64)
+        every = np.asarray(self.ds.sequence_lengths, dtype=np.int64)
+        part = split_documents(cfg, len(every))[split]
+        self.index = np.arange(part.start, part.stop, dtype=np.int64)  # part -> dataset ids
+        self.lengths = every[part.start:part.stop]
         if len(self.lengths) == 0:
-            raise ValueError(f"data.path {cfg.data.path} holds no documents")
+            raise ValueError(
+                f"data.path {cfg.data.path}: data.split {cfg.data.split!r} leaves no {split} "
+                f"documents of its {len(every)}"
+            )
         self.gbs, self.context = cfg.data.gbs, cfg.data.context
         self.shuffle, self.seed = cfg.data.shuffle, cfg.data.seed
         self.keep_steps = held_steps(cfg)
@@ -166,6 +216,12 @@ class IndexedSource:
                 self._orders.pop(min(self._orders))
             self._orders[epoch] = (perm, np.cumsum(self.lengths[perm]))
         return self._orders[epoch]
+
+    def epochs(self, step: int) -> tuple[int, int]:
+        """(the pass over the part `step` starts in, the pass the next step starts in): they
+        differ when a pass ends inside this step."""
+        need = self.gbs * self.context
+        return step * need // self.total, (step + 1) * need // self.total
 
     def _layout(self, step: int):
         """(doc, offset, length) pieces of every sequence of `step`, cycling the dataset."""
@@ -218,7 +274,8 @@ class IndexedSource:
         if plen != length:
             raise ValueError(f"document {doc_id} has {plen} tokens here, the plan says {length}")
         arr = np.asarray(
-            self.ds.get(doc, offset=off, length=min(length + 1, int(self.lengths[doc]) - off))
+            self.ds.get(int(self.index[doc]), offset=off,
+                        length=min(length + 1, int(self.lengths[doc]) - off))
         )
         tokens = arr[:length]
         labels = np.zeros(length, dtype=tokens.dtype)
@@ -232,6 +289,58 @@ class IndexedSource:
         """Tokens of the piece that have a label (a document's last token has none)."""
         doc, off, plen = self._lookup(doc_id)
         return int(length) - int(off + plen == int(self.lengths[doc]))
+
+
+def make_source(cfg: TrainConfig, split: str = "train"):
+    """The document source of data.source for `split` (train or valid)."""
+    if cfg.data.source == "synthetic":
+        return SyntheticSource(cfg, split)
+    return IndexedSource(cfg, split)
+
+
+def describe_data(cfg: TrainConfig) -> list[str]:
+    """What the run reads, for the start-up lines: documents, tokens and sequences per epoch of
+    each part of an indexed dataset and its tokenizer, or the synthetic stream."""
+    d = cfg.data
+    per_step = f"{d.gbs} sequences of {d.context} tokens per step"
+    if d.source == "synthetic":
+        src = d.lengths_file or f"the {d.workload} preset"
+        return [f"data: synthetic documents (lengths from {src}), {per_step}; validation reads "
+                f"seed {(d.seed + 1) % 2**31}"]
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(d.path)  # kept while its memory-mapped lengths are read
+    lengths = np.array(ds.sequence_lengths, dtype=np.int64)
+    del ds
+    parts = split_documents(cfg, len(lengths))
+    lines = [f"data: {d.path}: {len(lengths):,} documents, {int(lengths.sum()):,} tokens; "
+             f"{per_step}; data.split {d.split}"]
+    for name in ("train", "valid"):
+        r = parts[name]
+        tokens = int(lengths[r.start:r.stop].sum())
+        seqs = tokens / d.context
+        lines.append(
+            f"data: {name}: {len(r):,} documents, {tokens:,} tokens, {seqs:,.1f} sequences "
+            f"per epoch ({seqs / d.gbs:,.1f} steps)" if len(r) else f"data: {name}: none"
+        )
+    tok = Path(f"{d.path}.tokenizer.json")
+    lines.append(f"data: tokenizer {tok} ({tokenizer_size(tok):,} ids)" if tok.is_file()
+                 else "data: no tokenizer file beside the dataset (PATH.tokenizer.json)")
+    return lines
+
+
+def tokenizer_size(path: Path) -> int:
+    """The vocabulary size of a HuggingFace tokenizers file (read as JSON: no import needed)."""
+    import json
+
+    try:
+        spec = json.loads(path.read_text())
+        vocab = spec["model"]["vocab"]
+        ids = list(vocab.values()) + [t["id"] for t in spec.get("added_tokens", [])]
+        return max(ids) + 1
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"data.path: {path} is not a readable tokenizers file "
+                         f"({type(e).__name__}: {e})") from None
 
 
 @dataclass
@@ -248,6 +357,7 @@ class StepBatch:
     slot_order: list | None = None  # the order this replica runs its slots in (micro_batch_order)
     micro: dict | None = None  # slot -> this rank's MicroBatch, staged for upload (batch.py)
     uploads: list | None = None  # per slot (pinned joint buffer, program length): one copy each
+    epochs: tuple = (0, 0)  # the pass over the data it starts in, and the one the next starts in
 
 
 def micro_batch_order(cfg: TrainConfig):
@@ -287,11 +397,17 @@ class StepSampler:
         doc_base: int = 0,
         recent_bases: dict | None = None,
         cp_rank: int | None = None,
+        split: str = "train",
+        stop_step: int | None = None,
     ):
         self.cfg, self.planner, self.replica, self.cp_rank = cfg, planner, replica, cp_rank
         self._pin = torch.cuda.is_available()  # staged programs in pinned memory on a GPU
         self._order = micro_batch_order(cfg)
-        self.source = SyntheticSource(cfg) if cfg.data.source == "synthetic" else IndexedSource(cfg)
+        self.source = make_source(cfg, split)
+        # plans steps [start_step, stop_step); the last one flushes what WLB-LLM holds when
+        # the stream ends there (validation: every document of its batches is computed)
+        self.stop_step = cfg.schedule.train_steps if stop_step is None else stop_step
+        self._flush_last = stop_step is not None
         self.keep_steps = held_steps(cfg)
         self._bases = dict(recent_bases or {})
         if isinstance(self.source, IndexedSource):
@@ -307,7 +423,7 @@ class StepSampler:
 
     def _plan(self, step: int) -> StepBatch:
         seqs = self.source.step(step, self._doc_base)
-        plan = self.planner.plan(seqs)
+        plan = self.planner.plan(seqs, flush=self._flush_last and step + 1 == self.stop_step)
         n_in = document_count(seqs)
         if self.cfg.system.name == "wlb":  # ids are global already (the planner's counter)
             ids = plan.doc_ids
@@ -359,6 +475,7 @@ class StepSampler:
             [int(x) for x in self._order(plan)[self.replica]],
             micro,
             uploads,
+            self.source.epochs(step),
         )
         self._doc_base += n_in
         return batch
@@ -366,7 +483,7 @@ class StepSampler:
     def _run(self) -> None:
         step = self._next
         try:
-            while not self._stop.is_set() and step < self.cfg.schedule.train_steps:
+            while not self._stop.is_set() and step < self.stop_step:
                 self._queue.put(self._plan(step))
                 step += 1
         except BaseException as e:  # surfaced to the training loop on the next get()

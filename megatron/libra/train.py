@@ -8,7 +8,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -25,11 +27,45 @@ logger = logging.getLogger("libra.train")
 
 # megatron-core's notices that hold on every CPU run and say nothing a user can act on: filtered
 # once, deliberately, in each training process (every other warning still shows).
+LAUNCH_ENV = "LIBRA_LAUNCH_TIME"
+"""Set by the local launcher (`--nproc`): when it started, so workers can say how long
+start-up took."""
+
+
+def _since_launch() -> str:
+    """'N.N s after launch' (the local launcher's start, else this process's)."""
+    start = os.environ.get(LAUNCH_ENV)
+    if start is None:
+        try:
+            import psutil
+
+            start = psutil.Process().create_time()
+        except Exception:  # no psutil: say nothing about when
+            return ""
+    return f"{time.time() - float(start):.1f} s after launch"
+
+
+def config_lines(cfg: TrainConfig) -> list[str]:
+    """The resolved config one key per line, as Megatron-LM prints its arguments."""
+    flat = {}
+    for section, value in cfg.to_dict().items():
+        if isinstance(value, dict):
+            flat.update({f"{section}.{k}": v for k, v in value.items()})
+        else:
+            flat[section] = value
+    lines = ["------------------------ libra train: config ------------------------"]
+    for key in sorted(flat):
+        lines.append(f"  {key} {'.' * max(48 - len(key), 2)} {json.dumps(flat[key])}")
+    lines.append("-------------------- libra train: end of config --------------------")
+    return lines
+
+
 def _progress_log() -> None:
-    """Iteration lines on stderr as Megatron prints them (message only), under torchrun, Slurm
-    or `--nproc` alike; `libra --log-level` still governs everything else."""
+    """Iteration lines on stdout as Megatron prints them (message only), under torchrun, Slurm
+    or `--nproc` alike; errors stay on stderr; `libra --log-level` still governs everything
+    else."""
     if not any(getattr(h, "_libra_progress", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
+        handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler._libra_progress = True
         logger.addHandler(handler)
@@ -126,11 +162,19 @@ class Trainer:
         self.dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}[
             cfg.dtype
         ]
+        if self.rank == 0:
+            logger.info("libra train: %d rank(s) joined the process group (%s) %s", self.world,
+                        dist.get_backend(), _since_launch())
         self._build_parallel()
+        t0 = time.perf_counter()
         self._build_model()
         self._build_optimizer()
+        built = time.perf_counter() - t0
         self._build_data()
         self._open_sinks()
+        if self.rank == 0:
+            logger.info("libra train: model and optimizer built in %.1f s; training starts %s",
+                        built, _since_launch())
 
     # ------------------------------------------------------------------ build
     def _build_parallel(self) -> None:
@@ -162,9 +206,8 @@ class Trainer:
         )
         self.r, self.c = self.runtime.groups.r, self.runtime.groups.c
         if self.rank == 0:
-            logger.info(
-                "libra train: resolved config: %s", json.dumps(cfg.to_dict(), sort_keys=True)
-            )
+            for line in config_lines(cfg):
+                logger.info(line)
             logger.info(
                 "libra train: layout: world %d = tp %d x cp %d x dp %d x pp %d (vpp %d, ep %d); "
                 "%d pool(s) of %d replica(s); system %s; %s on %s",
@@ -281,13 +324,11 @@ class Trainer:
         )
         self.fb = mc["get_forward_backward_func"]()
 
-    def _build_data(self) -> None:
+    def _new_planner(self):
         from libra_ext.planner import LayoutConfig, Planner
-        from megatron.libra import checkpoint
-        from megatron.libra.data import StepSampler
 
-        cfg, p, ck = self.cfg, self.cfg.parallel, self.cfg.checkpoint
-        planner = Planner(
+        cfg, p = self.cfg, self.cfg.parallel
+        return Planner(
             LayoutConfig(dp=self.dp, cp=p.cp, tp=p.tp, pool_size=p.pool_size,
                          context=cfg.data.context),
             cfg.model,
@@ -295,6 +336,13 @@ class Trainer:
                 cfg.data.order, torch.tensor([], dtype=self.dtype).element_size()
             ),
         )
+
+    def _build_data(self) -> None:
+        from megatron.libra import checkpoint
+        from megatron.libra.data import StepSampler, describe_data
+
+        cfg, ck = self.cfg, self.cfg.checkpoint
+        planner = self._new_planner()
         self.start, doc_base, recent = 0, 0, {}
         model_fields = cfg.model.weight_fields()
         src = checkpoint.load_plan(ck, model_fields, cfg.resume_fields())
@@ -310,6 +358,9 @@ class Trainer:
             if self.rank == 0:
                 what = "loaded the weights of" if src.finetune else "resumed from"
                 logger.info("%s %s at step %d", what, src.path, self.start)
+        if self.rank == 0:
+            for line in describe_data(cfg):
+                logger.info("libra train: %s", line)
         self.sampler = StepSampler(
             cfg, planner, replica=self.r, start_step=self.start, doc_base=doc_base,
             recent_bases=recent, cp_rank=self.c,
@@ -370,7 +421,8 @@ class Trainer:
             micro.append(mb)
         return micro
 
-    def forward_backward(self, micro: list, global_tokens: float) -> list:
+    def forward_backward(self, micro: list, global_tokens: float,
+                         forward_only: bool = False) -> list:
         """megatron-core's schedule over the micro-batches; returns the last stage's outputs."""
         p = self.cfg.parallel
         T, C, m = p.tp, p.cp, len(micro)
@@ -411,9 +463,10 @@ class Trainer:
 
             return out, loss_fn
 
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.opt.zero_grad()
+        if not forward_only:
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.opt.zero_grad()
         iters = [iter(micro) for _ in self.model]
         return self.fb(
             forward_step_func=forward_step,
@@ -423,8 +476,59 @@ class Trainer:
             # the schedule divides it by cp (and tp with sequence parallelism)
             seq_length=longest * C,
             micro_batch_size=1,
-            forward_only=False,
+            forward_only=forward_only,
         )
+
+    def evaluate(self, step: int) -> dict:
+        """Megatron-LM's validation after iteration `step`: schedule.eval_iters global batches
+        of the validation data (the same ones each time), planned by the run's system with a
+        planner of their own (the last batch flushes what WLB-LLM holds, so every document of
+        them is computed) and run forward only; the per-token loss over all of them."""
+        from libra_ext.attention.core import check_plan_hash
+        from megatron.libra.data import StepSampler
+
+        cfg = self.cfg
+        n = cfg.schedule.eval_iters
+        sampler = StepSampler(cfg, self._new_planner(), replica=self.r, cp_rank=self.c,
+                              split="valid", stop_step=n)
+        local, tokens = [], 0.0
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(n):
+                    batch = sampler.next()
+                    self.phase = "validation: the plan-hash check (group of all ranks, gloo)"
+                    check_plan_hash(batch.plan, group=self.runtime.groups.check_group)
+                    self.phase = "validation forward (the attention operator's groups)"
+                    outs = self.forward_backward(self.micro_batches(batch),
+                                                 float(batch.label_tokens), forward_only=True)
+                    local += [x["local_sum"] for x in outs]
+                    tokens += float(batch.label_tokens)
+        finally:
+            sampler.close()
+            for chunk in self.model:
+                chunk.train()
+        total = float(torch.stack(local).sum(dtype=torch.float64)) if local else 0.0
+        stats = torch.tensor([total], dtype=torch.float64)
+        self.phase = "the validation loss all-reduce (group of all ranks, gloo)"
+        dist.all_reduce(stats, group=self.runtime.groups.check_group)
+        loss = float(stats[0]) / cfg.parallel.tp / max(tokens, 1.0)
+        return {"valid_loss": loss, "valid_ppl": math.exp(min(20.0, loss)),
+                "valid_tokens": tokens}
+
+    def log_validation(self, rec: dict) -> None:
+        """Megatron-LM's validation lines (rank 0) and TensorBoard scalars."""
+        if self.rank != 0:
+            return
+        text = (f" validation loss at iteration {rec['step']} | lm loss value: "
+                f"{rec['valid_loss']:.6E} | lm loss PPL: {rec['valid_ppl']:.6E} | ")
+        logger.info("-" * (len(text) + 1))
+        logger.info(text)
+        logger.info("-" * (len(text) + 1))
+        if self.tb is not None:
+            self.tb.add_scalar("lm loss validation", rec["valid_loss"], rec["step"])
+            self.tb.add_scalar("lm loss validation ppl", rec["valid_ppl"], rec["step"])
 
     def train_step(self, step: int, stop: "_StopRequest") -> tuple[dict, object, bool]:
         """One optimizer step: (metrics record, the step's batch, whether a rank asked to
@@ -567,10 +671,20 @@ class Trainer:
         cfg, rank = self.cfg, self.rank
         stop = _StopRequest(cfg.checkpoint.save_on_signal)
         try:
+            every = cfg.schedule.eval_interval
             for step in range(self.start, cfg.schedule.train_steps):
                 rec, batch, stopping = self.train_step(step, stop)
-                self.log(rec)
                 last = step + 1 == cfg.schedule.train_steps
+                if every and ((step + 1) % every == 0 or last):
+                    rec.update(self.evaluate(step + 1))
+                self.log(rec)
+                if "valid_loss" in rec:
+                    self.log_validation(rec)
+                first, final = batch.epochs
+                if final > first and rank == 0:
+                    logger.info("libra train: epoch %d of the training data ended during "
+                                "iteration %d; epoch %d reads its documents in a new order",
+                                first + 1, step + 1, final + 1)
                 self.maybe_save(step + 1, batch, last, stopping)
                 if stopping and not last:
                     if rank == 0:

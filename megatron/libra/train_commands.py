@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from megatron.libra.config import TrainConfig
@@ -53,6 +54,18 @@ def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None)
         raise RuntimeError(_first_line(e)) from e
     if out and rank == 0:
         Path(out).write_text(json.dumps(history))
+    _end_quickly()
+
+
+def _end_quickly() -> None:
+    """The process ends now: leave its objects to the operating system. Python's final garbage
+    collection over the ~400,000 objects torch and megatron-core hold took 3 s per worker on a
+    2-core host, between the run's last line and the launcher's return."""
+    import gc
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.freeze()
 
 
 STOP_GRACE_S = 10.0
@@ -210,10 +223,16 @@ def launch(cfg: TrainConfig, world: int, nproc: int | None, out: str | None = No
 
         from libra_ext.attention.verify import free_port
 
+        from megatron.libra.train import LAUNCH_ENV
+
+        os.environ[LAUNCH_ENV] = str(time.time())  # the workers say how long start-up took
+        port = free_port()
+        print(f"libra train: starting {nproc} local worker process(es) (gloo rendezvous on "
+              f"127.0.0.1:{port}) ...", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             target = out or os.path.join(tmp, "history.json")
             grace = SAVE_GRACE_S if cfg.checkpoint.save_on_signal else STOP_GRACE_S
-            _run_workers(mp, (world, free_port(), cfg, target), nproc, grace)
+            _run_workers(mp, (world, port, cfg, target), nproc, grace)
             return json.loads(Path(target).read_text())
     from megatron.libra.train import run
 
@@ -224,10 +243,10 @@ def run_train(args):
     cfg = TrainConfig.load(args.config, args.overrides)
     world = _world(args)
     cfg.validate(world)  # before any process group exists
-    if cfg.data.source == "indexed":  # damaged files or ids beyond the vocabulary
-        from megatron.libra.data import check_indexed_dataset
+    if cfg.data.source == "indexed":  # damaged files, ids beyond the vocabulary, empty splits
+        from megatron.libra.data import check_data
 
-        check_indexed_dataset(cfg.data.path, cfg.model.vocab)
+        check_data(cfg)
     ck = cfg.checkpoint
     if ck.dir or ck.load_dir:  # damaged, another model, changed settings, overwrites: refused
         from megatron.libra.checkpoint import check_writable, load_plan
@@ -274,12 +293,37 @@ def add_ab_parser(sub) -> None:
         help="comma-separated moe.balancer values (e.g. none,libra): A/B the MoE expert "
         "balancer under the config's system instead of the systems",
     )
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="schedule.train_steps of every run")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per system, interleaved (A B A B ...); speed figures are the "
+                   "medians over them, with their range")
     p.add_argument("--nproc", type=int, help="local worker processes (CPU / gloo)")
     p.add_argument("--out", default="out/ab", help="report directory")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="key.sub=value")
     p.set_defaults(func=run_ab)
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def _spread(xs: list[float]) -> dict:
+    """Median and range of one figure over the repeats."""
+    return {"median": _median(xs), "min": min(xs), "max": max(xs), "runs": list(xs)}
+
+
+def _run_figures(hist: list[dict]) -> dict:
+    """One run's speed figures: tokens/s over its steps after the first (allocation and
+    first-call warm-up), and its mean attention time max/mean."""
+    timed = hist[1:] or hist
+    return {
+        "tokens_per_s": sum(h["tokens"] for h in timed) / max(sum(h["step_time"] for h in timed),
+                                                              1e-12),
+        "attn_time_max_over_mean": sum(h["attn_time_max_over_mean"] for h in hist) / len(hist),
+    }
 
 
 def run_ab(args):
@@ -290,6 +334,8 @@ def run_ab(args):
         raise ValueError("systems: give at least one system")
     if args.steps <= 0:
         raise ValueError(f"steps must be positive, got {args.steps}")
+    if args.repeats <= 0:
+        raise ValueError(f"repeats must be positive, got {args.repeats}")
     base = TrainConfig.load(args.config, args.overrides)
     world = _world(args)
     # (label, system, moe balancer) of every run
@@ -306,41 +352,67 @@ def run_ab(args):
             base,
             system=dataclasses.replace(base.system, name=system),
             moe=dataclasses.replace(base.moe, balancer=balancer),
-            schedule=dataclasses.replace(
-                base.schedule,
-                train_steps=args.steps,
-                warmup_steps=min(base.schedule.warmup_steps, args.steps - 1),
-            ),
+            # --steps is schedule.train_steps; the rest of the schedule is the config's, checked
+            # as `libra train` checks it
+            schedule=dataclasses.replace(base.schedule, train_steps=args.steps),
             checkpoint=dataclasses.replace(base.checkpoint, dir=None),
             logging=dataclasses.replace(base.logging, attention_time=True),  # it is reported
         )
-        cfg.validate(world)  # every system's config before any process group exists
+        try:
+            cfg.validate(world)  # every system's config before any process group exists
+        except ValueError as e:
+            if "schedule." in str(e):
+                raise ValueError(f"{e} (--steps {args.steps} sets schedule.train_steps)") from None
+            raise
         configs[name] = cfg
+    device = "cuda" if _cuda() else "cpu"
     result = {
         "config": args.config,
+        "overrides": list(args.overrides),
         "steps": args.steps,
+        "repeats": args.repeats,
+        "order": "interleaved: every system once per repeat, in turn",
         "world_size": world,
-        "device": "cuda" if _cuda() else "cpu",
+        "device": device,
+        "speed_meaningful": device == "cuda",
         "systems": {},
     }
+    first: dict[str, list[dict]] = {}  # each system's first run: its curves
+    identical = {name: True for name in configs}  # later repeats gave the same losses
+    figures: dict[str, list[dict]] = {name: [] for name in configs}
+    total = args.repeats * len(configs)
+    k = 0
+    for rep in range(args.repeats):  # A B A B ...: host load falls on every system alike
+        for name, cfg in configs.items():
+            k += 1
+            print(f"[ab {k}/{total}: {name}, repeat {rep + 1}/{args.repeats}]", file=sys.stderr)
+            hist = _cli_launch(cfg, world, args.nproc)
+            figures[name].append(_run_figures(hist))
+            if name not in first:
+                first[name] = hist
+            elif [h["loss"] for h in hist] != [h["loss"] for h in first[name]]:
+                identical[name] = False
     for name, cfg in configs.items():
-        print(f"[ab {len(result['systems']) + 1}/{len(configs)} {name}]", file=sys.stderr)
-        hist = _cli_launch(cfg, world, args.nproc)
-        result["systems"][name] = {
+        hist = first[name]
+        entry = {
             "loss": [h["loss"] for h in hist],
+            "losses_identical_over_repeats": identical[name],
             "attn_work_max_over_mean": [h["attn_work_max_over_mean"] for h in hist],
             "attn_time_max_over_mean": [h["attn_time_max_over_mean"] for h in hist],
             "attn_time_per_rank": [h["attn_time_per_rank"] for h in hist],
-            "tokens_per_s": sum(h["tokens"] for h in hist) / sum(h["step_time"] for h in hist),
             "tokens": [h["tokens"] for h in hist],
             "bytes_exchanged": [h["bytes_exchanged"] for h in hist],
             "grad_norm": [h["grad_norm"] for h in hist],
+            "tokens_per_s": _median([f["tokens_per_s"] for f in figures[name]]),
+            "repeats": {key: _spread([f[key] for f in figures[name]])
+                        for key in ("tokens_per_s", "attn_time_max_over_mean")},
         }
         if cfg.moe.balancer == "libra":
             for key in ("expert_tokens_max_over_mean_before",
                         "expert_tokens_max_over_mean_after", "lookahead_topk_overlap",
                         "moe_layers"):
-                result["systems"][name][key] = [h.get(key) for h in hist]
+                entry[key] = [h.get(key) for h in hist]
+        result["systems"][name] = entry
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun: rank 0 reports
@@ -355,6 +427,10 @@ def run_ab(args):
             r[f"max_rel_grad_norm_diff_vs_{ref_name}"] = max(
                 abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["grad_norm"], ref["grad_norm"])
             )
+            # the same repeat's runs ran back to back: their ratio is the paired figure
+            ratios = [a["tokens_per_s"] / b["tokens_per_s"]
+                      for a, b in zip(figures[name], figures[ref_name])]
+            r[f"tokens_per_s_ratio_vs_{ref_name}"] = _spread(ratios)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ab.json").write_text(json.dumps(result, indent=1))
@@ -372,18 +448,33 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _fmt_spread(x: dict, digits: int = 3) -> str:
+    return f"{x['median']:.{digits}f} ({x['min']:.{digits}f}–{x['max']:.{digits}f})"
+
+
 def _ab_markdown(r: dict) -> str:
     ref = r.get("reference", "ulysses")
+    speed_note = (
+        "" if r.get("speed_meaningful") else
+        " **Speed figures on CPU are not meaningful**: gloo processes on a shared host time the "
+        "host's load as much as the systems; they show that the runs work, not how fast the "
+        "systems are on GPUs (`libra simulate` and `libra bench replay` on a GPU answer that)."
+    )
+    over = r.get("overrides") or []
     lines = [
         f"# A/B: {', '.join(r['systems'])}",
         "",
-        f"Config `{r['config']}`, {r['steps']} steps, {r['world_size']} ranks; same data "
-        "and initialisation for every system.",
+        f"Config `{r['config']}`, {r['steps']} steps, {r['world_size']} ranks, "
+        f"{r['device']}; same data and initialisation for every system. "
+        f"{r['repeats']} repeat(s), {r['order']}.",
+        "",
+        "Overrides: " + (", ".join(f"`{o}`" for o in over) if over else "none") + ".",
         "",
         f"| run | final loss | max rel. loss diff vs {ref} | max rel. grad-norm diff "
-        "| attn work max/mean (mean) | attn time max/mean (mean) | expert tokens max/mean "
-        "before → after (mean) | tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| losses same over repeats | attn work max/mean (mean) | attn time max/mean: median "
+        f"(range) | expert tokens max/mean before → after (mean) | tokens/s: median (range) "
+        f"| tokens/s ÷ {ref}: median (range) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in r["systems"].items():
         n = len(s["loss"])
@@ -393,24 +484,26 @@ def _ab_markdown(r: dict) -> str:
         if s.get("expert_tokens_max_over_mean_before"):
             b, a = s["expert_tokens_max_over_mean_before"], s["expert_tokens_max_over_mean_after"]
             moe = f"{sum(b) / len(b):.3f} → {sum(a) / len(a):.3f}"
+        ratio = s.get(f"tokens_per_s_ratio_vs_{ref}")
+        rep = s["repeats"]
         lines.append(
             f"| {name} | {s['loss'][-1]:.5f} | {diff:.2e} | {gdiff:.2e} "
+            f"| {'yes' if s['losses_identical_over_repeats'] else 'NO'} "
             f"| {sum(s['attn_work_max_over_mean']) / n:.3f} "
-            f"| {sum(s['attn_time_max_over_mean']) / n:.3f} | {moe} | {s['tokens_per_s']:.1f} |"
+            f"| {_fmt_spread(rep['attn_time_max_over_mean'])} | {moe} "
+            f"| {_fmt_spread(rep['tokens_per_s'], 1)} "
+            f"| {_fmt_spread(ratio, 2) if ratio else '-'} |"
         )
     lines += [
         "",
-        "Attention work is the plan's modeled per-rank attention FLOPs; attention time is "
-        "the measured wall time of core attention per rank, forward and backward. `wlb` "
-        "changes which documents each step trains on (workload-aware packing and its delay "
-        "queue), so its losses differ from the others by design; placement alone (libra, "
-        "distca) must not change them.",
-        "",
-        "Throughput here is a toy model on "
-        + ("GPUs" if r.get("device") == "cuda" else "CPU processes (gloo)")
-        + ": tokens/s and attention seconds show that the systems run and how their work is "
-        "spread, not how fast they are on GPUs at scale (`libra simulate` and "
-        "`libra bench replay` on a GPU answer that).",
+        "Attention work is the plan's modeled per-rank attention FLOPs (the same in every "
+        "repeat); attention time is the measured wall time of core attention per rank, forward "
+        "and backward, max over mean per step, averaged over the steps of a run; tokens/s "
+        "counts the steps after the first. Medians and ranges are over the repeats; the ratio "
+        f"to {ref} pairs the runs of one repeat, which ran back to back. `wlb` changes which "
+        "documents each step trains on (workload-aware packing and its delay queue), so its "
+        "losses differ from the others by design; placement alone (libra, distca) must not "
+        "change them." + speed_note,
         "",
         "![loss](loss.png)",
         "![attention time](attention_time.png)",
@@ -427,39 +520,55 @@ def _ab_figures(r: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(r["systems"])
+    cpu = "" if r.get("speed_meaningful") else " (CPU: not meaningful)"
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     losses = [s["loss"] for s in r["systems"].values()]
-    for (name, s), style in zip(r["systems"].items(), ("-", "--", ":", "-.") * 4):
-        ax.plot(range(1, len(s["loss"]) + 1), s["loss"], style, label=name)
+    markers = ("o", "s", "^", "x", "D", "v", "+", "*")
+    for i, (name, s) in enumerate(r["systems"].items()):
+        steps = range(1, len(s["loss"]) + 1)
+        # markers of shrinking size and styles per system: coinciding curves stay visible
+        ax.plot(steps, s["loss"], ("-", "--", ":", "-.")[i % 4], marker=markers[i % 8],
+                markersize=max(9 - 2 * i, 3), fillstyle="none", label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("lm loss (per token, global batch)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     spread = max(max(abs(a - b) for a, b in zip(x, losses[0])) for x in losses)
-    if spread <= 1e-4 * max(abs(v) for v in losses[0]):
-        ax.set_title("curves coincide: placement does not change the loss", fontsize=9)
+    same = spread <= 1e-4 * max(abs(v) for v in losses[0])
+    ax.set_title("training loss per step" + (" (curves coincide: placement does not change "
+                                             "the loss)" if same and len(names) > 1 else ""),
+                 fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=110)
     plt.close(fig)
-    names = list(r["systems"])
-    fig, axes = plt.subplots(len(names), 1, figsize=(6, 1.6 * len(names) + 1), sharey=True,
+    fig, axes = plt.subplots(len(names), 1, figsize=(6.5, 1.7 * len(names) + 1.2), sharey=True,
                              sharex=True)
     axes = [axes] if len(names) == 1 else axes
     for ax, name in zip(axes, names):
         per_rank = r["systems"][name]["attn_time_per_rank"]
         mean = [sum(x[i] for x in per_rank) / len(per_rank) for i in range(len(per_rank[0]))]
-        ax.bar(range(len(mean)), mean)
+        avg = sum(mean) / len(mean)
+        ax.bar(range(len(mean)), mean, color="tab:blue")
+        ax.axhline(avg, color="tab:red", linestyle="--", linewidth=1)
+        top = max(range(len(mean)), key=mean.__getitem__)
+        ax.annotate(f"max/mean {max(mean) / max(avg, 1e-12):.3f}", (top, mean[top]),
+                    textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
         ax.set_ylabel(name, rotation=0, ha="right", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1].set_xlabel("rank")
-    fig.suptitle("core-attention seconds per step (forward + backward, mean over steps); "
-                 "same y-scale", fontsize=9)
+    fig.suptitle("core-attention seconds per rank and step (forward + backward)\nmean over "
+                 f"the first repeat's steps; dashed: mean over ranks{cpu}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "attention_time.png", dpi=110)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar(names, [r["systems"][n]["tokens_per_s"] for n in names])
-    ax.set_ylabel("tokens/s")
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    reps = [r["systems"][n]["repeats"]["tokens_per_s"] for n in names]
+    med = [x["median"] for x in reps]
+    err = [[m - x["min"] for m, x in zip(med, reps)], [x["max"] - m for m, x in zip(med, reps)]]
+    ax.bar(names, med, yerr=err, capsize=4, color="tab:green")
+    ax.set_ylabel("tokens/s (median; bars: range)")
+    ax.set_title(f"throughput over {r['repeats']} interleaved repeat(s){cpu}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "tokens_per_s.png", dpi=110)
     plt.close(fig)

@@ -65,7 +65,8 @@ def test_train_sbatch_runs_torchrun_ranks(tmp_path):
 
 def test_ab_sbatch_writes_the_report(tmp_path):
     config = str(ROOT / "configs" / "train" / "cpu_tiny.yaml")
-    _run("ab.sbatch", [config, "2", "libra,ulysses", "parallel.cp=1"], tmp_path)
+    _run("ab.sbatch", [config, "2", "libra,ulysses", "parallel.cp=1", "--repeats", "1",
+                       "schedule.warmup_steps=1"], tmp_path)
     r = json.loads((tmp_path / "out" / "ab" / "ab.json").read_text())
     assert set(r["systems"]) == {"libra", "ulysses"} and r["world_size"] == 2
     assert r["systems"]["libra"]["max_rel_loss_diff_vs_ulysses"] <= 1e-4

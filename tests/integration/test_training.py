@@ -36,17 +36,36 @@ def test_ab_libra_matches_ulysses_and_learns(tmp_path, capsys):
                 "libra,ulysses",
                 "--steps",
                 "8",
+                "--repeats",
+                "2",
                 "--nproc",
                 "4",
                 "--out",
                 str(out),
                 "--json",
+                "schedule.warmup_steps=2",
             ]
         )
         == 0
     )
-    r = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)
+    # interleaved: libra, ulysses, libra, ulysses
+    order = [ln.split(":")[1].split(",")[0].strip() for ln in captured.err.splitlines()
+             if ln.startswith("[ab ")]
+    assert order == ["libra", "ulysses", "libra", "ulysses"], captured.err[-2000:]
+    assert r["repeats"] == 2 and r["overrides"] == ["schedule.warmup_steps=2"]
+    assert r["speed_meaningful"] is False
     lib, uly = r["systems"]["libra"], r["systems"]["ulysses"]
+    for s in (lib, uly):
+        assert s["losses_identical_over_repeats"]  # deterministic: repeats differ in time only
+        spread = s["repeats"]["tokens_per_s"]
+        assert len(spread["runs"]) == 2 and spread["min"] <= spread["median"] <= spread["max"]
+    ratio = lib["tokens_per_s_ratio_vs_ulysses"]
+    assert len(ratio["runs"]) == 2 and uly["tokens_per_s_ratio_vs_ulysses"]["median"] == 1.0
+    report = (out / "report.md").read_text()
+    assert "`schedule.warmup_steps=2`" in report and "not meaningful" in report
+    assert "median (range)" in report
     for key in ("loss", "attn_work_max_over_mean", "attn_time_max_over_mean"):
         assert len(lib[key]) == 8 and len(uly[key]) == 8
     assert lib["max_rel_loss_diff_vs_ulysses"] <= 1e-4
@@ -177,7 +196,7 @@ def test_torchrun_launch_trains_like_the_local_launcher(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "iteration        2/       2" in out.stderr
+    assert "iteration        2/       2" in out.stdout
     runs = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in runs] == [1, 2]
     for a, b in zip(local, runs):
@@ -221,7 +240,8 @@ def test_moe_expert_balancer_keeps_the_math_and_evens_expert_load(tmp_path, caps
     assert out["max_over_mean_after_exact"] <= out["max_over_mean_before"]
     # the same A/B through `libra ab --moe-balancers`
     assert main(["ab", "--config", CPU_TINY, "--moe-balancers", "none,libra", "--steps", "2",
-                 "--nproc", "2", "--out", str(tmp_path / "ab"), "--json"] + moe) == 0
+                 "--repeats", "1", "--nproc", "2", "--out", str(tmp_path / "ab"), "--json"]
+                + moe) == 0
     ab = json.loads(capsys.readouterr().out)
     lib = ab["systems"]["moe.balancer=libra"]
     assert ab["reference"] == "moe.balancer=none"

@@ -251,9 +251,9 @@ def test_a_partial_model_section_keeps_the_documented_defaults(tmp_path):
     # a key left out takes the tiny model's value (docs/config_reference.md), not Qwen3-30B-A3B's
     p = tmp_path / "p.yaml"
     p.write_text("model: {hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, ffn: 128, layers: 2, "
-                 "vocab: 256}\nparallel: {cp: 2, pool_size: 2}\ndata: {context: 128, gbs: 4}\n")
+                 "vocab: 512}\nparallel: {cp: 2, pool_size: 2}\ndata: {context: 128, gbs: 4}\n")
     m = TrainConfig.load(p).model
     assert (m.experts, m.moe_topk, m.moe_ffn) == (1, 0, 0)
     assert m == TrainConfig().model  # the same as an absent section
     m = TrainConfig.load(None, ["model.layers=4"]).model
-    assert (m.layers, m.hidden, m.heads, m.vocab, m.moe_topk) == (4, 64, 4, 256, 0)
+    assert (m.layers, m.hidden, m.heads, m.vocab, m.moe_topk) == (4, 64, 4, 512, 0)
