@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -56,9 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*=")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key.sub=value overrides may stand anywhere, also after an option (`--nproc 4 a.b=1`)
+    if extra and hasattr(args, "overrides") and all(_OVERRIDE.match(x) for x in extra):
+        args.overrides = list(args.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not isinstance(logging.getLevelName(args.log_level.upper()), int):
         parser.error(
             f"argument --log-level: {args.log_level!r} is not one of DEBUG, INFO, WARNING, "

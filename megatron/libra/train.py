@@ -32,6 +32,16 @@ LAUNCH_ENV = "LIBRA_LAUNCH_TIME"
 start-up took."""
 
 
+PROGRESS_ENV = "LIBRA_PROGRESS_STREAM"
+"""stderr: the run's lines go to stderr (set by `libra ab --json`, whose stdout is the JSON)."""
+
+
+def progress_stream():
+    """Where the run's lines go: stdout, as Megatron-LM prints them, unless PROGRESS_ENV says
+    stderr."""
+    return sys.stderr if os.environ.get(PROGRESS_ENV) == "stderr" else sys.stdout
+
+
 def _since_launch() -> str:
     """'N.N s after launch' (the local launcher's start, else this process's)."""
     start = os.environ.get(LAUNCH_ENV)
@@ -65,7 +75,7 @@ def _progress_log() -> None:
     or `--nproc` alike; errors stay on stderr; `libra --log-level` still governs everything
     else."""
     if not any(getattr(h, "_libra_progress", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stdout)
+        handler = logging.StreamHandler(progress_stream())
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler._libra_progress = True
         logger.addHandler(handler)

@@ -223,12 +223,12 @@ def launch(cfg: TrainConfig, world: int, nproc: int | None, out: str | None = No
 
         from libra_ext.attention.verify import free_port
 
-        from megatron.libra.train import LAUNCH_ENV
+        from megatron.libra.train import LAUNCH_ENV, progress_stream
 
         os.environ[LAUNCH_ENV] = str(time.time())  # the workers say how long start-up took
         port = free_port()
         print(f"libra train: starting {nproc} local worker process(es) (gloo rendezvous on "
-              f"127.0.0.1:{port}) ...", flush=True)
+              f"127.0.0.1:{port}) ...", file=progress_stream(), flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             target = out or os.path.join(tmp, "history.json")
             grace = SAVE_GRACE_S if cfg.checkpoint.save_on_signal else STOP_GRACE_S
@@ -327,6 +327,21 @@ def _run_figures(hist: list[dict]) -> dict:
 
 
 def run_ab(args):
+    from megatron.libra.train import PROGRESS_ENV
+
+    before = os.environ.get(PROGRESS_ENV)
+    if args.json:  # stdout is the JSON: the runs' own lines go to stderr
+        os.environ[PROGRESS_ENV] = "stderr"
+    try:
+        return _run_ab(args)
+    finally:
+        if before is None:
+            os.environ.pop(PROGRESS_ENV, None)
+        else:
+            os.environ[PROGRESS_ENV] = before
+
+
+def _run_ab(args):
     import dataclasses
 
     systems = [s for s in args.systems.split(",") if s]

@@ -28,11 +28,11 @@ def _train(over, capfd):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 3 MiB tmpfs (a full disk in miniature); skipped, with the reason, where this machine
-    does not allow mounting one."""
+    """A 5 MiB tmpfs (a full disk in miniature: two checkpoints of the tiny model fit, not
+    three); skipped, with the reason, where this machine does not allow mounting one."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
@@ -63,7 +63,7 @@ def test_too_little_space_is_refused_before_launch_and_a_full_disk_ends_in_one_l
     small_disk, capfd
 ):
     filler = small_disk / "filler"
-    filler.write_bytes(b"\0" * (2 << 20))  # 1 MiB left: less than one checkpoint (1.4 MiB)
+    filler.write_bytes(b"\0" * (4 << 20))  # 1 MiB left: less than one checkpoint (1.8 MiB)
     ck = small_disk / "ck"
     rc, err = _train(BASE + [f"checkpoint.dir={ck}"], capfd)
     assert rc == 2 and err.count("\n") == 1

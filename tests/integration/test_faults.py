@@ -25,8 +25,10 @@ def _start(tmp_path: Path, extra: list[str]) -> tuple[subprocess.Popen, Path]:
     cmd = [sys.executable, "-c", "from megatron.libra.cli import main; raise SystemExit(main())"]
     cmd += ["train", "--config", CPU_TINY, "--nproc", "2", *LONG,
             f"logging.metrics_file={metrics}", *extra]
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    out = open(tmp_path / "stdout.txt", "w")  # the run's own lines (a file: never blocks)
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=subprocess.PIPE,
+                            text=True)
+    out.close()
     return proc, metrics
 
 
@@ -140,4 +142,4 @@ def test_save_on_signal_checkpoints_the_next_iteration_and_stops(tmp_path):
     trained = len(metrics.read_text().splitlines())
     tracker = ck / "latest_checkpointed_iteration.txt"
     assert tracker.is_file() and int(tracker.read_text()) == trained  # the last one trained
-    assert "stopping after iteration" in err
+    assert "stopping after iteration" in (tmp_path / "stdout.txt").read_text()

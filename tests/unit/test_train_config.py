@@ -257,3 +257,13 @@ def test_a_partial_model_section_keeps_the_documented_defaults(tmp_path):
     assert m == TrainConfig().model  # the same as an absent section
     m = TrainConfig.load(None, ["model.layers=4"]).model
     assert (m.layers, m.hidden, m.heads, m.vocab, m.moe_topk) == (4, 64, 4, 512, 0)
+
+
+def test_overrides_may_follow_options(capsys):
+    # `--nproc 4 key=value`: the override after the option is applied, not refused
+    assert main(["train", "--config", CPU_TINY, "parallel.cp=2", "--nproc", "4",
+                 "parallel.pool_size=3"]) == 2
+    assert "parallel.pool_size (P=3) must divide" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", CPU_TINY, "--nproc", "4", "--bogus"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
