@@ -4,12 +4,12 @@
 pipeline_parallel.hybrid_cp_schedule) is fed the step's documents and forms groups of
 sub-samples over the D x C GPUs; each document runs on a power-of-two set of GPUs.
 
-`megatron-dyncp`: Megatron's newer packing-aware dynamic context parallelism, implemented here
-from its description (`dynamic_cp_schedule`): every document gets the smallest power-of-two CP
-group whose GPUs hold it under the per-GPU token cap; documents, heaviest first, are packed into
-bins whose CP size and token capacity (CP size x cap) are set by their first (tallest) document;
-bins, heaviest first, fill micro-batch rounds of the D x C GPUs, each bin on the free aligned
-block of its CP size whose GPUs carry the least work so far.
+`megatron-dyncp`: Megatron-LM's `DefaultDynamicCPScheduler` (its packing-aware dynamic context
+parallelism, `dynamic_cp_schedule`): micro-batches are built one at a time over the D x C GPUs,
+longest document first; a document may take a larger CP group than it needs, each choice is the
+one with the lowest projected busiest-GPU workload under a cap set by the micro-batch's longest
+document, what does not fit waits for the next micro-batch, and idle GPUs are filled by doubling
+groups.
 
 Both are timed with the same cost model as the other systems: a round is a lock-step
 micro-batch, so its time is its slowest GPU's.
@@ -71,98 +71,207 @@ class DcpStep:
     schedule_ms: float
 
 
-def cp_sizes(n_gpus: int) -> list[int]:
-    """Runtime CP group sizes over n_gpus GPUs: the powers of two that divide it, and n_gpus."""
-    sizes, p = [], 1
-    while p < n_gpus:
-        if n_gpus % p == 0:
-            sizes.append(p)
-        p *= 2
-    return sizes + [n_gpus]
+def dynamic_cp_schedule(
+    lengths: list[int], n_gpus: int, cap: int, min_cp: int = 1, cap_slack: float = 0.05
+) -> list[list[list[int]]]:
+    """Megatron's dynamic CP (`DefaultDynamicCPScheduler`, Megatron-LM dev) on the step's
+    documents: rounds (micro-batches) of per-GPU document-id lists; a document listed on k GPUs
+    of a round runs on CP group k.
 
-
-def dynamic_cp_schedule(lengths: list[int], n_gpus: int, cap: int) -> list[list[list[int]]]:
-    """Megatron's packing-aware dynamic CP, from its description: rounds (micro-batches) of
-    per-GPU document-id lists; a document listed on k GPUs of a round runs on CP group k.
-
-    Each document gets the smallest CP size p (see `cp_sizes`) with length <= p * cap (the full
-    pool if none). Documents by work (length squared), heaviest first, go into the first open bin
-    of at least their CP size with room left; a new bin takes the CP size of the document that
-    opens it and p * cap tokens. Bins by work, heaviest first, fill rounds: each round takes the
-    next bins that fit the GPUs it has left, and places them largest CP size first, each on the
-    free aligned block of consecutive GPUs that carries the least work so far.
+    The documents, longest first, fill one micro-batch at a time (`_one_micro_batch`); what does
+    not fit waits for the next one. Every GPU of a group carries the same documents, so a group
+    is a contiguous block of GPUs with one workload (sum of length^2 / group size) and one
+    per-GPU token count (sum of length / group size, at most `cap`).
     """
     if n_gpus <= 0 or cap <= 0:
         raise ValueError(f"n_gpus and cap must be positive, got {n_gpus} and {cap}")
-    sizes = cp_sizes(n_gpus)
-
-    def size_of(length: int) -> int:
-        for p in sizes:
-            if length <= p * cap:
-                return p
-        return n_gpus
-
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i] * lengths[i], i))
-    bins: list[dict] = []  # {"p", "room", "docs", "work"}
-    # Documents come longest first, so every open bin's CP size is at least the current
-    # document's: first fit only needs the first bin with room, found in a max-tree over bins.
-    size = 1
-    while size < max(1, len(order)):
-        size *= 2
-    tree = [-1] * (2 * size)  # max room under each node; -1: no bin there
-
-    def set_room(b: int, room: int) -> None:
-        k = size + b
-        tree[k] = room
-        while k > 1:
-            k //= 2
-            tree[k] = max(tree[2 * k], tree[2 * k + 1])
-
-    def first_with_room(need: int) -> int:
-        if tree[1] < need:
-            return -1
-        k = 1
-        while k < size:
-            k = 2 * k if tree[2 * k] >= need else 2 * k + 1
-        return k - size
-
-    for i in order:
-        length = lengths[i]
-        b = first_with_room(length)
-        if b < 0:
-            p = size_of(length)
-            bins.append({"p": p, "room": max(p * cap, length), "docs": [], "work": 0})
-            b = len(bins) - 1
-        bins[b]["docs"].append(i)
-        bins[b]["room"] -= length
-        bins[b]["work"] += length * length
-        set_room(b, bins[b]["room"])
-    pending = sorted(bins, key=lambda b: -b["work"])  # stable: ties in opening order
+    lens = np.asarray([int(l) for l in lengths], dtype=np.int64)
+    ids = np.argsort(-lens, kind="stable")  # longest first, ties in step order
+    lens = lens[ids]
+    need = np.ones_like(lens)
+    while (short := need * cap < lens).any():
+        need[short] *= 2
+    need = np.minimum(np.maximum(need, min_cp), n_gpus)
     rounds = []
-    carried = [0.0] * n_gpus  # attention work (length squared / CP size) per GPU so far
-    while pending:
-        free, chosen, rest = n_gpus, [], []
-        for b in pending:
-            if b["p"] <= free:
-                chosen.append(b)
-                free -= b["p"]
-            else:
-                rest.append(b)
-        pending = rest
-        per_gpu: list[list[int]] = [[] for _ in range(n_gpus)]
-        used = [False] * n_gpus
-        # largest CP size first, each bin on the free aligned block whose GPUs carry the least
-        # work so far (sizes descending keep every free block aligned)
-        for b in sorted(chosen, key=lambda b: -b["p"]):
-            p = b["p"]
-            starts = [g for g in range(0, n_gpus, p) if not any(used[g : g + p])]
-            g0 = min(starts, key=lambda g: (sum(carried[g : g + p]), g))
-            for g in range(g0, g0 + p):
-                per_gpu[g].extend(b["docs"])
-                used[g] = True
-                carried[g] += b["work"] / p
+    while ids.size:
+        per_gpu, waiting = _one_micro_batch(ids, lens, need, n_gpus, cap, cap_slack)
         rounds.append(per_gpu)
+        w = np.asarray(waiting, dtype=np.int64)
+        ids, lens, need = ids[w], lens[w], need[w]
     return rounds
+
+
+def _one_micro_batch(
+    ids: np.ndarray, lens: np.ndarray, need: np.ndarray, n_gpus: int, cap: int, cap_slack: float
+) -> tuple[list[list[int]], list[int]]:
+    """One micro-batch of Megatron's dynamic CP over documents sorted longest first (ids,
+    lengths, the CP size each needs): (ids per GPU, positions of the documents left for later
+    micro-batches, in order).
+
+    1. The longest document opens a group of its needed size on GPUs 0.. and sets the workload
+       cap: its length x `cap` x (1 + `cap_slack`).
+    2. Each further document tries every power-of-two size from the one it needs up to n_gpus;
+       at each size it may join an existing group of that size with token room, or open a new
+       group on the lowest free GPUs. Every option is scored by the micro-batch's projected
+       busiest-GPU workload; the lowest score within the cap wins (ties: the smaller size, an
+       older group, joining before opening). A document with no option waits.
+    3. Idle GPUs are filled by doubling the first smallest group that can grow in place (the
+       groups after it shift right); when none can, the micro-batch is replaced by one group of
+       all GPUs holding every document, in order, that fits its per-GPU token room.
+    """
+    id_of, len_of, size_of = ids.tolist(), lens.tolist(), need.tolist()
+    tall = float(len_of[0])
+    limit = tall * float(cap) * (1.0 + cap_slack)
+    # groups, in opening order: size, first GPU, workload per GPU, tokens per GPU, ids
+    g_size: list[int] = []
+    g_first: list[int] = []
+    g_work: list[float] = []
+    g_tokens: list[float] = []
+    g_ids: list[list[int]] = []
+    by_size: dict[int, list[int]] = {}
+    free_from = 0  # GPUs free_from.. belong to no group (groups take the lowest free GPUs)
+    busiest = 0.0  # the largest group workload (free GPUs carry 0)
+    left: list[int] = []
+
+    def open_group(size: int, work: float, tokens: float, doc: int) -> None:
+        nonlocal free_from
+        by_size.setdefault(size, []).append(len(g_size))
+        g_size.append(size)
+        g_first.append(free_from)
+        g_work.append(work)
+        g_tokens.append(tokens)
+        g_ids.append([doc])
+        free_from += size
+
+    first_id, first_len = id_of[0], len_of[0]
+    open_group(size_of[0], first_len * first_len / size_of[0], first_len / size_of[0], first_id)
+    emptiest = {size_of[0]: g_tokens[0]}  # size -> the fewest tokens per GPU of its groups
+    busiest = g_work[0]
+    n = len(id_of)
+    flens = None  # float lengths, made when documents start to wait in runs
+    k, misses = 1, 0
+    while k < n:
+        if misses >= 16:  # documents keep waiting: skip, in one pass, those with no room
+            if flens is None:
+                flens = lens.astype(np.float64)
+            k = _next_with_room(k, flens, need, n_gpus - free_from, emptiest, cap, left)
+            misses = 0
+            if k >= n:
+                break
+        doc, length, size = id_of[k], len_of[k], size_of[k]
+        k += 1
+        best = None  # (score, group index or -1 for a new group, size)
+        while size <= n_gpus:
+            work = length * length / size
+            share = length / size
+            # no group of this size has room when the emptiest has none (float addition is
+            # monotone, so this skips exactly the groups the loop would)
+            groups = by_size.get(size, ()) if emptiest.get(size, cap) + share <= cap else ()
+            for g in groups:
+                if g_tokens[g] + share > cap:
+                    continue
+                t = g_work[g] + work
+                score = t if t > busiest else busiest
+                if score <= limit and (best is None or score < best[0]):
+                    best = (score, g, size)
+                    if score == busiest:  # no option scores below the busiest GPU: the
+                        break  # first to reach it wins every tie after it
+            if best is not None and best[0] == busiest:
+                break
+            if n_gpus - free_from >= size:
+                score = work if work > busiest else busiest
+                if score <= limit and (best is None or score < best[0]):
+                    best = (score, -1, size)
+            size *= 2
+        if best is None:
+            left.append(k - 1)
+            misses += 1
+            continue
+        misses = 0
+        score, g, size = best
+        work, share = length * length / size, length / size
+        if g < 0:
+            open_group(size, work, share, doc)
+        else:
+            g_work[g] += work
+            g_tokens[g] += share
+            g_ids[g].append(doc)
+        emptiest[size] = min(g_tokens[h] for h in by_size[size])
+        busiest = max(busiest, score)
+    while free_from < n_gpus:
+        if not _double_first_smallest(g_size, g_first, free_from, n_gpus):
+            return _one_full_group(id_of, len_of, n_gpus, cap)
+        free_from = sum(g_size)
+    per_gpu: list[list[int]] = [[] for _ in range(n_gpus)]
+    for size, first, ids in zip(g_size, g_first, g_ids):
+        for gpu in range(first, first + size):
+            per_gpu[gpu] = list(ids)
+    return per_gpu, left
+
+
+def _next_with_room(
+    k: int,
+    lens: np.ndarray,
+    need: np.ndarray,
+    free: int,
+    emptiest: dict[int, float],
+    cap: int,
+    left: list[int],
+) -> int:
+    """The first document from k on that has room somewhere: a new group (enough free GPUs
+    for the size it needs) or a group of a size at least that with token room for its share.
+    The ones before it have no option at all, so they wait (their positions appended to `left`),
+    exactly as the one-by-one loop would decide; the state does not change while they do.
+    Scans in growing windows: documents that wait come in long runs."""
+    n, width = len(lens), 256
+    while k < n:
+        end = min(n, k + width)
+        ok = need[k:end] <= free
+        for size, tokens in emptiest.items():
+            ok |= (need[k:end] <= size) & (tokens + lens[k:end] / size <= cap)
+        hit = int(np.argmax(ok)) if ok.any() else end - k
+        left.extend(range(k, k + hit))
+        k += hit
+        if k < end:
+            return k
+        width *= 2
+    return k
+
+
+def _double_first_smallest(g_size: list[int], g_first: list[int], used: int, n_gpus: int) -> bool:
+    """Grow the first (in opening order) of the smallest groups to twice its size (at most
+    n_gpus) where it can grow in place: the groups after it move right by the added GPUs, into
+    the idle tail. False when no smallest group can."""
+    smallest = min(g_size)
+    grow = min(2 * smallest, n_gpus) - smallest
+    for g, size in enumerate(g_size):
+        if size != smallest:
+            continue
+        last = g_first[g] + size - 1
+        if last + 1 > used or last + grow >= n_gpus:
+            continue
+        for h in range(len(g_size)):
+            if h != g and g_first[h] > last:
+                g_first[h] += grow
+        g_size[g] = size + grow
+        return True
+    return False
+
+
+def _one_full_group(
+    id_of: list[int], len_of: list[int], n_gpus: int, cap: int
+) -> tuple[list[list[int]], list[int]]:
+    """The fallback micro-batch: every GPU in one group, holding each document (longest first)
+    whose share still fits the per-GPU token room; the rest wait."""
+    ids, left, tokens = [], [], 0.0
+    for k, (doc, length) in enumerate(zip(id_of, len_of)):
+        share = length / n_gpus
+        if tokens + share <= cap:
+            ids.append(doc)
+            tokens += share
+        else:
+            left.append(k)
+    return [list(ids) for _ in range(n_gpus)], left
 
 
 def time_rounds(

@@ -237,8 +237,8 @@ def render_markdown(results: dict) -> str:
             "order and with each exchange pool's balanced order (system.pp_order); planner ms is "
             "the C++ planner "
             "per step (megatron-dcp and megatron-dyncp: their Python schedulers; megatron-dcp is "
-            "megatron-core's BalancedCPScheduler, megatron-dyncp Megatron's packing-aware dynamic "
-            "CP, per-document power-of-two CP groups).",
+            "megatron-core's BalancedCPScheduler, megatron-dyncp Megatron-LM's DefaultDynamicCPScheduler, "
+            "a CP group per document chosen per micro-batch).",
             "",
         ]
         for system, why in s.get("errors", {}).items():

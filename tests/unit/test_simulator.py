@@ -250,28 +250,50 @@ def test_hardware_profile_errors():
         assert hw.attn_efficiency(np.array([65536]))[0] == 1.0
 
 
-def test_dynamic_cp_schedule_places_every_document_once_on_power_of_two_groups():
-    lengths = [9000, 300, 4100, 8192, 12, 700, 16000, 2048, 1, 5000, 64, 3000]
-    cap, gpus = 2048, 8
-    rounds = dcp.dynamic_cp_schedule(lengths, gpus, cap)
-    seen = []
-    for per_gpu in rounds:
-        assert len(per_gpu) == gpus
-        holders = {}
-        for g, ids in enumerate(per_gpu):
-            for i in ids:
-                holders.setdefault(i, []).append(g)
-        for i, gs in holders.items():
-            k = len(gs)
-            # the smallest power of two whose GPUs hold the document under the cap
-            want = next(p for p in (1, 2, 4, 8) if lengths[i] <= p * cap)
-            assert k >= want and k & (k - 1) == 0
-            assert gs == list(range(gs[0], gs[0] + k)) and gs[0] % k == 0  # aligned block
-            # every GPU of the group holds the same documents, within the tokens it can take
-            assert sum(lengths[j] for j in per_gpu[gs[0]]) <= k * cap
-        seen.extend(holders)
-    assert sorted(seen) == list(range(len(lengths)))
-    assert dcp.cp_sizes(12) == [1, 2, 4, 12]
+def test_dynamic_cp_schedule_follows_megatrons_decisions_on_hand_worked_cases():
+    """Expected assignments worked out by hand from DefaultDynamicCPScheduler's rules."""
+    # 8 GPUs, 200 tokens per GPU; workload cap 210 * 200 * 1.05 = 44100.
+    # 210 needs 2 GPUs: group A on 0-1 (work 22050, 105 tokens/GPU), the busiest so far.
+    # 200 needs 1 GPU, but alone it projects 40000; a new 2-GPU group projects 22050: B on 2-3.
+    # 150: 1 GPU projects 22500, joining A 33300, B 31250, a new 2-GPU group 22050: C on 4-5.
+    # 30: a new 1-GPU group ties the busiest (22050) first: D on 6. 20 joins D (ties again).
+    # GPU 7 is idle: the smallest group (D) doubles onto 6-7.
+    assert dcp.dynamic_cp_schedule([210, 200, 150, 30, 20], 8, 200) == [
+        [[0], [0], [1], [1], [2], [2], [3, 4], [3, 4]]]
+    # 4 GPUs, 100 tokens per GPU: 100, 90, 90, 90 take a GPU each; three 10s fill the 90s'
+    # GPUs to 100 tokens; the last 10 has no room and waits. Alone in the next micro-batch it
+    # opens a 1-GPU group, doubled to 2 and then 4 GPUs.
+    assert dcp.dynamic_cp_schedule([100, 90, 90, 90, 10, 10, 10, 10], 4, 100) == [
+        [[0], [1, 4], [2, 5], [3, 6]], [[7], [7], [7], [7]]]
+    # 7 GPUs: 400 takes 0-3, 200 takes 4-5; GPU 6 is idle and the 2-GPU group cannot double in
+    # place (it would end past GPU 6): one group of all 7 GPUs holds both documents.
+    assert dcp.dynamic_cp_schedule([200, 400], 7, 100) == [[[1, 0]] * 7]
+    # min_cp 2: each document fits one GPU but takes 2; 40 joining 50's group would project
+    # 1250 + 800, a new group 1250 (the busiest): a group each
+    assert dcp.dynamic_cp_schedule([50, 40], 4, 100, min_cp=2) == [[[0], [0], [1], [1]]]
+
+
+def test_dynamic_cp_schedule_places_every_document_once_within_the_token_room():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        gpus = int(rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 16]))
+        cap = int(rng.integers(64, 4096))
+        lengths = [int(x) for x in rng.integers(1, cap * min(gpus, 4) + 1, rng.integers(1, 60))]
+        rounds = dcp.dynamic_cp_schedule(lengths, gpus, cap)
+        seen = []
+        for per_gpu in rounds:
+            assert len(per_gpu) == gpus and all(per_gpu)  # no idle GPU in a micro-batch
+            holders: dict = {}
+            for g, ids in enumerate(per_gpu):
+                for i in ids:
+                    holders.setdefault(i, []).append(g)
+            for i, gs in holders.items():
+                k = len(gs)
+                assert gs == list(range(gs[0], gs[0] + k))  # a contiguous group
+                assert all(per_gpu[g] == per_gpu[gs[0]] for g in gs)
+                assert sum(lengths[j] / k for j in per_gpu[gs[0]]) <= cap + 1e-9
+            seen.extend(holders)
+        assert sorted(seen) == list(range(len(lengths)))
 
 
 def test_pool_size_that_does_not_divide_dp_is_refused(tmp_path):
