@@ -192,6 +192,13 @@ def build_model_chunks(
             )
     finally:
         torch.set_rng_state(saved)
+    for chunk in chunks:
+        # every parameter in `dtype`, as Megatron-LM's Float16Module makes them: megatron-core's
+        # local norms create their weights in fp32 whatever params_dtype says, and DDP cannot
+        # reduce buffers of mixed dtypes in one coalesced all-reduce
+        for param in chunk.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
     if moe is not None and moe.balancer == "libra":
         from megatron.libra.moe_layer import link_moe_layers
 

@@ -468,7 +468,9 @@ class Trainer:
                 out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, stage_rows - rows))
 
             def loss_fn(per_token):
-                local = (per_token.float() * mb.loss_mask).sum()
+                # at least fp32 (bf16 logits' losses are summed in fp32); fp64 stays fp64
+                per_token = per_token.to(torch.promote_types(per_token.dtype, torch.float32))
+                local = (per_token * mb.loss_mask.to(per_token.dtype)).sum()
                 return local * scale, {"local_sum": local.detach()}
 
             return out, loss_fn
