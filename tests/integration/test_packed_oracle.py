@@ -52,9 +52,9 @@ def _global_params(chunks) -> dict:
     return out
 
 
-def _reference(params: dict, pieces: list, label_tokens: int, model_cfg) -> tuple:
+def _reference(params: dict, pieces: list, model_cfg) -> tuple:
     """Loss and gradients of megatron-core's stock GPTModel (local spec) on every document
-    alone, from `params`."""
+    alone, from `params`: the sum of the labelled tokens' losses over their count."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -76,9 +76,28 @@ def _reference(params: dict, pieces: list, label_tokens: int, model_cfg) -> tupl
         per_token = gpt(torch.as_tensor(tokens).long()[None], torch.arange(n)[None], causal,
                         labels=torch.as_tensor(labels).long()[None])
         total = total + (per_token * torch.as_tensor(mask, dtype=torch.float64)[None]).sum()
-    loss = total / label_tokens
+    loss = total / sum(sum(mask) for _, _, mask in pieces)
     loss.backward()
     return float(loss), {name: p.grad.detach().clone() for name, p in mine.items()}
+
+
+def _document(trainer, batch, i: int, piece) -> tuple:
+    """(tokens, labels, loss mask) of the plan's document i as the reference reads it. Synthetic
+    data: the source's piece (its labels are the next tokens of one drawn stream). Indexed data:
+    rebuilt from the dataset file itself (megatron-core's IndexedDataset): the piece's tokens,
+    each labelled by the document's next token, the document's last token unlabelled."""
+    src = trainer.sampler.source
+    if trainer.cfg.data.source != "indexed":
+        return piece.tokens.tolist(), piece.labels.tolist(), piece.mask.tolist()
+    plan = batch.plan
+    gid = int(plan.doc_ids[i]) + (0 if trainer.cfg.system.name == "wlb" else batch.doc_base)
+    doc, off, n = src._lookup(gid)  # which document and where the step's layout cut it
+    full = [int(t) for t in src.ds.get(int(src.index[doc]))]
+    tokens = full[off:off + n]
+    labels = [full[j + 1] if j + 1 < len(full) else 0 for j in range(off, off + n)]
+    mask = [1.0 if j + 1 < len(full) else 0.0 for j in range(off, off + n)]
+    assert len(tokens) == n == int(plan.doc_lengths[i])
+    return tokens, labels, mask
 
 
 def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: list) -> None:
@@ -90,7 +109,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
     from megatron.libra.config import TrainConfig
     from megatron.libra.train import Trainer
 
-    # the step's packed sequences, fixed: every system plans these
+    # synthetic data: the step's packed sequences, fixed (every system plans these)
     data_mod.SyntheticSource.step = lambda self, step, doc_base=0: PackedBatch.from_lists(
         SEQUENCES)
     results = {}
@@ -107,8 +126,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
             local = float(sum(float(x["local_sum"]) for x in outs))
             grads = {n: p.main_grad.detach().clone() for n, p in params.items()}
             # every executed document once: the CP rank 0 of each replica sends its pieces
-            pieces = ([(p.tokens.tolist(), p.labels.tolist(), p.mask.tolist())
-                       for _, p in sorted(batch.pieces.items())]
+            pieces = ([_document(trainer, batch, i, p) for i, p in sorted(batch.pieces.items())]
                       if trainer.c == 0 and trainer.mc["ps"].is_pipeline_first_stage() else [])
             mine = {"weights": weights, "grads": grads, "local": local, "pieces": pieces,
                     "dtypes": dtypes, "label_tokens": int(batch.label_tokens),
@@ -132,8 +150,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
                     grads[n] = g
             tp = cfg.parallel.tp
             loss = sum(r["local"] for r in every) / tp / every[0]["label_tokens"]
-            ref_loss, ref_grads = _reference(weights, pieces, every[0]["label_tokens"],
-                                             cfg.model)
+            ref_loss, ref_grads = _reference(weights, pieces, cfg.model)
             worst = {}
             for n, g in ref_grads.items():
                 scale = float(g.abs().max()) or 1.0
@@ -144,6 +161,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
                     {d for r in every for d in r["dtypes"]}),
                 "documents": len(pieces), "executed": every[0]["executed"],
                 "label_tokens": every[0]["label_tokens"],
+                "ref_label_tokens": int(sum(sum(m) for _, _, m in pieces)),
             }
         dist.barrier()
         ps.destroy_model_parallel()
@@ -160,16 +178,17 @@ def _run(tmp_path, world: int, layout: list, systems: list) -> dict:
         return json.load(fh)
 
 
-def _check(res: dict, systems: list) -> None:
+def _check(res: dict, systems: list, documents: int | None) -> None:
+    """documents: how many the step holds (None: indexed data, counted by the run)."""
     assert set(res) == set(systems)
-    documents = sum(len(s) for s in SEQUENCES)
     for system, r in res.items():
         assert r["dtypes"] == ["torch.float64"], (system, r["dtypes"])
         # every document ran once this step (WLB-LLM may hold some back: then fewer ran, but
         # each one that ran is compared)
-        assert r["documents"] == r["executed"] <= documents, (system, r)
-        if system != "wlb":
+        assert r["documents"] == r["executed"], (system, r)
+        if system != "wlb" and documents is not None:
             assert r["documents"] == documents, (system, r)
+        assert r["label_tokens"] == r["ref_label_tokens"], (system, r)  # the denominator
         assert abs(r["loss"] - r["ref_loss"]) <= REL * abs(r["ref_loss"]), (system, r)
         assert r["worst_grad"] <= REL, (system, r)
 
@@ -186,4 +205,32 @@ def _check(res: dict, systems: list) -> None:
 ], ids=["cp2-dp2-pool2", "cp4", "cp1-dp2-pool2", "pp2-cp2"])
 def test_packed_step_equals_every_document_alone(tmp_path, layout, world, systems):
     res = _run(tmp_path, world, layout, systems)
-    _check(res, systems)
+    _check(res, systems, sum(len(s) for s in SEQUENCES))
+
+
+def test_indexed_documents_equal_every_document_alone(tmp_path):
+    """A Megatron indexed dataset (UTF-8 bytes, each document closed by id 256): documents of
+    1, 2 and odd byte counts and one longer than the context, cut at sequence boundaries; the
+    reference rebuilds every label and mask from the dataset file."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "bid", root / "tools" / "build_indexed_dataset.py")
+    bid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bid)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = ["a", "bc", "def", "ghijk", "x" * 9, "the quick brown fox " * 6, "lorem ipsum " * 3,
+             "z" * 13, "packed documents " * 2, "q" * 31, "m" * 7, "end"]
+    for k, text in enumerate(texts):
+        (corpus / f"{k:02d}.txt").write_text(text)
+    prefix = str(tmp_path / "bytes")
+    assert bid.main([str(corpus), prefix, "--tokenizer", "bytes"]) == 0
+    layout = ["parallel.cp=2", "parallel.pool_size=2", "data.source=indexed",
+              f"data.path={prefix}", "data.split='100,0,0'", "model.vocab=264"]
+    res = _run(tmp_path, 4, layout, ["libra", "wlb"])
+    _check(res, ["libra", "wlb"], None)
+    # the step's last tokens of a document carry no label: fewer labelled tokens than tokens
+    assert res["libra"]["label_tokens"] < 4 * CONTEXT
