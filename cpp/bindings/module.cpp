@@ -327,6 +327,21 @@ PYBIND11_MODULE(_planner, m) {
       py::arg("gbs"), py::arg("context"), py::arg("seed"), py::arg("step"),
       py::arg("shuffle_window") = 1, py::arg("threads") = 0);
   m.def(
+      "check_fast_lengths",
+      [](const LengthDist& dist, u64 seed, i64 n) {
+        if (n < 0 || n > (i64(1) << 32)) fail("n must be in [0, 2^32], got " + std::to_string(n));
+        FastLengthCheck c;
+        {
+          py::gil_scoped_release release;
+          c = check_fast_lengths(dist, seed, static_cast<std::size_t>(n));
+        }
+        return py::make_tuple(c.draws, c.mismatches, c.exact);
+      },
+      "(draws, mismatches, exact): the draw lengths' fast path against their definition (libm "
+      "for every draw) on n draws of the stream `seed` plus edge draws; mismatches must be 0, "
+      "exact counts the draws the fast path handed to libm.",
+      py::arg("dist"), py::arg("seed"), py::arg("n"));
+  m.def(
       "window_batch",
       [](const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window, i64 shuffle_window,
          i64 threads) {

@@ -105,6 +105,30 @@ def test_generators_are_deterministic_and_presets_match_published_median():
     assert 60_000 <= p99 <= 85_000  # published p99 about 71K for the 1M set (the v1 fit)
 
 
+def test_fast_draw_lengths_equal_their_libm_definition():
+    """The draws' lengths come from polynomial log / cos / exp and take libm only where x is
+    within the polynomials' error bound of a rounding boundary: every length equals the one libm
+    gives (every preset, a plain lognormal, a narrow one near a boundary, and a Pareto tail so
+    heavy that its exponent leaves the polynomials' range), edge uniforms included."""
+    dists = [core.preset(name) for name in wl.preset_names()]
+    plain = core.LengthDist()
+    plain.kind, plain.median, plain.sigma = "lognormal", 100.5, 1e-10  # x sits on 100.5
+    heavy = core.preset("libra-256k")
+    heavy.tail_alpha, heavy.tail_weight, heavy.cap = 0.04, 0.5, 1 << 20  # a^(-25): past e^700
+    dists.append(core.LengthDist())
+    for d in dists + [plain, heavy]:
+        draws, mismatches, exact = core.check_fast_lengths(d, 17, 300_000)
+        assert draws > 300_000 and mismatches == 0, (d.kind, d.median, mismatches)
+        if d in dists:
+            assert exact < draws // 1000  # libm for a few draws only
+    # the narrow distribution straddles 100.5: its draws need libm to decide
+    assert core.check_fast_lengths(plain, 3, 10_000)[2] > 1_000
+    # the heavy tail's largest exponents go past the polynomials' range: libm decides those
+    assert core.check_fast_lengths(heavy, 3, 100_000)[2] > 0
+    with pytest.raises(ValueError, match="n must be in"):
+        core.check_fast_lengths(plain, 0, -1)
+
+
 def test_steps_are_a_shuffled_draw_of_the_packed_stream():
     # Megatron's GPTDataset serves packed samples through a shuffle index: a step is a slice of
     # a shuffled window of steps, a function of (seed, step) only, and with a window of 1 it is

@@ -60,6 +60,16 @@ struct LengthDist {
   void draw_many(Rng& rng, i64* out, std::size_t n, std::size_t workers = 1) const;
 };
 
+// The check of draw_many's fast lengths (polynomial log / cos / exp, libm only near a rounding
+// boundary) against their definition (libm for every draw): n draws of the stream `seed` plus
+// edge draws (uniforms at 0, 1 and the reductions' boundaries) for every component.
+struct FastLengthCheck {
+  std::size_t draws = 0;       // draws compared
+  std::size_t mismatches = 0;  // lengths that differ from the definition's (must be 0)
+  std::size_t exact = 0;       // draws the fast path handed to libm
+};
+FastLengthCheck check_fast_lengths(const LengthDist& dist, u64 seed, std::size_t n);
+
 // Automatic workers of draw_many's lengths (threads = 0): one per kDrawsPerWorker draws, at most
 // kMaxDrawThreads and the idle cores (auto_workers).
 constexpr std::size_t kDrawsPerWorker = 32768;
