@@ -130,7 +130,8 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
                       if trainer.c == 0 and trainer.mc["ps"].is_pipeline_first_stage() else [])
             mine = {"weights": weights, "grads": grads, "local": local, "pieces": pieces,
                     "dtypes": dtypes, "label_tokens": int(batch.label_tokens),
-                    "executed": int(len(batch.plan.doc_lengths))}
+                    "executed": int(len(batch.plan.doc_lengths)),
+                    "moved": float(batch.plan.moved_token_fraction)}
             every = [None] * world
             dist.all_gather_object(every, mine)
         finally:
@@ -160,7 +161,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
                 "worst_name": max(worst, key=worst.get), "dtypes": sorted(
                     {d for r in every for d in r["dtypes"]}),
                 "documents": len(pieces), "executed": every[0]["executed"],
-                "label_tokens": every[0]["label_tokens"],
+                "label_tokens": every[0]["label_tokens"], "moved": every[0]["moved"],
                 "ref_label_tokens": int(sum(sum(m) for _, _, m in pieces)),
             }
         dist.barrier()
@@ -206,6 +207,8 @@ def _check(res: dict, systems: list, documents: int | None) -> None:
 def test_packed_step_equals_every_document_alone(tmp_path, layout, world, systems):
     res = _run(tmp_path, world, layout, systems)
     _check(res, systems, sum(len(s) for s in SEQUENCES))
+    if "parallel.pool_size=2" in layout:  # tiles really moved between the replicas
+        assert res["libra"]["moved"] > 0 and res.get("distca", {"moved": 1})["moved"] > 0
 
 
 def test_indexed_documents_equal_every_document_alone(tmp_path):
