@@ -4,7 +4,9 @@
 # usable by hand inside an allocation:  bash scripts/slurm/launch.sh train --config FILE ...
 set -euo pipefail
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+# the first node; sed reads the whole list (head would exit early and, under pipefail, the
+# SIGPIPE of a long list's writer would end the job)
+MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
 MASTER_PORT="${MASTER_PORT:-29500}"
 # NCCL: InfiniBand, GPU-direct RDMA, and a clear error instead of a hang on a failed peer.
 export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-0}"

@@ -79,7 +79,9 @@ def _slurm_tree(tmp_path: Path) -> tuple[Path, dict]:
     bindir = tmp_path / "bin"
     bindir.mkdir()
     _executable(bindir / "srun", '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
-    _executable(bindir / "scontrol", "#!/bin/bash\necho node001\necho node002\n")
+    # the node list arrives in two writes (a long list is many): a reader that stops after the
+    # first line must not turn the second write's SIGPIPE into the job's exit status
+    _executable(bindir / "scontrol", "#!/bin/bash\necho node001\nsleep 0.2\necho node002\n")
     _executable(bindir / "torchrun", '#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
     _executable(bindir / "libra", "#!/bin/bash\n")
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", ARGS_OUT=str(tmp_path / "args"),
