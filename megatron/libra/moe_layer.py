@@ -68,7 +68,9 @@ logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_Unkn
 
 class BalanceStats:
     """Per-step statistics of every balanced layer (layer number -> lists over micro-batches),
-    computed from the plan and the routing map that every EP rank holds (no communication)."""
+    computed from the plan and the routing map that every EP rank holds (no communication).
+    A value may be a device tensor (the lookahead's overlap, counted on the device): those stay
+    there until `summary`, which reads them all in one transfer per step."""
 
     def __init__(self) -> None:
         self.reset()
@@ -85,13 +87,25 @@ class BalanceStats:
 
     def add(self, layer: int, **values) -> None:
         for k, v in values.items():
-            getattr(self, k).setdefault(layer, []).append(float(v))
+            getattr(self, k).setdefault(layer, []).append(
+                v.detach() if isinstance(v, torch.Tensor) else float(v))
+
+    def _on_host(self, d: dict) -> dict:
+        """d with its device values read in one transfer."""
+        dev = [(k, i) for k, v in d.items() for i, x in enumerate(v) if isinstance(x, torch.Tensor)]
+        if not dev:
+            return d
+        vals = torch.stack([d[k][i].reshape(()).float() for k, i in dev]).tolist()
+        out = {k: list(v) for k, v in d.items()}
+        for (k, i), x in zip(dev, vals):
+            out[k][i] = x
+        return out
 
     def summary(self) -> dict:
         """Means over micro-batches per layer, then over layers."""
         if not self.before:
             return {}
-        per = lambda d: {k: float(np.mean(v)) for k, v in sorted(d.items())}  # noqa: E731
+        per = lambda d: {k: float(np.mean(v)) for k, v in sorted(self._on_host(d).items())}  # noqa: E731
         out = {
             "expert_tokens_max_over_mean_before": per(self.before),
             "expert_tokens_max_over_mean_after": per(self.after),
@@ -356,7 +370,8 @@ class LibraMoELayer(VarlenMoELayer):
         mine = routing_map[first:first + sizes[self.ep_rank]]
         if predicted is not None:
             hit = mine.gather(1, predicted).sum()
-            STATS.add(layer, overlap=float(hit) / max(1, predicted.numel()))
+            # on the device: read with the step's other statistics (BalanceStats.summary)
+            STATS.add(layer, overlap=hit / max(1, predicted.numel()))
         if self.record_routing and layer not in STATS.routing:
             k = self.config.moe_router_topk
             ids = torch.nonzero(routing_map)[:, 1].reshape(-1, k)

@@ -111,6 +111,23 @@ def test_lookahead_predicts_most_of_the_routing():
         assert sr.counts(layer).sum() == 8 * 512 * 8
 
 
+def test_balance_stats_keep_device_values_until_the_step_summary():
+    """The lookahead's overlap is counted on the device and read once per step with the rest."""
+    import torch
+
+    from megatron.libra.moe_layer import BalanceStats
+
+    st = BalanceStats()
+    for layer, (before, hit) in enumerate([(2.0, 3), (4.0, 5)], start=1):
+        st.add(layer, before=before, after=1.0, bytes=8.0, plan_ms=0.5)
+        st.add(layer, overlap=torch.tensor(hit) / 4)  # a 0-d tensor, as the layer records it
+        st.add(layer, overlap=torch.tensor(hit + 1) / 4)
+    assert all(isinstance(v, torch.Tensor) for v in st.overlap[1])  # not read at add time
+    out = st.summary()
+    assert out["lookahead_topk_overlap"] == {1: 0.875, 2: 1.375}
+    assert out["expert_tokens_max_over_mean_before"] == {1: 2.0, 2: 4.0}
+
+
 def test_routing_record_round_trip_and_shape_checks(tmp_path):
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, 16, size=(64, 2)) for _ in range(3)]
