@@ -218,13 +218,13 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
     rows_ok = bool(cal.get("rows")) and all(r["fwd_tflops"] > 0 for r in cal["rows"])
     out["calibration"] = _check(lo <= cal["peak_tflops"] <= hi and rows_ok,
                                 f"peak {cal['peak_tflops']:.4g} TFLOP/s (plausible: {lo}-{hi})")
-    # replay: measured per-rank balance near the planner's model, and Libra's better than
-    # Ulysses' where Ulysses is imbalanced
+    # replay: every rank timed; on a GPU the measured balance near the planner's model and
+    # Libra's better than Ulysses' where Ulysses is imbalanced (_replay_check)
     rs = res["replay"]["systems"]
     measured = all(len(s["rank_ms"]) > 0 and min(s["rank_ms"]) > 0 for s in rs.values())
     if cpu:
         # one round of a few milliseconds per rank on a shared CPU host: the measured balance
-        # is recorded, not judged; the planner's modeled figures are deterministic and are
+        # is recorded, not judged; the planner's modeled figures are deterministic and judged
         modeled_better = (rs["libra"]["modeled_max_over_mean"]
                           < rs["ulysses"]["modeled_max_over_mean"])
         out["replay"] = _check(measured and modeled_better, ", ".join(

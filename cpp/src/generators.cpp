@@ -72,7 +72,19 @@ struct RawDraw {
 constexpr int kComponentShift = 62;
 constexpr u64 kUniformBits = (u64(1) << 53) - 1;
 
-inline double uniform_of(u64 k) { return (static_cast<double>(k & kUniformBits) + 0.5) * 0x1.0p-53; }
+// The 53-bit k as a double without an integer conversion instruction (which has no vector form
+// before AVX-512): each 26- or 27-bit half as the mantissa of 2^52 + half, recombined; exact
+// below 2^53, so the same double static_cast<double>(k) gives.
+inline double u53_to_double(u64 k) {
+  const u64 hi_bits = 0x4330000000000000ULL | (k >> 26);
+  const u64 lo_bits = 0x4330000000000000ULL | (k & 0x3FFFFFFULL);
+  double hi, lo;
+  std::memcpy(&hi, &hi_bits, sizeof hi);
+  std::memcpy(&lo, &lo_bits, sizeof lo);
+  return (hi - 0x1p52) * 0x1p26 + (lo - 0x1p52);
+}
+
+inline double uniform_of(u64 k) { return (u53_to_double(k & kUniformBits) + 0.5) * 0x1.0p-53; }
 
 // Takes n draws' uniforms from the stream, in draw()'s order (the component uniform on mixtures,
 // then one for the tail or two for a normal deviate, Box-Muller).
@@ -148,14 +160,6 @@ struct InvFactorials {
   constexpr double operator[](int n) const { return v[n]; }
 };
 constexpr InvFactorials kInv;
-
-// The 53-bit k as a double without an integer conversion instruction: each 26- or 27-bit half
-// as the mantissa of 2^52 + half, recombined (exact below 2^53).
-inline double u53_to_double(u64 k) {
-  const double hi = from_bits(0x4330000000000000ULL | (k >> 26)) - 0x1p52;
-  const double lo = from_bits(0x4330000000000000ULL | (k & 0x3FFFFFFULL)) - 0x1p52;
-  return hi * 0x1p26 + lo;
-}
 
 // ln(a) for a in [2^-60, 1]: a = m 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s) with
 // s = (m - 1) / (m + 1), |s| <= 0.1716, summed to s^17 (next term < 1e-14 of it).
@@ -238,8 +242,7 @@ std::size_t lengths_of(const LengthDist& dist, const RawDraw* raw, i64* out, std
     const RawDraw* r = raw + first;
     for (std::size_t i = 0; i < m; ++i) {
       const u64 component = r[i].a >> kComponentShift;
-      const double a = (fast::u53_to_double(r[i].a & kUniformBits) + 0.5) * 0x1.0p-53;
-      const double b = (fast::u53_to_double(r[i].b & kUniformBits) + 0.5) * 0x1.0p-53;
+      const double a = uniform_of(r[i].a), b = uniform_of(r[i].b);
       const double ln_a = fast::log_unit(a);
       const double z = std::sqrt(-2.0 * ln_a) * fast::cos_2pi(b);
       const double y = component == 0 ? inv_alpha * ln_a : (component == 1 ? long_sigma : sigma) * z;

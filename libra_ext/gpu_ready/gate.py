@@ -387,6 +387,20 @@ def _growth(few: dict, many: dict) -> dict:
             "ratio": (b / a) if a and b else None}
 
 
+def _transfer_failures(where: str, r: dict, scope: str) -> list[str]:
+    """A scenario's host reads, blocking transfers and host-to-device copies during `scope`,
+    and uploads that are not one pinned non-blocking copy per slot."""
+    bad = [f"{where}: host read {op} at {at} {scope}" for op, at in r["host_reads"]]
+    bad += [f"{where}: blocking transfer of {x[0]} bytes at {x[-1]} {scope}"
+            for x in r["blocking_transfers"]]
+    if r["transfers_in_call"]:
+        bad.append(f"{where}: {r['transfers_in_call']} host-to-device copies {scope}")
+    if r["uploads"] != r["slots"] or r["uploads_pinned_non_blocking"] != r["slots"]:
+        bad.append(f"{where}: {r['uploads']} uploads ({r['uploads_pinned_non_blocking']} "
+                   f"pinned and non-blocking) for {r['slots']} slots")
+    return bad
+
+
 def check(report: dict) -> list[str]:
     """What fails the gate: every error, host read, blocking transfer, upload that is not one
     pinned non-blocking copy per slot, memory above the bounds, or growth above its bound."""
@@ -400,16 +414,7 @@ def check(report: dict) -> list[str]:
             if "error" in r:
                 bad.append(f"{where}: {r['error']} at {r['where']}")
                 continue
-            for op, at in r["host_reads"]:
-                bad.append(f"{where}: host read {op} at {at}")
-            for x in r["blocking_transfers"]:
-                bad.append(f"{where}: blocking transfer of {x[0]} bytes at {x[-1]}")
-            if r["transfers_in_call"]:
-                bad.append(f"{where}: {r['transfers_in_call']} host-to-device copies inside the "
-                           "call")
-            if r["uploads"] != r["slots"] or r["uploads_pinned_non_blocking"] != r["slots"]:
-                bad.append(f"{where}: {r['uploads']} uploads ({r['uploads_pinned_non_blocking']} "
-                           f"pinned and non-blocking) for {r['slots']} slots")
+            bad += _transfer_failures(where, r, "inside the call")
             if r["kept"] > KEPT_BOUND:
                 bad.append(f"{where}: keeps {r['kept']:.2f}x its Q/K/V for backward "
                            f"(bound {KEPT_BOUND})")
@@ -430,16 +435,7 @@ def check(report: dict) -> list[str]:
         if "error" in r:
             bad.append(f"{where}: {r['error']} at {r['where']}")
             continue
-        for op, at in r["host_reads"]:
-            bad.append(f"{where}: host read {op} at {at} in forward-backward")
-        for x in r["blocking_transfers"]:
-            bad.append(f"{where}: blocking transfer at {x[-1]} in forward-backward")
-        if r["transfers_in_call"]:
-            bad.append(f"{where}: {r['transfers_in_call']} host-to-device copies in "
-                       "forward-backward")
-        if r["uploads"] != r["slots"] or r["uploads_pinned_non_blocking"] != r["slots"]:
-            bad.append(f"{where}: {r['uploads']} uploads ({r['uploads_pinned_non_blocking']} "
-                       f"pinned and non-blocking) for {r['slots']} slots")
+        bad += _transfer_failures(where, r, "in forward-backward")
     rope = report.get("rope")
     if rope:
         for docs, r in rope.items():

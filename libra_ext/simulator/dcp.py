@@ -130,7 +130,6 @@ def _one_micro_batch(
     g_ids: list[list[int]] = []
     by_size: dict[int, list[int]] = {}
     free_from = 0  # GPUs free_from.. belong to no group (groups take the lowest free GPUs)
-    busiest = 0.0  # the largest group workload (free GPUs carry 0)
     left: list[int] = []
 
     def open_group(size: int, work: float, tokens: float, doc: int) -> None:
@@ -146,7 +145,7 @@ def _one_micro_batch(
     first_id, first_len = id_of[0], len_of[0]
     open_group(size_of[0], first_len * first_len / size_of[0], first_len / size_of[0], first_id)
     emptiest = {size_of[0]: g_tokens[0]}  # size -> the fewest tokens per GPU of its groups
-    busiest = g_work[0]
+    busiest = g_work[0]  # the largest group workload (free GPUs carry 0)
     n = len(id_of)
     flens = None  # float lengths, made when documents start to wait in runs
     k, misses = 1, 0
@@ -203,9 +202,9 @@ def _one_micro_batch(
             return _one_full_group(id_of, len_of, n_gpus, cap)
         free_from = sum(g_size)
     per_gpu: list[list[int]] = [[] for _ in range(n_gpus)]
-    for size, first, ids in zip(g_size, g_first, g_ids):
+    for size, first, docs in zip(g_size, g_first, g_ids):
         for gpu in range(first, first + size):
-            per_gpu[gpu] = list(ids)
+            per_gpu[gpu] = list(docs)
     return per_gpu, left
 
 
