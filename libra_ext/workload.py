@@ -319,7 +319,7 @@ class LengthSource:
 
     def __post_init__(self) -> None:
         self.shuffle_window = check_int(self.shuffle_window, "shuffle_window", 1)
-        self._window: tuple | None = None
+        self._window = None  # _core.WindowCache, made at the first step
         if self.lengths_file is not None:
             self._dist = _core.LengthDist()
             self._dist.kind = "empirical"
@@ -364,20 +364,16 @@ class LengthSource:
         """The gbs packed sequences of one step: production packing of a seeded document stream,
         served through a shuffle of `shuffle_window` steps' samples (a function of (seed, step)).
         The window's sequences are made once (lengths drawn on `threads` threads, 0 =
-        automatic; the result does not depend on it) and each step is a slice of them."""
+        automatic; the result does not depend on it) and each step is a slice of them, copied
+        out on as many threads."""
         gbs = check_int(gbs, "gbs", 1)
         context = check_int(context, "context", 1, MAX_TOKENS)
         seed = check_seed(seed)
         threads = check_int(threads, "threads", 0, 1024)
-        w, k = divmod(check_int(step, "step", 0), self.shuffle_window)
-        key = (gbs, context, seed, w)
-        if self._window is None or self._window[0] != key:
-            lengths, offsets, order = _core.window_batch(
-                self._dist, gbs, context, seed, w, self.shuffle_window, threads
-            )
-            self._window = (key, (lengths, offsets, order))
-        lengths, offsets, order = self._window[1]
-        return PackedBatch(*_core.gather_sequences(lengths, offsets, order[k * gbs : (k + 1) * gbs]))
+        step = check_int(step, "step", 0)
+        if self._window is None or self._window.shuffle_window != self.shuffle_window:
+            self._window = _core.WindowCache(self._dist, self.shuffle_window)
+        return PackedBatch(*self._window.step(gbs, context, seed, step, threads))
 
 
 SEED_LIMIT = 1 << 64

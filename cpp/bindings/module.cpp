@@ -341,6 +341,26 @@ PYBIND11_MODULE(_planner, m) {
       "for every draw) on n draws of the stream `seed` plus edge draws; mismatches must be 0, "
       "exact counts the draws the fast path handed to libm.",
       py::arg("dist"), py::arg("seed"), py::arg("n"));
+  py::class_<WindowCache>(m, "WindowCache",
+                          "A source's current shuffled window; step() serves step_sequences' "
+                          "steps from it, making a window once for its shuffle_window steps and "
+                          "reusing the window's buffers for the next one.")
+      .def(py::init<LengthDist, i64>(), py::arg("dist"), py::arg("shuffle_window"))
+      .def(
+          "step",
+          [batch_arrays](WindowCache& cache, i64 gbs, i64 context, u64 seed, i64 step,
+                         i64 threads) {
+            PackedBatch b;
+            {
+              py::gil_scoped_release release;
+              b = cache.step(gbs, context, seed, step, threads);
+            }
+            return batch_arrays(std::move(b));
+          },
+          "(lengths, offsets) of the step, in CSR form: step_sequences' sequences.",
+          py::arg("gbs"), py::arg("context"), py::arg("seed"), py::arg("step"),
+          py::arg("threads") = 0)
+      .def_property_readonly("shuffle_window", &WindowCache::shuffle_window);
   m.def(
       "window_batch",
       [](const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window, i64 shuffle_window,
@@ -360,19 +380,22 @@ PYBIND11_MODULE(_planner, m) {
       py::arg("shuffle_window"), py::arg("threads") = 0);
   m.def(
       "gather_sequences",
-      [batch_arrays](const py::buffer& lengths, const py::buffer& offsets, const py::buffer& order) {
+      [batch_arrays](const py::buffer& lengths, const py::buffer& offsets, const py::buffer& order,
+                     i64 threads) {
         const FlatArray l = flat_array(lengths, "lengths"), o = flat_array(offsets, "offsets"),
                         k = flat_array(order, "order");
         if (o.size == 0) fail("offsets must hold at least one entry (0)");
         PackedBatch b;
         {
           py::gil_scoped_release release;
-          b = gather_sequences(SequencesView{l.data, o.data, o.size - 1, l.size}, k.data, k.size);
+          b = gather_sequences(SequencesView{l.data, o.data, o.size - 1, l.size}, k.data, k.size,
+                               threads);
         }
         return batch_arrays(std::move(b));
       },
-      "(lengths, offsets) of sequences order[0], order[1], ... of a CSR batch.", py::arg("lengths"),
-      py::arg("offsets"), py::arg("order"));
+      "(lengths, offsets) of sequences order[0], order[1], ... of a CSR batch, copied on "
+      "`threads` threads (0 = automatic; the result does not depend on it).",
+      py::arg("lengths"), py::arg("offsets"), py::arg("order"), py::arg("threads") = 1);
 
   m.def("exact_cardinality_lpt", &exact_cardinality_lpt, py::arg("loads"), py::arg("n_groups"),
         py::arg("cardinality"));

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "libra/packing.h"
 #include "libra/parallel.h"
@@ -86,18 +87,36 @@ inline double u53_to_double(u64 k) {
 
 inline double uniform_of(u64 k) { return (u53_to_double(k & kUniformBits) + 0.5) * 0x1.0p-53; }
 
+// The smallest 53-bit k whose uniform is >= w (2^53 if none): since uniform_of is monotone in
+// k, uniform < w exactly when k is below it, an integer compare instead of a conversion.
+u64 uniform_threshold(double w) {
+  u64 lo = 0, hi = kUniformBits + 1;  // the answer is in [lo, hi]
+  while (lo < hi) {
+    const u64 mid = lo + (hi - lo) / 2;
+    if (uniform_of(mid) >= w) hi = mid; else lo = mid + 1;
+  }
+  return lo;
+}
+
 // Takes n draws' uniforms from the stream, in draw()'s order (the component uniform on mixtures,
 // then one for the tail or two for a normal deviate, Box-Muller).
 void take_draws(const LengthDist& dist, Rng& rng, RawDraw* raw, std::size_t n) {
-  const bool mixture = dist.kind == "mixture";
-  const double tail = dist.tail_weight, tail_or_long = dist.tail_weight + dist.long_weight;
+  if (dist.kind != "mixture") {  // a lognormal: no component uniform, every draw a body draw
+    for (std::size_t i = 0; i < n; ++i) {
+      raw[i].a = (rng.next() >> 11) | (u64(2) << kComponentShift);
+      raw[i].b = rng.next() >> 11;
+    }
+    return;
+  }
+  const u64 tail = uniform_threshold(dist.tail_weight);
+  const u64 tail_or_long = uniform_threshold(dist.tail_weight + dist.long_weight);
   for (std::size_t i = 0; i < n; ++i) {
-    const double u = mixture ? rng.uniform() : 1.0;
-    if (u < tail) {
+    const u64 k = rng.next() >> 11;  // the component uniform's integer
+    if (k < tail) {
       raw[i].a = rng.next() >> 11;
       raw[i].b = 0;
     } else {
-      const u64 component = u < tail_or_long ? 1 : 2;
+      const u64 component = k < tail_or_long ? 1 : 2;
       raw[i].a = (rng.next() >> 11) | (component << kComponentShift);
       raw[i].b = rng.next() >> 11;
     }
@@ -227,7 +246,7 @@ constexpr double kFastError = 1e-9;
 // and -fno-trapping-math, which change no result), then the rounding. On x86-64 with GCC an
 // AVX2 copy is chosen at load time where the CPU has it; the lengths do not depend on which.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-__attribute__((target_clones("avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #endif
 std::size_t lengths_of(const LengthDist& dist, const RawDraw* raw, i64* out, std::size_t n) {
   constexpr std::size_t kBlock = 256;
@@ -250,19 +269,26 @@ std::size_t lengths_of(const LengthDist& dist, const RawDraw* raw, i64* out, std
       ys[i] = y;
       xs[i] = scale * fast::exp(std::min(std::max(y, -700.0), 700.0));
     }
+    // the rounding, branch-free: x + 0.5 floored at both ends of x's error band (a positive
+    // double below 2^31, so floor is what the integer conversion gives), the integer taken from
+    // the bits of floor + 2^52 (exact below 2^52, no conversion instruction)
+    std::size_t unsure = 0;
     for (std::size_t i = 0; i < m; ++i) {
       const double top = (r[i].a >> kComponentShift) == 1 ? long_hi : hi;
-      const double x_lo = std::min(std::max(xs[i] * (1.0 - kFastError), lo), top);
-      const double x_hi = std::min(std::max(xs[i] * (1.0 + kFastError), lo), top);
-      const i64 n_lo = static_cast<i64>(x_lo + 0.5), n_hi = static_cast<i64>(x_hi + 0.5);
+      const double n_lo = std::floor(std::min(std::max(xs[i] * (1.0 - kFastError), lo), top) + 0.5);
+      const double n_hi = std::floor(std::min(std::max(xs[i] * (1.0 + kFastError), lo), top) + 0.5);
       // the rounding is monotone: equal at both ends, it is that integer for the exact x too;
       // outside the polynomials' range (an extreme tail_alpha) the exact path decides
-      if (n_lo == n_hi && std::fabs(ys[i]) <= 700.0) {
-        out[first + i] = n_lo;
-      } else {
-        out[first + i] = exact_length(dist, r[i]);
-        ++exact;
-      }
+      const bool sure = n_lo == n_hi && std::fabs(ys[i]) <= 700.0;
+      out[first + i] = static_cast<i64>(fast::bits_of(n_lo + 0x1p52) - fast::bits_of(0x1p52));
+      ys[i] = sure ? 0.0 : 1.0;
+      unsure += sure ? 0 : 1;
+    }
+    if (unsure == 0) continue;
+    for (std::size_t i = 0; i < m; ++i) {
+      if (ys[i] == 0.0) continue;
+      out[first + i] = exact_length(dist, r[i]);
+      ++exact;
     }
   }
   return exact;
@@ -435,7 +461,9 @@ void packed_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 i
     packer.finish();
     return;
   }
-  DrawBatch b[3];
+  // the calling thread's batches, kept between calls: a window's 18 MB of draws would otherwise
+  // be fresh pages (faulted and zeroed) every window
+  thread_local DrawBatch b[3];
   b[0].raw.resize(256);
   take_draws(dist, rng, b[0].raw.data(), 256);
   i64 known_tokens = 0, known_docs = 0;  // of the batches whose lengths are made
@@ -460,11 +488,7 @@ void packed_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 i
           take_draws(dist, rng, next.raw.data(), next_size);
         } else if (piece == 1) {  // the previous batch packed
           if (prev == nullptr) continue;
-          for (const i64 l : prev->len) {
-            if (packed >= need) break;
-            packed += l;
-            packer.add(l);
-          }
+          packer.add_until(prev->len.data(), prev->len.size(), packed, need);
           if (packed >= need) finished.store(true, std::memory_order_relaxed);
         } else {  // lengths of the current batch
           const std::size_t first = (piece - 2) * kDrawChunk, m = std::min(n, first + kDrawChunk) - first;
@@ -491,8 +515,8 @@ void packed_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 i
 
 }  // namespace
 
-ShuffledWindow window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
-                             i64 shuffle_window, i64 threads) {
+void window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
+                   i64 shuffle_window, i64 threads, ShuffledWindow& out) {
   dist.validate();
   require_positive(gbs, "gbs");
   require_positive(context, "context");
@@ -504,7 +528,9 @@ ShuffledWindow window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 s
   constexpr i64 kMaxWindowTokens = i64(1) << 40;
   if (gbs > kMaxWindowTokens / shuffle_window || gbs * shuffle_window > kMaxWindowTokens / context)
     fail("gbs * shuffle_window * context exceeds 2^40 tokens");
-  ShuffledWindow out;
+  out.stream.lengths.clear();  // capacity kept
+  out.stream.offsets.assign(1, 0);
+  out.order.clear();
   if (shuffle_window == 1) {
     packed_stream(dist, gbs, context, seed, window, threads, out.stream);
   } else {
@@ -518,15 +544,45 @@ ShuffledWindow window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 s
     for (std::size_t i = 0; i < out.order.size(); ++i) out.order[i] = static_cast<i64>(i);
     for (std::size_t i = out.order.size(); i > 1; --i)  // Fisher-Yates
       std::swap(out.order[i - 1], out.order[static_cast<std::size_t>(rng.below(static_cast<i64>(i)))]);
-    return out;
+    return;
   }
   out.order.resize(out.stream.size());
   for (std::size_t i = 0; i < out.order.size(); ++i) out.order[i] = static_cast<i64>(i);
+}
+
+ShuffledWindow window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
+                             i64 shuffle_window, i64 threads) {
+  ShuffledWindow out;
+  window_stream(dist, gbs, context, seed, window, shuffle_window, threads, out);
   return out;
 }
 
-PackedBatch gather_sequences(const SequencesView& from, const i64* order, std::size_t n) {
+WindowCache::WindowCache(LengthDist dist, i64 shuffle_window)
+    : dist_(std::move(dist)), shuffle_window_(shuffle_window) {
+  dist_.validate();
+  require_positive(shuffle_window_, "shuffle_window");
+}
+
+PackedBatch WindowCache::step(i64 gbs, i64 context, u64 seed, i64 step, i64 threads) {
+  if (step < 0) fail("step must be >= 0");
+  const std::array<i64, 4> key{gbs, context, static_cast<i64>(seed), step / shuffle_window_};
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!valid_ || key != key_) {
+    valid_ = false;  // a failed make leaves no half-made window behind
+    window_stream(dist_, gbs, context, seed, key[3], shuffle_window_, threads, window_);
+    key_ = key;
+    valid_ = true;
+  }
+  const std::size_t first = static_cast<std::size_t>((step % shuffle_window_) * gbs);
+  return gather_sequences(window_.stream.view(), window_.order.data() + first,
+                          static_cast<std::size_t>(gbs), threads);
+}
+
+PackedBatch gather_sequences(const SequencesView& from, const i64* order, std::size_t n,
+                             i64 threads) {
   from.validate_offsets();
+  if (threads < 0 || threads > 1024)
+    fail("threads must be in [0, 1024] (0 = automatic), got " + std::to_string(threads));
   PackedBatch out;
   out.offsets.resize(n + 1);
   for (std::size_t i = 0; i < n; ++i) {
@@ -535,18 +591,27 @@ PackedBatch gather_sequences(const SequencesView& from, const i64* order, std::s
            " is not a sequence of the " + std::to_string(from.size()));
     out.offsets[i + 1] = out.offsets[i] + static_cast<i64>(from.docs(static_cast<std::size_t>(order[i])));
   }
-  out.lengths.resize(static_cast<std::size_t>(out.offsets[n]));
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto s = static_cast<std::size_t>(order[i]);
-    std::copy(from.begin(s), from.end(s), out.lengths.data() + out.offsets[i]);
-  }
+  const auto docs = static_cast<std::size_t>(out.offsets[n]);
+  out.lengths.resize(docs);
+  // a memory-bound copy of scattered runs: a second thread doubles the bytes in flight
+  constexpr std::size_t kChunk = 256;  // sequences per work item
+  const std::size_t workers = threads > 0 ? static_cast<std::size_t>(threads)
+                                          : auto_workers(docs, kGatherPerWorker, kMaxDrawThreads);
+  run_workers(workers, (n + kChunk - 1) / kChunk, [&](WorkQueue& queue) {
+    for (std::size_t c; queue.take(c);) {
+      for (std::size_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+        const auto s = static_cast<std::size_t>(order[i]);
+        std::copy(from.begin(s), from.end(s), out.lengths.data() + out.offsets[i]);
+      }
+    }
+  });
   return out;
 }
 
 PackedBatch window_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
                              i64 shuffle_window, i64 threads) {
   const ShuffledWindow w = window_stream(dist, gbs, context, seed, window, shuffle_window, threads);
-  return gather_sequences(w.stream.view(), w.order.data(), w.order.size());
+  return gather_sequences(w.stream.view(), w.order.data(), w.order.size(), threads);
 }
 
 PackedBatch step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 step,
@@ -556,7 +621,8 @@ PackedBatch step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 see
   const ShuffledWindow w =
       window_stream(dist, gbs, context, seed, step / shuffle_window, shuffle_window, threads);
   const std::size_t first = static_cast<std::size_t>((step % shuffle_window) * gbs);
-  return gather_sequences(w.stream.view(), w.order.data() + first, static_cast<std::size_t>(gbs));
+  return gather_sequences(w.stream.view(), w.order.data() + first, static_cast<std::size_t>(gbs),
+                          threads);
 }
 
 }  // namespace libra

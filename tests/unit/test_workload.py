@@ -150,6 +150,51 @@ def test_steps_are_a_shuffled_draw_of_the_packed_stream():
         wl.LengthSource(preset="libra-1m", shuffle_window=0)
 
 
+def test_a_source_reusing_its_window_buffers_serves_the_same_steps_as_a_fresh_window():
+    # the window cache keeps one window and reuses its buffers for the next: going forward,
+    # back, to other shapes and seeds, each step is still the function of (seed, step) that
+    # step_sequences makes from scratch, on any number of threads
+    src = wl.LengthSource(preset="libra-256k")
+    dist, w = src._dist, src.shuffle_window
+    visits = [(4, 65536, 3, 1), (4, 65536, 3, w + 2), (4, 65536, 3, 0), (8, 32768, 3, 5),
+              (8, 32768, 9, 5), (4, 65536, 3, 1)]
+    for gbs, context, seed, step in visits:
+        for threads in (1, 2, 0):
+            got = src.step(gbs, context, seed, step, threads=threads)
+            assert got == wl._core.step_sequences(dist, gbs, context, seed, step, w, 1), (
+                gbs, context, seed, step, threads)
+    cache = wl._core.WindowCache(dist, w)
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        cache.step(4, 65536, 3, -1)
+    with pytest.raises(ValueError, match="gbs"):
+        cache.step(0, 65536, 3, 0)
+    # a failed window leaves nothing half-made: the next valid call serves the right step
+    assert wl.PackedBatch(*cache.step(4, 65536, 3, 2)) == src.step(4, 65536, 3, 2)
+    with pytest.raises(ValueError, match="shuffle_window"):
+        wl._core.WindowCache(dist, 0)
+
+
+def test_a_parallel_gather_copies_the_same_sequences():
+    src = wl.LengthSource(preset="libra-1m", shuffle_window=1)
+    b = src.step(64, 65536, seed=4, step=0)
+    order = np.random.default_rng(0).permutation(len(b))
+    want = [b[int(i)] for i in order]
+    for threads in (1, 2, 3, 0):
+        got = wl.PackedBatch(*wl._core.gather_sequences(b.lengths, b.offsets, order, threads))
+        assert got.tolist() == want, threads
+    with pytest.raises(ValueError, match=r"threads must be in \[0, 1024\]"):
+        wl._core.gather_sequences(b.lengths, b.offsets, order, -1)
+
+
+def test_a_lognormal_ignores_the_mixture_fields():
+    # kind "lognormal" is the body alone, whatever a mixture's weights say (they are validated
+    # for mixtures only): weights past 1 once sent every draw to the tail
+    plain = wl._core.LengthDist()
+    stray = wl._core.LengthDist()
+    stray.tail_weight, stray.long_weight = 2.0, 5.0
+    assert wl._core.sample_lengths(stray, 2000, 7) == wl._core.sample_lengths(plain, 2000, 7)
+
+
 def test_step_sequences_fill_the_context():
     src = wl.LengthSource(preset="libra-256k")
     seqs = src.step(gbs=16, context=65536, seed=1, step=2)

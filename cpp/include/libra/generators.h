@@ -1,6 +1,8 @@
 // Deterministic document-length generators (platform independent: own RNG and distributions).
 #pragma once
 
+#include <array>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -100,9 +102,36 @@ struct ShuffledWindow {
 };
 ShuffledWindow window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
                              i64 shuffle_window, i64 threads = 0);
+// The same window made into `out`, whose buffers' capacity is reused.
+void window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
+                   i64 shuffle_window, i64 threads, ShuffledWindow& out);
 
-// Sequences order[0], ..., order[n-1] of `from`, in that order (each order entry checked).
-PackedBatch gather_sequences(const SequencesView& from, const i64* order, std::size_t n);
+// A source's current window and the steps served from it (step_sequences' steps, the window
+// made once for its W steps). The window's buffers are reused from one window to the next: at
+// D = 512 a window is ~35 MB, and fresh pages (faulted and zeroed) for each would cost more
+// than the copy of a step out of it. Calls from several threads are serialized.
+class WindowCache {
+ public:
+  WindowCache(LengthDist dist, i64 shuffle_window);
+  PackedBatch step(i64 gbs, i64 context, u64 seed, i64 step, i64 threads = 0);
+  const LengthDist& dist() const { return dist_; }
+  i64 shuffle_window() const { return shuffle_window_; }
+
+ private:
+  LengthDist dist_;
+  i64 shuffle_window_;
+  std::mutex mutex_;
+  bool valid_ = false;
+  std::array<i64, 4> key_{};  // gbs, context, seed, window
+  ShuffledWindow window_;
+};
+
+// Sequences order[0], ..., order[n-1] of `from`, in that order (each order entry checked),
+// copied on `threads` threads (0 = automatic: one per kGatherPerWorker documents, at most
+// kMaxDrawThreads and the idle cores; the result does not depend on it).
+constexpr std::size_t kGatherPerWorker = 131072;
+PackedBatch gather_sequences(const SequencesView& from, const i64* order, std::size_t n,
+                             i64 threads = 1);
 
 // The W*B packed sequences of steps [window*W, (window+1)*W) in their shuffled order.
 PackedBatch window_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,

@@ -38,6 +38,28 @@ class ProductionPacker {
     }
     return true;
   }
+  // Adds documents from `len` while `total` (the tokens added so far, updated) is below
+  // `need`; returns how many it took. What add() does for each, with the common case (the
+  // document fits the open sequence) kept in registers.
+  std::size_t add_until(const i64* len, std::size_t n, i64& total, i64 need) {
+    i64 room = room_, sum = total;
+    std::size_t i = 0;
+    for (; i < n && sum < need; ++i) {
+      const i64 l = len[i];
+      sum += l;
+      if (l > 0 && l <= room) {
+        out_.lengths.push_back(l);
+        room -= l;
+      } else {
+        room_ = room;
+        add(l);
+        room = room_;
+      }
+    }
+    room_ = room;
+    total = sum;
+    return i;
+  }
   // Closes the last sequence (none at all if no document was added).
   void finish() {
     if (out_.lengths.size() != first_) out_.close_sequence();
