@@ -3,14 +3,19 @@
 // values at every entry point (each must be rejected with std::invalid_argument, nothing else);
 // mode "valid" draws well-formed layouts and steps so the planning paths themselves run; mode
 // "state" loads crafted planner states (counts that overflow, extreme ids, lengths and waits)
-// and plans with them under extreme options and CSR inputs with bad offsets.
+// and plans with them under extreme options and CSR inputs with bad offsets; mode "source"
+// serves steps from one reused window cache (shapes, seeds, steps, threads and distributions at
+// their edges) and gathers with arbitrary orders: each served step must equal the one made from
+// scratch.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <random>
 
+#include "libra/generators.h"
 #include "libra/packing.h"
 #include "libra/plan.h"
 #include "libra/vrsp.h"
@@ -127,11 +132,84 @@ int fuzz_states(long iterations) {
   return 0;
 }
 
+// Steps served from one window cache, whose buffers every call reuses, against steps made from
+// scratch; bad shapes and distributions refused with std::invalid_argument; gathers with
+// arbitrary order entries on several threads.
+int fuzz_source(long iterations) {
+  std::mt19937_64 rng(4);
+  auto R = [&](i64 lo, i64 hi) { return std::uniform_int_distribution<i64>(lo, hi)(rng); };
+  static const char* kinds[] = {"lognormal", "mixture", "empirical", "nope"};
+  long served = 0, rejected = 0, gathered = 0;
+  LengthDist dist = preset("libra-1m");
+  i64 window = 2;
+  auto cache = std::make_unique<WindowCache>(dist, window);
+  for (long it = 0; it < iterations; ++it) {
+    if (R(0, 15) == 0) {  // a new distribution (often invalid) and cache
+      LengthDist d = R(0, 1) ? preset("libra-256k") : LengthDist{};
+      if (R(0, 1)) d.kind = kinds[R(0, 3)];
+      if (R(0, 2) == 0) d.median = edge_real(rng);
+      if (R(0, 2) == 0) d.tail_weight = edge_real(rng);
+      if (R(0, 2) == 0) d.long_weight = edge_real(rng);
+      if (R(0, 2) == 0) d.cap = edge(rng, 1, 1 << 16);
+      if (R(0, 2) == 0) d.min_len = edge(rng, 1, 64);
+      if (d.kind == "empirical")
+        for (i64 n = R(0, 4); n > 0; --n) d.values.push_back(edge(rng, 1, 5000));
+      const i64 w = R(0, 5) == 0 ? edge(rng, 1, 8) : R(1, 4);
+      try {
+        auto fresh = std::make_unique<WindowCache>(d, w);
+        dist = d;
+        window = w;
+        cache = std::move(fresh);
+      } catch (const std::invalid_argument&) {
+        ++rejected;
+      }
+    }
+    const i64 gbs = R(0, 5) == 0 ? edge(rng, 1, 8) : R(1, 8);
+    const i64 context = R(0, 5) == 0 ? edge(rng, 1, 4096) : R(1, 4096);
+    const u64 seed = static_cast<u64>(edge(rng, 0, 1 << 20));
+    const i64 step = R(0, 5) == 0 ? edge(rng, 0, 16) : R(0, 16);
+    const i64 threads = R(0, 7) == 0 ? edge(rng, 0, 3) : R(0, 3);
+    // a valid window past 2^20 tokens is served, slowly (up to 2^40 tokens are allowed): the
+    // edges are for the refusals
+    if (gbs > 0 && context > 0 && context <= kMaxTokens && threads >= 0 && threads <= 1024 &&
+        step >= 0) {
+      const __int128 per_step = static_cast<__int128>(gbs) * context;  // < 2^94
+      if (per_step <= (__int128(1) << 40) / window && per_step * window > (1 << 20)) continue;
+    }
+    PackedBatch got;
+    try {
+      got = cache->step(gbs, context, seed, step, threads);
+    } catch (const std::invalid_argument&) {
+      ++rejected;
+      continue;
+    }
+    const PackedBatch want = step_sequences(dist, gbs, context, seed, step, window, 1);
+    if (got.lengths != want.lengths || got.offsets != want.offsets) {
+      std::printf("iteration %ld: a served step differs from the one made from scratch\n", it);
+      return 1;
+    }
+    ++served;
+    std::vector<i64> order(static_cast<std::size_t>(R(0, 2 * gbs)));
+    for (i64& o : order) o = R(0, 9) == 0 ? edge(rng, -1, gbs) : R(0, gbs - 1);
+    try {
+      gather_sequences(got.view(), order.data(), order.size(), R(0, 3));
+      ++gathered;
+    } catch (const std::invalid_argument&) {
+      ++rejected;
+    }
+  }
+  std::printf("mode=source iterations=%ld served=%ld gathered=%ld rejected=%ld\n", iterations,
+              served, gathered, rejected);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "state") == 0)
     return fuzz_states(argc > 2 ? std::atol(argv[2]) : 20000);
+  if (argc > 1 && std::strcmp(argv[1], "source") == 0)
+    return fuzz_source(argc > 2 ? std::atol(argv[2]) : 2000);
   const bool valid = argc > 1 && std::strcmp(argv[1], "valid") == 0;
   const long iterations = argc > 2 ? std::atol(argv[2]) : 20000;
   std::mt19937_64 rng(valid ? 2 : 1);

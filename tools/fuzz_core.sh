@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the planner core with AddressSanitizer + UndefinedBehaviorSanitizer and fuzz it with
-# random input in every mode (any, valid, state). Any sanitizer report or uncaught exception fails the run.
+# random input in every mode (any, valid, state, source). Any sanitizer report or uncaught exception fails the run.
 #   bash tools/fuzz_core.sh [ITERATIONS]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,3 +11,4 @@ g++ -O1 -g -std=c++17 -Wall -Wextra -fsanitize=address,undefined -fno-sanitize-r
 "$out/fuzz_core" any "${1:-200000}"
 "$out/fuzz_core" valid "${1:-20000}"
 "$out/fuzz_core" state "${1:-20000}"
+"$out/fuzz_core" source "${1:-20000}"

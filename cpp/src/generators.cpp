@@ -445,7 +445,7 @@ std::size_t batch_size(double left_tokens, double mean) {
 // used after it.
 void packed_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 index,
                    i64 threads, PackedBatch& out) {
-  u64 mix = seed ^ (0xD1B54A32D192ED03ULL * static_cast<u64>(index + 1));
+  u64 mix = seed ^ (0xD1B54A32D192ED03ULL * (static_cast<u64>(index) + 1));
   Rng rng(splitmix64(mix));
   const i64 need = gbs * context;
   ProductionPacker packer(out, context, gbs);
@@ -538,7 +538,7 @@ void window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 w
     u64 state = seed ^ 0x5851F42D4C957F2DULL;
     const u64 wseed = splitmix64(state);
     packed_stream(dist, gbs * shuffle_window, context, wseed, window, threads, out.stream);
-    u64 pstate = wseed ^ (0x9E3779B97F4A7C15ULL * static_cast<u64>(window + 1));
+    u64 pstate = wseed ^ (0x9E3779B97F4A7C15ULL * (static_cast<u64>(window) + 1));
     Rng rng(splitmix64(pstate));
     out.order.resize(out.stream.size());
     for (std::size_t i = 0; i < out.order.size(); ++i) out.order[i] = static_cast<i64>(i);
