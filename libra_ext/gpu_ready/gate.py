@@ -133,7 +133,11 @@ def _rank_call(probe, plan, system: str, backend: str, groups, shape: Shape, chu
     probe.start("done")
     out_bytes = out.numel() * out.element_size() + grad.numel() * grad.element_size()
     kernel_ops = [n for n in list(fwd.ops) + list(bwd.ops) if n.startswith(KERNEL_OPS)]
+    top = bwd if bwd.peak_live >= fwd.peak_live else fwd
+    traced = {"at_peak": [(n / qkv_bytes, op, where) for n, op, where in top.at_peak],
+              "peak_phase": "bwd" if top is bwd else "fwd"} if probe.trace else {}
     return {
+        **traced,
         "device_ops": fwd.kernels + bwd.kernels,
         "device_ops_fwd": fwd.kernels,
         "device_ops_bwd": bwd.kernels,

@@ -264,7 +264,7 @@ class Probe(TorchDispatchMode):
             if self.live > ph.peak_live:
                 ph.peak_live = self.live
                 if self.trace:
-                    ph.at_peak = sorted(self._alive.values(), reverse=True)[:12]
+                    ph.at_peak = sorted(self._alive.values(), reverse=True)[:int(os.environ.get("LIBRA_GATE_TRACE_TOP", "12"))]
         return out
 
     def _fake(self, t: torch.Tensor) -> torch.Tensor:

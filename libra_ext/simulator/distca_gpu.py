@@ -1,0 +1,141 @@
+"""DistCA as deployed, as a simulated peer: every GPU an attention server.
+
+The project's planner runs `distca` with one attention server per replica (the heads split
+evenly over its C GPUs by Ulysses): the stronger variant, named `distca-replica` in the
+simulator. DistCA's own planner (hao-ai-lab/distca, `distca/planner/planner.py`) makes every GPU
+a server, which is what the simulator's `distca` models (`system.distca_server: gpu`):
+
+- layout: a micro-batch's D sequences (one per replica, the production order) laid out over
+  the D*C GPUs in order, S/C tokens each; a document cut at a GPU boundary leaves on each GPU it
+  touches one piece of two parts, the next rows from its front (head) and the next from its back
+  (tail), half of the piece each (the head the smaller half);
+- balance (`Planner.plan_items`): recipients are the GPUs below the mean, served in order of
+  deficit (largest first, ties by GPU); a recipient takes work while its deficit exceeds
+  `tolerance` x mean: among the pieces on GPUs with surplus (in list order, pieces split off
+  appended), the one with the lowest priority - bytes to ship (its share of query rows times the
+  hidden size, plus the document's whole KV) per unit of work it can give, min(donor's surplus,
+  recipient's need, piece's work) - gives that much: the whole piece if it can, else
+  m = floor(amount / (l + 1)) rows from each end of its head and tail (l: the document's
+  length; no row: that recipient is done);
+- work per part: q x kv - q (q - 1) / 2 (q rows ending at key kv: the causal pairs).
+
+DistCA's split keeps its work accounting exact for documents of even length only (its planner
+asserts so); here the work moved is counted row by row, so the two agree on even documents and
+odd ones stay exact. `tools/compare_distca.py` runs DistCA's own code beside this on the
+project's steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _pairs(q, kv):
+    return q * kv - q * (q - 1) // 2
+
+
+def layout_pieces(sequences: list[list[int]], per_gpu: int, n_gpus: int):
+    """DistCA's initial layout (`batch_to_items_general`): parallel arrays per piece - document
+    length, GPU, head (q, kv), tail (q, kv; q = 0 for a whole document) - in DistCA's order."""
+    L, G, HQ, HK, TQ, TK = [], [], [], [], [], []
+    budget = [per_gpu] * n_gpus
+    g = 0
+    for seq in sequences:
+        for length in seq:
+            left, head_end, tail_start = length, 0, length
+            while left > 0:
+                while g < n_gpus and budget[g] == 0:
+                    g += 1
+                if g >= n_gpus:
+                    raise ValueError(f"the micro-batch's documents exceed {n_gpus} x {per_gpu} tokens")
+                chunk = min(left, budget[g])
+                L.append(length)
+                G.append(g)
+                if chunk == length:  # the whole document
+                    HQ.append(length), HK.append(length), TQ.append(0), TK.append(0)
+                else:
+                    qh = chunk // 2
+                    qt = chunk - qh
+                    HQ.append(qh), HK.append(head_end + qh), TQ.append(qt), TK.append(tail_start)
+                    head_end += qh
+                    tail_start -= qt
+                budget[g] -= chunk
+                left -= chunk
+    return [np.asarray(a, dtype=np.int64) for a in (L, G, HQ, HK, TQ, TK)]
+
+
+def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: float,
+            hidden: int, kv_hidden: int) -> np.ndarray:
+    """[n_gpus] attention work (causal pairs, all heads counted once) per GPU after DistCA's
+    greedy on one micro-batch. `hidden` / `kv_hidden`: query and KV hidden sizes (heads x head
+    dim), which weigh the bytes of a move."""
+    L, G, HQ, HK, TQ, TK = layout_pieces(sequences, per_gpu, n_gpus)
+    cap = len(L) + 4 * n_gpus * 8 + 64  # pieces split off: a few per recipient
+    def grow(a, fill=0):
+        out = np.full(cap, fill, dtype=a.dtype)
+        out[: len(a)] = a
+        return out
+    n = len(L)
+    L, G, HQ, HK, TQ, TK = (grow(a) for a in (L, G, HQ, HK, TQ, TK))
+    whole = np.zeros(cap, dtype=bool)
+    whole[:n] = TQ[:n] == 0
+    W = np.zeros(cap, dtype=np.float64)
+    W[:n] = (_pairs(HQ[:n], HK[:n]) + _pairs(TQ[:n], TK[:n])).astype(np.float64)
+    load = np.bincount(G[:n], weights=W[:n], minlength=n_gpus).astype(np.float64)
+    mean = load.sum() / n_gpus
+    surplus = load - mean
+    threshold = mean * tolerance
+    recipients = sorted(((i, s) for i, s in enumerate(surplus) if s < 0), key=lambda x: x[1])
+    for r, deficit in recipients:
+        need = -deficit
+        while need > threshold:
+            if not (surplus > 0).any():
+                break
+            ok = (surplus[G[:n]] > 0) & (W[:n] > 0)
+            if not ok.any():
+                break
+            idx = np.flatnonzero(ok)
+            s_d = surplus[G[idx]]
+            w = W[idx]
+            best = np.minimum(np.minimum(s_d, need), w)  # min(local surplus, remote deficit, work)
+            q_len = best / (L[idx] + 1)
+            comm = q_len * hidden + 2 * (L[idx] + 1) * kv_hidden
+            prio = comm / best
+            k = int(idx[int(np.argmin(prio))])
+            amount = min(need, W[k], surplus[G[k]])
+            donor = int(G[k])
+            if amount >= W[k]:  # the whole piece moves
+                moved = W[k]
+                G[k] = r
+            else:
+                m = int(amount / (L[k] + 1))
+                if m <= 0:
+                    break
+                if whole[k]:  # a whole document becomes its head and tail halves
+                    q = HQ[k]
+                    HQ[k], HK[k] = (q + 1) // 2, (q + 1) // 2
+                    TQ[k], TK[k] = q // 2, q
+                    whole[k] = False
+                m = min(m, int(HQ[k]), int(TQ[k]))
+                if m <= 0:
+                    break
+                before = W[k]
+                HQ[k] -= m
+                HK[k] -= m
+                new_hq, new_hk = m, HK[k] + m  # the rows removed from the head's end
+                TQ[k] -= m  # the tail's first m rows go: they end where the rest starts
+                new_tq = m
+                new_tk = TK[k] - TQ[k]
+                W[k] = float(_pairs(HQ[k], HK[k]) + _pairs(TQ[k], TK[k]))
+                moved = before - W[k]
+                if n >= cap:
+                    raise RuntimeError("distca_gpu: more pieces than planned for")
+                L[n], G[n], HQ[n], HK[n], TQ[n], TK[n] = L[k], r, new_hq, new_hk, new_tq, new_tk
+                W[n] = float(_pairs(new_hq, new_hk) + _pairs(new_tq, new_tk))
+                n += 1
+            if not moved > 0:
+                break
+            surplus[donor] -= moved
+            surplus[r] += moved
+            need -= moved
+    return np.bincount(G[:n], weights=W[:n], minlength=n_gpus)
