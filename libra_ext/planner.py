@@ -21,6 +21,17 @@ ORDERS = ("megatron", "contiguous")
 """Systems the planner serves behind one switch."""
 
 
+SYSTEM_VARIANTS = {"distca": "distca (one attention server per replica)"}
+"""How a report names the variant a system runs: the planner's DistCA is the replica-server one
+(`system.distca_server: replica`); DistCA as deployed, every GPU a server, is modeled by
+`libra simulate` only."""
+
+
+def system_label(system: str) -> str:
+    """The system's name with the variant it runs, for reports and log lines."""
+    return SYSTEM_VARIANTS.get(system, system)
+
+
 @dataclass
 class LayoutConfig:
     """Parallel layout of a step (Megatron rank order tp-cp-ep-dp-pp)."""

@@ -19,6 +19,7 @@ from libra_ext.planner import (
     LayoutConfig,
     Planner,
     PlannerOptions,
+    system_label,
 )
 from libra_ext.reference import plan_libra
 from libra_ext.workload import (
@@ -553,7 +554,7 @@ def run_plan(args) -> dict | None:
 def _print_plan_table(r: dict) -> None:
     lay = r["layout"]
     print(
-        f"libra plan: system={r['system']} workload={r['workload']} steps={r['steps']} "
+        f"libra plan: system={system_label(r['system'])} workload={r['workload']} steps={r['steps']} "
         f"S={lay['context']} B={lay['gbs']} D={lay['dp']} C={lay['cp']} T={lay['tp']} "
         f"P={lay['pool_size']}"
     )

@@ -14,6 +14,7 @@ SYSTEMS = (
     "ulysses",
     "wlb",
     "distca",
+    "distca-replica",
     "libra-tap",
     "libra-tap-vrsp",
     "libra",
@@ -21,7 +22,9 @@ SYSTEMS = (
     "megatron-dyncp",
 )
 """Simulated systems: baselines, Libra's ablations (TAP only; TAP + VRSP without the pipeline;
-full), and megatron-core's own hybrid/dynamic CP scheduler."""
+full), and megatron-core's own hybrid/dynamic CP scheduler. `distca` is DistCA as deployed (every
+GPU an attention server, `system.distca_server: gpu`); `distca-replica` the planner's DistCA, one
+server per replica (`replica`, the stronger variant)."""
 
 
 def _int(d: dict, key: str, path: str, default=None, minimum: int = 1) -> int:

@@ -65,10 +65,11 @@ def layout_pieces(sequences: list[list[int]], per_gpu: int, n_gpus: int):
 
 
 def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: float,
-            hidden: int, kv_hidden: int) -> np.ndarray:
+            hidden: int, kv_hidden: int, pieces: bool = False):
     """[n_gpus] attention work (causal pairs, all heads counted once) per GPU after DistCA's
     greedy on one micro-batch. `hidden` / `kv_hidden`: query and KV hidden sizes (heads x head
-    dim), which weigh the bytes of a move."""
+    dim), which weigh the bytes of a move. `pieces`: also return the pieces' GPUs, document
+    lengths and work (parallel arrays)."""
     L, G, HQ, HK, TQ, TK = layout_pieces(sequences, per_gpu, n_gpus)
     cap = len(L) + 4 * n_gpus * 8 + 64  # pieces split off: a few per recipient
     def grow(a, fill=0):
@@ -138,4 +139,14 @@ def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: fl
             surplus[donor] -= moved
             surplus[r] += moved
             need -= moved
-    return np.bincount(G[:n], weights=W[:n], minlength=n_gpus)
+    work = np.bincount(G[:n], weights=W[:n], minlength=n_gpus)
+    return (work, G[:n].copy(), L[:n].copy(), W[:n].copy()) if pieces else work
+
+
+def slots_of(sequences: list, dp: int, order: str) -> list[list]:
+    """The step's micro-batches: the D sequences of each slot, replica by replica, in the
+    production order (docs/plan_contract.md; one sequence per micro-batch and replica)."""
+    m = len(sequences) // dp
+    if order == "contiguous":
+        return [[sequences[r * m + k] for r in range(dp)] for k in range(m)]
+    return [[sequences[k * dp + r] for r in range(dp)] for k in range(m)]

@@ -238,7 +238,12 @@ def render_markdown(results: dict) -> str:
             "the C++ planner "
             "per step (megatron-dcp and megatron-dyncp: their Python schedulers; megatron-dcp is "
             "megatron-core's BalancedCPScheduler, megatron-dyncp Megatron-LM's DefaultDynamicCPScheduler, "
-            "a CP group per document chosen per micro-batch).",
+            "a CP group per document chosen per micro-batch; distca: DistCA's greedy as its "
+            "planner runs it, in Python). `distca` is DistCA as deployed - every GPU an attention "
+            "server, documents cut at GPU boundaries (system.distca_server: gpu); "
+            "`distca-replica` is the planner's DistCA, one server per replica with its heads "
+            "split evenly over its GPUs (replica: the stronger variant, the one the operator "
+            "runs).",
             "",
         ]
         for system, why in s.get("errors", {}).items():

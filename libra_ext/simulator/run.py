@@ -20,7 +20,9 @@ from libra_ext.workload import LengthSource
 SYSTEM_SPECS = {
     "ulysses": (dict(system="ulysses"), False),
     "wlb": (dict(system="wlb"), False),
-    "distca": (dict(system="distca"), True),
+    # the planner's DistCA: one attention server per replica (the stronger variant; `distca`
+    # is DistCA as deployed, every GPU a server: distca_gpu)
+    "distca-replica": (dict(system="distca"), True),
     "libra-tap": (dict(system="libra", vrsp=False), False),
     "libra-tap-vrsp": (dict(system="libra"), False),
     "libra": (dict(system="libra"), True),
@@ -82,6 +84,8 @@ def run_point(
         return _run_dcp(system, scenario, dp, steps_data[: cfg.dcp_steps], cfg, hw)
     if system == "megatron-dyncp":
         return _run_dcp(system, scenario, dp, steps_data, cfg, hw)
+    if system == "distca":
+        return _run_distca_gpu(scenario, dp, steps_data, cfg, hw)
     opts, pipelined = SYSTEM_SPECS[system]
     planner = Planner(layout, model, PlannerOptions(**opts, order=cfg.order))
     times, tokens, plan_ms, before, after, stats, bubbles = [], [], [], [], [], [], []
@@ -172,6 +176,65 @@ def _run_dcp(
     return PointResult(
         step_time=float(np.mean(steps)),
         tokens_per_step=tokens,
+        attn_mean=float(a.mean()),
+        attn_max=float(a.max()),
+        attention_share=nan,
+        attn_max_over_mean=float(a.max() / a.mean()),
+        exchange_cost=nan,
+        pp_ratio=nan,
+        pp_bubble_before=nan,
+        pp_bubble_after=nan,
+        plan_ms=float(statistics.median(sched)),
+        imbalance_before=nan,
+        imbalance_after=nan,
+        rank_attention=attn[-1].tolist(),
+    )
+
+
+def _run_distca_gpu(
+    scenario: Scenario, dp: int, steps_data: list, cfg: SimConfig, hw: HardwareProfile
+) -> PointResult:
+    """DistCA as deployed (distca_gpu): each micro-batch's D x C GPUs are attention servers,
+    balanced by DistCA's greedy at the planner's DistCA tolerance; a micro-batch takes its
+    slowest GPU (attention of the pieces it serves, all of its tp slice's heads, plus the linear
+    layers of its S/C tokens); the exchange is hidden behind compute, as for the planner's
+    DistCA."""
+    import time
+
+    from libra_ext.planner import PlannerOptions as _Opts
+    from libra_ext.simulator import distca_gpu
+    from libra_ext.workload import ATTN_BWD_FACTOR, LINEAR_BWD_FACTOR, linear_fwd_flops_per_token
+
+    model, C, tp, S = cfg.model, scenario.cp, scenario.tp, scenario.context
+    n_gpus, tolerance = dp * C, _Opts().distca_tolerance
+    L, d, h = model.layers, model.head_dim, model.heads
+    lin = (linear_fwd_flops_per_token(model) * (1 + LINEAR_BWD_FACTOR) * L / tp
+           / (hw.bf16_peak * hw.linear_efficiency))
+    exposed = dp_reduction(model, hw, dp, C, tp)
+    steps, attn, sched, tokens = [], [], [], []
+    for seqs in steps_data:
+        seqs = [list(s) for s in seqs]
+        total, gpu_attn, ms = 0.0, np.zeros(n_gpus), 0.0
+        for batch in distca_gpu.slots_of(seqs, dp, cfg.order):
+            t0 = time.perf_counter()
+            _, g, lengths, work = distca_gpu.balance(
+                batch, S // C, n_gpus, tolerance, h * d, model.kv_heads * d, pieces=True)
+            ms += (time.perf_counter() - t0) * 1e3
+            eff = hw.attn_efficiency(lengths.astype(np.float64))
+            a = 4.0 * d * (h / tp) * work * L / (hw.attn_peak * eff)
+            a *= 1.0 + ATTN_BWD_FACTOR / hw.attn_bwd_speed
+            per_gpu = np.bincount(g, weights=a, minlength=n_gpus) + 2 * L * hw.call_floor
+            gpu_attn += per_gpu
+            total += float((per_gpu + (S / C) * lin).max())
+        steps.append(total + exposed)
+        attn.append(gpu_attn)
+        sched.append(ms)
+        tokens.append(float(sum(map(sum, seqs))))
+    a = np.mean(attn, axis=0)
+    nan = float("nan")
+    return PointResult(
+        step_time=float(np.mean(steps)),
+        tokens_per_step=float(np.mean(tokens)),
         attn_mean=float(a.mean()),
         attn_max=float(a.max()),
         attention_share=nan,

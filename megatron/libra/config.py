@@ -21,6 +21,9 @@ from libra_ext.pipeline import PP_ORDERS
 from libra_ext.planner import ORDERS, SYSTEMS
 from libra_ext.workload import MAX_TOKENS, ModelConfig, check_int, preset_names, read_lengths_file
 
+DISTCA_SERVERS = ("replica", "gpu")
+"""What a DistCA attention server is (system.distca_server)."""
+
 
 @dataclass
 class ParallelConfig:
@@ -83,6 +86,11 @@ class SystemConfig:
     """libra: TAP's refinement pass after the greedy."""
     distca_tolerance: float = 0.05
     """distca: a replica stops receiving once its deficit is within this share of the mean."""
+    distca_server: str = "replica"
+    """distca: what an attention server is. replica (one per replica, its heads split evenly
+    over its GPUs by Ulysses: the variant the planner and the operator run, stronger than
+    DistCA's own) or gpu (DistCA as deployed: every GPU a server, documents cut at GPU
+    boundaries; modeled by `libra simulate` as system distca, not run by the operator)."""
     pp_order: str = "none"
     """With pipeline parallelism: none (micro-batches in the plan's slot order) or balanced
     (each exchange pool's slots reordered to shorten the modeled 1F1B step; the same samples,
@@ -444,6 +452,17 @@ class TrainConfig:
                     f"{per_stage} layers of each (virtual) pipeline stage with "
                     "model.recompute_method = uniform"
                 )
+        if s.distca_server not in DISTCA_SERVERS:
+            raise ValueError(
+                f"system.distca_server must be one of {', '.join(DISTCA_SERVERS)}, "
+                f"got {s.distca_server!r}"
+            )
+        if s.distca_server == "gpu":
+            raise ValueError(
+                "system.distca_server: gpu (DistCA as deployed: every GPU an attention server) "
+                "is modeled by `libra simulate` (system distca) but not run by the operator, "
+                "whose servers are replicas; set system.distca_server: replica"
+            )
         if s.pp_order not in PP_ORDERS:
             raise ValueError(
                 f"system.pp_order must be one of {', '.join(PP_ORDERS)}, got {s.pp_order!r}"

@@ -308,3 +308,47 @@ def test_too_few_steps_are_noted(tmp_path, capsys):
     cfg = _cfg(tmp_path)
     assert main(["recommend-pool", str(cfg), "--steps", "1", "--no-progress", "--json"]) == 0
     assert "note: 1 sampled step(s)" in capsys.readouterr().err
+
+
+def test_distca_as_deployed_follows_distcas_layout_and_greedy_on_hand_worked_cases():
+    from libra_ext.simulator import distca_gpu
+
+    # one replica, two GPUs of 20 tokens: the 30-token document is cut at the boundary into
+    # head/tail pieces - GPU 0 rows [0, 10) and [20, 30), GPU 1 rows [10, 15) and [15, 20)
+    L, G, HQ, HK, TQ, TK = distca_gpu.layout_pieces([[30, 10]], 20, 2)
+    assert L.tolist() == [30, 30, 10] and G.tolist() == [0, 1, 1]
+    assert (HQ.tolist(), HK.tolist(), TQ.tolist(), TK.tolist()) == (
+        [10, 5, 10], [10, 15, 10], [10, 5, 0], [30, 20, 0])
+    # work 310 / 210 (mean 260): GPU 1 needs 50; GPU 0's piece gives m = floor(50 / 31) = 1 row
+    # from each end (rows 9 and 20: 10 + 21 = 31 pairs); 19 more would need a row of 31: stop
+    assert distca_gpu.balance([[30, 10]], 20, 2, 0.0, 8, 2).tolist() == [279.0, 241.0]
+    # whole documents: GPU 0 holds 6 and 4 (31 pairs), GPU 1 holds 2 and 8 (39); GPU 0 needs 4.
+    # bytes per unit of work: the 2-token document (3 pairs, (1*8 + 2*3*2) / 3 = 6.7) beats the
+    # 8-token one ((4/9*8 + 2*9*2) / 4 = 9.9) and moves whole; the 1 still missing is less than
+    # a row of the 8-token document (9 pairs)
+    assert distca_gpu.balance([[6, 4, 2, 8]], 10, 2, 0.0, 8, 2).tolist() == [34.0, 36.0]
+    # a tolerance of 1/8 of the mean (35) leaves a deficit of 4 alone
+    assert distca_gpu.balance([[6, 4, 2, 8]], 10, 2, 0.125, 8, 2).tolist() == [31.0, 39.0]
+    # the micro-batches of a step: one sequence per replica, in the production order
+    seqs = [[1], [2], [3], [4]]
+    assert distca_gpu.slots_of(seqs, 2, "megatron") == [[[1], [2]], [[3], [4]]]
+    assert distca_gpu.slots_of(seqs, 2, "contiguous") == [[[1], [3]], [[2], [4]]]
+
+
+def test_distca_as_deployed_is_a_simulated_system_beside_the_replica_variant(tmp_path):
+    # the same steps through both DistCA variants: every GPU a server (DistCA's own layout,
+    # servers inside a replica unequal) never models better balanced attention than one server
+    # per replica (the replica's GPUs share its work evenly), and both model all the work
+    cfg = SimConfig.load(_cfg(tmp_path))
+    hw = HardwareProfile.load("h100-sxm")
+    sc = cfg.scenarios[0]
+    src = LengthSource(preset="libra-256k")
+    steps = [src.step(sc.gbs, sc.context, 3, s) for s in range(2)]
+    gpu = run_point("distca", sc, 8, 8, steps, cfg, hw)
+    replica = run_point("distca-replica", sc, 8, 8, steps, cfg, hw)
+    assert gpu.tokens_per_step == replica.tokens_per_step == sc.gbs * sc.context
+    assert math.isfinite(gpu.step_time) and gpu.step_time > 0
+    assert len(gpu.rank_attention) == 8 * sc.cp
+    assert gpu.attn_max_over_mean >= replica.attn_max_over_mean - 1e-9
+    assert {"distca", "distca-replica"} <= set(SYSTEMS)
+    assert {"distca", "distca-replica"} <= set(yaml.safe_load(open("configs/sim/libra_paper.yaml"))["systems"])

@@ -76,6 +76,12 @@ MOE = ["moe.balancer=libra", "model.moe_topk=2", "model.experts=8", "model.moe_f
             r"model.recompute_num_layers \(2\) must divide the 3 layers",
         ),
         (["system.pp_order=fastest"], 4, r"system.pp_order must be one of none, balanced"),
+        (["system.distca_server=node"], 4, r"system.distca_server must be one of replica, gpu"),
+        (
+            ["system.name=distca", "system.distca_server=gpu"],
+            4,
+            r"system.distca_server: gpu \(DistCA as deployed.*modeled by `libra simulate`",
+        ),
         (["parallel.ep=2"], 4, r"parallel.ep \(2\) > 1 needs an MoE model"),
         (
             ["parallel.ep=3", "model.moe_topk=2", "model.experts=4", "model.moe_ffn=8"],
