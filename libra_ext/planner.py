@@ -21,15 +21,16 @@ ORDERS = ("megatron", "contiguous")
 """Systems the planner serves behind one switch."""
 
 
-SYSTEM_VARIANTS = {"distca": "distca (one attention server per replica)"}
-"""How a report names the variant a system runs: the planner's DistCA is the replica-server one
-(`system.distca_server: replica`); DistCA as deployed, every GPU a server, is modeled by
-`libra simulate` only."""
+DISTCA_SERVERS = {
+    "replica": "distca (one attention server per replica)",
+    "gpu": "distca (every GPU an attention server, as DistCA deploys it)",
+}
+"""How a report names the DistCA variant that ran (`distca_server`)."""
 
 
-def system_label(system: str) -> str:
+def system_label(system: str, distca_server: str = "replica") -> str:
     """The system's name with the variant it runs, for reports and log lines."""
-    return SYSTEM_VARIANTS.get(system, system)
+    return DISTCA_SERVERS.get(distca_server, system) if system == "distca" else system
 
 
 @dataclass
@@ -87,6 +88,10 @@ class PlannerOptions:
     """libra: refinement pass after the greedy."""
     distca_tolerance: float = 0.05
     """distca: stop when every replica is within tolerance x mean of the mean."""
+    distca_server: str = "replica"
+    """distca: what an attention server is: replica (one per replica, its heads split over its
+    GPUs: the stronger variant) or gpu (DistCA as deployed: every GPU a server, DistCA's own
+    planner's decisions; planned where a GPU is a replica, cp 1)."""
     dtype_bytes: int = 2
     """Bytes per Q/K/V/O element (2 for bf16)."""
     wlb_outlier_len: int = 0

@@ -234,6 +234,13 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("refine", &PlanOptions::refine)
       .def_readwrite("max_refine_moves", &PlanOptions::max_refine_moves)
       .def_readwrite("distca_tolerance", &PlanOptions::distca_tolerance)
+      .def_property(
+          "distca_server", [](const PlanOptions& o) { return std::string(o.distca_gpu ? "gpu" : "replica"); },
+          [](PlanOptions& o, const std::string& s) {
+            if (s != "gpu" && s != "replica")
+              fail("distca_server must be one of replica, gpu; got '" + s + "'");
+            o.distca_gpu = s == "gpu";
+          })
       .def_readwrite("dtype_bytes", &PlanOptions::dtype_bytes)
       .def_readwrite("wlb_outlier_len", &PlanOptions::wlb_outlier_len)
       .def_readwrite("wlb_max_delay", &PlanOptions::wlb_max_delay)

@@ -930,6 +930,11 @@ StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const M
     fail("micro_batch_size (" + std::to_string(options.micro_batch) +
          ") must divide the sequences per replica (m = gbs / dp = " + std::to_string(B / layout.dp) +
          ")");
+  if (options.system == System::Distca && options.distca_gpu && layout.cp != 1)
+    fail("distca_server = gpu (every GPU an attention server) is planned where a GPU is a "
+         "replica (cp 1), got cp " + std::to_string(layout.cp) +
+         ": with cp > 1 DistCA cuts documents at GPU boundaries inside a replica, a layout the "
+         "operator's Ulysses ranks do not hold (libra simulate models it at any cp)");
   if (options.system == System::Wlb && state == nullptr)
     fail("state: the wlb system carries a delay queue and needs a PlannerState");
   if (state != nullptr) state->validate(layout, options);
@@ -1037,7 +1042,10 @@ StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const M
       ordered.finish(digests);
     } else if (options.system == System::Distca) {
       p.exchange_pool = p.dp;
-      distca_place(p, opt, groups_of(p, p.dp));
+      if (options.distca_gpu)
+        distca_gpu_place(p, opt, groups_of(p, p.dp));
+      else
+        distca_place(p, opt, groups_of(p, p.dp));
     } else {
       owner_tiles(p, opt.block);
     }

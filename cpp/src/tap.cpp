@@ -775,4 +775,127 @@ void distca_place(StepPlan& plan, const PlanOptions& opt,
   }
 }
 
+// DistCA as deployed (`distca_server = gpu`): every GPU an attention server, DistCA's planner's
+// decisions (hao-ai-lab/distca, `Planner.plan_items`), for layouts where a GPU is a replica
+// (cp 1; checked by the caller). Each slot on its own: pieces start as whole documents on their
+// owners, in replica order; recipients are the GPUs below the mean, largest deficit first (ties
+// by GPU); a recipient takes work while its deficit exceeds tolerance * mean, from the piece on
+// a GPU with surplus (list order, pieces split off appended) with the lowest priority - the
+// bytes of its share of query rows and its document's whole KV per unit of work it can give,
+// min(donor's surplus, need, its work) - which moves whole if it can, else gives
+// m = floor(amount / (l + 1)) rows from each end of its head and tail (a whole document first
+// becomes its two halves); no row: that recipient is done. Work per part: causal pairs.
+void distca_gpu_place(StepPlan& plan, const PlanOptions& opt,
+                      const std::vector<std::vector<i64>>& groups) {
+  const double hidden = static_cast<double>(plan.heads_local * plan.head_dim);
+  const i64 kv_hidden = plan.kv_heads_local * plan.head_dim;
+  auto pairs = [](i64 q, i64 kv) { return q * kv - q * (q - 1) / 2; };
+  struct Piece {
+    i64 seq, doc, off, len, owner, exec;  // owner / exec: member index
+    i64 hq, hk, tq, tk;                   // head rows [hk - hq, hk), tail rows [tk - tq, tk)
+    bool whole;
+    double work;
+  };
+  for (const auto& members : groups) {
+    const i64 P = static_cast<i64>(members.size());
+    std::vector<Piece> pieces;
+    std::vector<double> load(static_cast<std::size_t>(P), 0.0);
+    for (i64 i = 0; i < P; ++i) {
+      const i64 s = members[i];
+      i64 off = 0;
+      for (i64 doc = plan.seq_doc_offsets[s]; doc < plan.seq_doc_offsets[s + 1]; ++doc) {
+        const i64 l = plan.doc_lengths[doc];
+        const double w = static_cast<double>(pairs(l, l));
+        pieces.push_back({s, doc, off, l, i, i, l, l, 0, 0, true, w});
+        load[i] += w;
+        off += l;
+      }
+    }
+    double total = 0;
+    for (const double x : load) total += x;
+    const double mean = total / static_cast<double>(P);
+    std::vector<double> surplus(static_cast<std::size_t>(P));
+    for (i64 i = 0; i < P; ++i) surplus[i] = load[i] - mean;
+    std::vector<i64> recipients;
+    for (i64 i = 0; i < P; ++i)
+      if (surplus[i] < 0) recipients.push_back(i);
+    std::stable_sort(recipients.begin(), recipients.end(),
+                     [&](i64 x, i64 y) { return surplus[x] < surplus[y]; });
+    const double threshold = mean * opt.distca_tolerance;
+    for (const i64 r : recipients) {
+      double need = -surplus[r];
+      while (need > threshold) {
+        if (std::none_of(surplus.begin(), surplus.end(), [](double x) { return x > 0; })) break;
+        std::size_t pick = pieces.size();
+        double pick_prio = 0;
+        for (std::size_t k = 0; k < pieces.size(); ++k) {
+          const Piece& pc = pieces[k];
+          if (!(surplus[pc.exec] > 0) || !(pc.work > 0)) continue;
+          const double best = std::min(std::min(surplus[pc.exec], need), pc.work);
+          const double q_len = best / static_cast<double>(pc.len + 1);
+          const double comm = q_len * hidden + static_cast<double>(2 * (pc.len + 1) * kv_hidden);
+          const double prio = comm / best;
+          if (pick == pieces.size() || prio < pick_prio) {
+            pick = k;
+            pick_prio = prio;
+          }
+        }
+        if (pick == pieces.size()) break;
+        Piece& pc = pieces[pick];
+        const double amount = std::min(std::min(need, pc.work), surplus[pc.exec]);
+        const i64 donor = pc.exec;
+        double moved;
+        if (amount >= pc.work) {  // the whole piece moves
+          moved = pc.work;
+          pc.exec = r;
+        } else {
+          i64 m = static_cast<i64>(amount / static_cast<double>(pc.len + 1));
+          if (m <= 0) break;
+          if (pc.whole) {  // a whole document becomes its head and tail halves
+            const i64 q = pc.hq;
+            pc.hq = pc.hk = (q + 1) / 2;
+            pc.tq = q / 2;
+            pc.tk = q;
+            pc.whole = false;
+          }
+          m = std::min({m, pc.hq, pc.tq});
+          if (m <= 0) break;
+          const double before = pc.work;
+          pc.hq -= m;
+          pc.hk -= m;
+          pc.tq -= m;
+          Piece cut = pc;  // rows [hk, hk + m) of the head's end, [tk - tq - m, tk - tq) of the tail's start
+          cut.exec = r;
+          cut.hq = m;
+          cut.hk = pc.hk + m;
+          cut.tq = m;
+          cut.tk = pc.tk - pc.tq;
+          pc.work = static_cast<double>(pairs(pc.hq, pc.hk) + pairs(pc.tq, pc.tk));
+          cut.work = static_cast<double>(pairs(cut.hq, cut.hk) + pairs(cut.tq, cut.tk));
+          moved = before - pc.work;
+          pieces.push_back(cut);  // (pc is not used past this point)
+        }
+        if (!(moved > 0)) break;
+        surplus[donor] -= moved;
+        surplus[r] += moved;
+        need -= moved;
+      }
+    }
+    struct Rows {
+      i64 seq, doc, off, a, b, owner, exec;
+    };
+    std::vector<Rows> rows;
+    for (const Piece& pc : pieces) {
+      if (pc.hq > 0) rows.push_back({pc.seq, pc.doc, pc.off, pc.hk - pc.hq, pc.hk, pc.owner, pc.exec});
+      if (pc.tq > 0) rows.push_back({pc.seq, pc.doc, pc.off, pc.tk - pc.tq, pc.tk, pc.owner, pc.exec});
+    }
+    std::stable_sort(rows.begin(), rows.end(), [](const Rows& x, const Rows& y) {
+      return x.seq != y.seq ? x.seq < y.seq : (x.doc != y.doc ? x.doc < y.doc : x.a < y.a);
+    });
+    for (const Rows& t : rows)
+      push_tile(plan, t.seq, t.doc, t.off, t.a, t.b, 0, plan.heads_local,
+                plan.seq_replica[members[t.owner]], plan.seq_replica[members[t.exec]]);
+  }
+}
+
 }  // namespace libra

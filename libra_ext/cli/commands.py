@@ -79,6 +79,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--no-vrsp", action="store_true", help="libra: keep production placement")
     p.add_argument("--no-tap", action="store_true", help="libra: no tile moves")
     p.add_argument(
+        "--distca-server", choices=("replica", "gpu"), default="replica",
+        help="distca: one attention server per replica (its heads split over its GPUs) or "
+        "every GPU a server as DistCA deploys it (needs --cp 1)",
+    )
+    p.add_argument(
         "--order", choices=ORDERS, default="megatron",
         help="production order of each step's sequences: megatron (Megatron-LM's pretraining "
         "sampler, the default) or contiguous (replica q // m)",
@@ -430,6 +435,7 @@ def run_plan(args) -> dict | None:
         epsilon=args.epsilon,
         vrsp=not args.no_vrsp,
         tap=not args.no_tap,
+        distca_server=args.distca_server,
         order=args.order,
         micro_batch_size=args.micro_batch_size,
     )
@@ -499,6 +505,7 @@ def run_plan(args) -> dict | None:
 
     result = {
         "system": args.system,
+        "distca_server": args.distca_server,
         "workload": source.name,
         "steps": args.steps,
         "layout": {
@@ -554,7 +561,8 @@ def run_plan(args) -> dict | None:
 def _print_plan_table(r: dict) -> None:
     lay = r["layout"]
     print(
-        f"libra plan: system={system_label(r['system'])} workload={r['workload']} steps={r['steps']} "
+        f"libra plan: system={system_label(r['system'], r.get('distca_server', 'replica'))} "
+        f"workload={r['workload']} steps={r['steps']} "
         f"S={lay['context']} B={lay['gbs']} D={lay['dp']} C={lay['cp']} T={lay['tp']} "
         f"P={lay['pool_size']}"
     )

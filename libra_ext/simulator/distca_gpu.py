@@ -22,7 +22,9 @@ a server, which is what the simulator's `distca` models (`system.distca_server: 
 DistCA's split keeps its work accounting exact for documents of even length only (its planner
 asserts so); here the work moved is counted row by row, so the two agree on even documents and
 odd ones stay exact. `tools/compare_distca.py` runs DistCA's own code beside this on the
-project's steps.
+project's steps. `traffic` counts the rows a micro-batch ships between GPUs (the simulator's
+all-to-all time for `distca`); where a GPU is a replica (cp 1) the planner makes the same
+decisions (`distca_server = gpu`) and the operator runs them.
 """
 
 from __future__ import annotations
@@ -34,33 +36,36 @@ def _pairs(q, kv):
     return q * kv - q * (q - 1) // 2
 
 
-def layout_pieces(sequences: list[list[int]], per_gpu: int, n_gpus: int):
+def layout_pieces(sequences: list[list[int]], per_gpu: int, n_gpus: int, with_docs: bool = False):
     """DistCA's initial layout (`batch_to_items_general`): parallel arrays per piece - document
-    length, GPU, head (q, kv), tail (q, kv; q = 0 for a whole document) - in DistCA's order."""
-    L, G, HQ, HK, TQ, TK = [], [], [], [], [], []
+    length, GPU, head (q, kv), tail (q, kv; q = 0 for a whole document) - in DistCA's order;
+    `with_docs`: and each piece's document (its index in the micro-batch)."""
+    L, G, HQ, HK, TQ, TK, DOC = [], [], [], [], [], [], []
     budget = [per_gpu] * n_gpus
     g = 0
-    for seq in sequences:
-        for length in seq:
-            left, head_end, tail_start = length, 0, length
-            while left > 0:
-                while g < n_gpus and budget[g] == 0:
-                    g += 1
-                if g >= n_gpus:
-                    raise ValueError(f"the micro-batch's documents exceed {n_gpus} x {per_gpu} tokens")
-                chunk = min(left, budget[g])
-                L.append(length)
-                G.append(g)
-                if chunk == length:  # the whole document
-                    HQ.append(length), HK.append(length), TQ.append(0), TK.append(0)
-                else:
-                    qh = chunk // 2
-                    qt = chunk - qh
-                    HQ.append(qh), HK.append(head_end + qh), TQ.append(qt), TK.append(tail_start)
-                    head_end += qh
-                    tail_start -= qt
-                budget[g] -= chunk
-                left -= chunk
+    for doc, length in enumerate(x for seq in sequences for x in seq):
+        left, head_end, tail_start = length, 0, length
+        while left > 0:
+            while g < n_gpus and budget[g] == 0:
+                g += 1
+            if g >= n_gpus:
+                raise ValueError(f"the micro-batch's documents exceed {n_gpus} x {per_gpu} tokens")
+            chunk = min(left, budget[g])
+            L.append(length)
+            DOC.append(doc)
+            G.append(g)
+            if chunk == length:  # the whole document
+                HQ.append(length), HK.append(length), TQ.append(0), TK.append(0)
+            else:
+                qh = chunk // 2
+                qt = chunk - qh
+                HQ.append(qh), HK.append(head_end + qh), TQ.append(qt), TK.append(tail_start)
+                head_end += qh
+                tail_start -= qt
+            budget[g] -= chunk
+            left -= chunk
+    if with_docs:
+        return [np.asarray(a, dtype=np.int64) for a in (L, G, HQ, HK, TQ, TK, DOC)]
     return [np.asarray(a, dtype=np.int64) for a in (L, G, HQ, HK, TQ, TK)]
 
 
@@ -69,15 +74,16 @@ def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: fl
     """[n_gpus] attention work (causal pairs, all heads counted once) per GPU after DistCA's
     greedy on one micro-batch. `hidden` / `kv_hidden`: query and KV hidden sizes (heads x head
     dim), which weigh the bytes of a move. `pieces`: also return the pieces' GPUs, document
-    lengths and work (parallel arrays)."""
-    L, G, HQ, HK, TQ, TK = layout_pieces(sequences, per_gpu, n_gpus)
+    lengths and work (parallel arrays) and (initial layout, final pieces) for `traffic`."""
+    L, G, HQ, HK, TQ, TK, DOC = layout_pieces(sequences, per_gpu, n_gpus, with_docs=True)
+    home = (G.copy(), HQ.copy(), HK.copy(), TQ.copy(), TK.copy(), DOC.copy())
     cap = len(L) + 4 * n_gpus * 8 + 64  # pieces split off: a few per recipient
     def grow(a, fill=0):
         out = np.full(cap, fill, dtype=a.dtype)
         out[: len(a)] = a
         return out
     n = len(L)
-    L, G, HQ, HK, TQ, TK = (grow(a) for a in (L, G, HQ, HK, TQ, TK))
+    L, G, HQ, HK, TQ, TK, DOC = (grow(a) for a in (L, G, HQ, HK, TQ, TK, DOC))
     whole = np.zeros(cap, dtype=bool)
     whole[:n] = TQ[:n] == 0
     W = np.zeros(cap, dtype=np.float64)
@@ -132,6 +138,7 @@ def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: fl
                 if n >= cap:
                     raise RuntimeError("distca_gpu: more pieces than planned for")
                 L[n], G[n], HQ[n], HK[n], TQ[n], TK[n] = L[k], r, new_hq, new_hk, new_tq, new_tk
+                DOC[n] = DOC[k]
                 W[n] = float(_pairs(new_hq, new_hk) + _pairs(new_tq, new_tk))
                 n += 1
             if not moved > 0:
@@ -140,7 +147,58 @@ def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: fl
             surplus[r] += moved
             need -= moved
     work = np.bincount(G[:n], weights=W[:n], minlength=n_gpus)
-    return (work, G[:n].copy(), L[:n].copy(), W[:n].copy()) if pieces else work
+    if not pieces:
+        return work
+    final = (G[:n].copy(), HQ[:n].copy(), HK[:n].copy(), TQ[:n].copy(), TK[:n].copy(),
+             DOC[:n].copy())
+    return work, G[:n].copy(), L[:n].copy(), W[:n].copy(), (home, final)
+
+
+def _overlap(lo: int, hi: int, spans: list) -> int:
+    """Rows of [lo, hi) inside the (lo, hi) spans."""
+    return sum(max(0, min(hi, b) - max(lo, a)) for a, b in spans)
+
+
+def traffic(layout: tuple, n_gpus: int) -> np.ndarray:
+    """[n_gpus, 2] rows each GPU sends (and as many it receives) for one layer's attention,
+    forward and backward: query-sized rows and KV rows. A server takes the query rows of its
+    pieces that live elsewhere (`home`: DistCA's initial layout) and, per document, the KV rows
+    of [0, its pieces' furthest key) that live elsewhere; it returns their outputs. Forward: Q
+    and KV to the server, O back; backward: dO to the server, dQ and dKV back. So each query
+    row crosses twice each way and each KV row once each way, for server and home alike."""
+    (hG, hHQ, hHK, hTQ, hTK, hDOC), (G, HQ, HK, TQ, TK, DOC) = layout
+    spans: dict = {}  # (doc, gpu) -> row spans living there
+    for i in range(len(hG)):
+        lst = spans.setdefault((int(hDOC[i]), int(hG[i])), [])
+        if hHQ[i]:
+            lst.append((int(hHK[i] - hHQ[i]), int(hHK[i])))
+        if hTQ[i]:
+            lst.append((int(hTK[i] - hTQ[i]), int(hTK[i])))
+    homes: dict = {}  # doc -> the GPUs its rows live on
+    for doc, g in spans:
+        homes.setdefault(doc, []).append(g)
+    q_rows, kv_rows = np.zeros(n_gpus), np.zeros(n_gpus)  # one way, at the server and the home
+    need: dict = {}  # (doc, server) -> furthest key
+    for i in range(len(G)):
+        g, doc = int(G[i]), int(DOC[i])
+        if homes[doc] == [g]:
+            continue  # a document wholly on its server: nothing moves
+        for q, kv in ((int(HQ[i]), int(HK[i])), (int(TQ[i]), int(TK[i]))):
+            if q <= 0:
+                continue
+            for h in homes[doc]:
+                if h != g:
+                    rows = _overlap(kv - q, kv, spans[(doc, h)])
+                    q_rows[g] += rows
+                    q_rows[h] += rows
+            need[(doc, g)] = max(need.get((doc, g), 0), kv)
+    for (doc, g), kv in need.items():
+        for h in homes[doc]:
+            if h != g:
+                rows = _overlap(0, kv, spans[(doc, h)])
+                kv_rows[g] += rows
+                kv_rows[h] += rows
+    return np.stack([2 * q_rows, kv_rows], axis=1)
 
 
 def slots_of(sequences: list, dp: int, order: str) -> list[list]:

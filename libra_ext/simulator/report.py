@@ -25,7 +25,9 @@ def _gap(ours, paper) -> str:
 
 
 def _bubble(b: dict | None) -> str:
-    return "–" if not b else f"{b['before']:.3f} → {b['after']:.3f}"
+    if not b or any(isinstance(b[k], float) and math.isnan(b[k]) for k in ("before", "after")):
+        return "–"  # not modeled for this system
+    return f"{b['before']:.3f} → {b['after']:.3f}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -195,10 +195,12 @@ def _run_distca_gpu(
     scenario: Scenario, dp: int, steps_data: list, cfg: SimConfig, hw: HardwareProfile
 ) -> PointResult:
     """DistCA as deployed (distca_gpu): each micro-batch's D x C GPUs are attention servers,
-    balanced by DistCA's greedy at the planner's DistCA tolerance; a micro-batch takes its
-    slowest GPU (attention of the pieces it serves, all of its tp slice's heads, plus the linear
-    layers of its S/C tokens); the exchange is hidden behind compute, as for the planner's
-    DistCA."""
+    balanced by DistCA's greedy at the planner's DistCA tolerance. A micro-batch takes its
+    slowest GPU: attention of the pieces it serves (all of its tp slice's heads; each part at the
+    efficiency of the keys it attends) plus the linear
+    layers of its S/C tokens, or the micro-batch's all-to-all if that is longer - the busiest
+    GPU's query and KV rows to and from servers (distca_gpu.traffic), forward and backward, which
+    DistCA's ping-pong overlaps with compute (assumed here in full: generous to DistCA)."""
     import time
 
     from libra_ext.planner import PlannerOptions as _Opts
@@ -211,21 +213,30 @@ def _run_distca_gpu(
     lin = (linear_fwd_flops_per_token(model) * (1 + LINEAR_BWD_FACTOR) * L / tp
            / (hw.bf16_peak * hw.linear_efficiency))
     exposed = dp_reduction(model, hw, dp, C, tp)
+    link = hw.link(n_gpus * tp <= hw.gpus_per_node)
     steps, attn, sched, tokens = [], [], [], []
     for seqs in steps_data:
         seqs = [list(s) for s in seqs]
         total, gpu_attn, ms = 0.0, np.zeros(n_gpus), 0.0
         for batch in distca_gpu.slots_of(seqs, dp, cfg.order):
             t0 = time.perf_counter()
-            _, g, lengths, work = distca_gpu.balance(
+            _, g, lengths, work, layout = distca_gpu.balance(
                 batch, S // C, n_gpus, tolerance, h * d, model.kv_heads * d, pieces=True)
             ms += (time.perf_counter() - t0) * 1e3
-            eff = hw.attn_efficiency(lengths.astype(np.float64))
-            a = 4.0 * d * (h / tp) * work * L / (hw.attn_peak * eff)
-            a *= 1.0 + ATTN_BWD_FACTOR / hw.attn_bwd_speed
+            rows = distca_gpu.traffic(layout, n_gpus)
+            one_way = (rows[:, 0] * (h / tp) + rows[:, 1] * 2 * (model.kv_heads / tp)) * d * 2
+            comm = (one_way.max() / link.bandwidth + 4 * link.latency) * L if one_way.any() else 0.0
+            # each part at the efficiency of the keys it attends (as the planner's tiles are
+            # timed: a tile of rows against its causal prefix runs at its prefix's length)
+            _, (_, hq, hk, tq, tk, _) = layout
+            a = np.zeros(len(g))
+            for q, kv in ((hq, hk), (tq, tk)):
+                part = (q * kv - q * (q - 1) // 2).astype(np.float64)
+                a += part / hw.attn_efficiency(np.maximum(kv, 1).astype(np.float64))
+            a *= 4.0 * d * (h / tp) * L / hw.attn_peak * (1.0 + ATTN_BWD_FACTOR / hw.attn_bwd_speed)
             per_gpu = np.bincount(g, weights=a, minlength=n_gpus) + 2 * L * hw.call_floor
             gpu_attn += per_gpu
-            total += float((per_gpu + (S / C) * lin).max())
+            total += max(float((per_gpu + (S / C) * lin).max()), comm)
         steps.append(total + exposed)
         attn.append(gpu_attn)
         sched.append(ms)

@@ -88,9 +88,10 @@ class SystemConfig:
     """distca: a replica stops receiving once its deficit is within this share of the mean."""
     distca_server: str = "replica"
     """distca: what an attention server is. replica (one per replica, its heads split evenly
-    over its GPUs by Ulysses: the variant the planner and the operator run, stronger than
-    DistCA's own) or gpu (DistCA as deployed: every GPU a server, documents cut at GPU
-    boundaries; modeled by `libra simulate` as system distca, not run by the operator)."""
+    over its GPUs by Ulysses: stronger than DistCA's own) or gpu (DistCA as deployed: every GPU
+    a server, its planner's decisions; run where a GPU is a replica, parallel.cp = 1; with
+    cp > 1 it cuts documents at GPU boundaries, which `libra simulate` models as system
+    distca)."""
     pp_order: str = "none"
     """With pipeline parallelism: none (micro-batches in the plan's slot order) or balanced
     (each exchange pool's slots reordered to shorten the modeled 1F1B step; the same samples,
@@ -99,7 +100,8 @@ class SystemConfig:
     # the planner's own knobs, named as in PlannerOptions
     PLANNER_KNOBS = (
         "block", "head_group", "epsilon", "vrsp", "tap", "max_tile_share", "refine",
-        "distca_tolerance", "wlb_outlier_len", "wlb_max_delay", "wlb_release_count",
+        "distca_tolerance", "distca_server", "wlb_outlier_len", "wlb_max_delay",
+        "wlb_release_count",
     )
 
     def planner_options(self, order: str, dtype_bytes: int):
@@ -457,11 +459,13 @@ class TrainConfig:
                 f"system.distca_server must be one of {', '.join(DISTCA_SERVERS)}, "
                 f"got {s.distca_server!r}"
             )
-        if s.distca_server == "gpu":
+        if s.name == "distca" and s.distca_server == "gpu" and p.cp != 1:
             raise ValueError(
                 "system.distca_server: gpu (DistCA as deployed: every GPU an attention server) "
-                "is modeled by `libra simulate` (system distca) but not run by the operator, "
-                "whose servers are replicas; set system.distca_server: replica"
+                f"runs where a GPU is a replica (parallel.cp = 1), got parallel.cp = {p.cp}: "
+                "DistCA then cuts documents at GPU boundaries inside a replica, a layout the "
+                "operator's Ulysses ranks do not hold (`libra simulate` models it at any cp); "
+                "set system.distca_server: replica or parallel.cp: 1"
             )
         if s.pp_order not in PP_ORDERS:
             raise ValueError(

@@ -390,6 +390,7 @@ def _run_ab(args):
         "world_size": world,
         "device": device,
         "speed_meaningful": device == "cuda",
+        "distca_server": base.system.distca_server,
         "systems": {},
     }
     first: dict[str, list[dict]] = {}  # each system's first run: its curves
@@ -467,11 +468,11 @@ def _fmt_spread(x: dict, digits: int = 3) -> str:
     return f"{x['median']:.{digits}f} ({x['min']:.{digits}f}–{x['max']:.{digits}f})"
 
 
-def _run_label(name: str) -> str:
+def _run_label(name: str, distca_server: str) -> str:
     """An A/B run's name with the variant its system runs (`distca` names its servers)."""
     from libra_ext.planner import system_label
 
-    return system_label(name) if " " not in name else name
+    return system_label(name, distca_server) if " " not in name else name
 
 
 def _ab_markdown(r: dict) -> str:
@@ -509,7 +510,7 @@ def _ab_markdown(r: dict) -> str:
         ratio = s.get(f"tokens_per_s_ratio_vs_{ref}")
         rep = s["repeats"]
         lines.append(
-            f"| {_run_label(name)} | {s['loss'][-1]:.5f} | {diff:.2e} | {gdiff:.2e} "
+            f"| {_run_label(name, r.get('distca_server', 'replica'))} | {s['loss'][-1]:.5f} | {diff:.2e} | {gdiff:.2e} "
             f"| {'yes' if s['losses_identical_over_repeats'] else 'NO'} "
             f"| {sum(s['attn_work_max_over_mean']) / n:.3f} "
             f"| {_fmt_spread(rep['attn_time_max_over_mean'])} | {moe} "

@@ -113,8 +113,10 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
     data_mod.SyntheticSource.step = lambda self, step, doc_base=0: PackedBatch.from_lists(
         SEQUENCES)
     results = {}
-    for system in systems:
-        cfg = TrainConfig.load(None, BASE + layout + [f"system.name={system}"])
+    for system in systems:  # "name" or "name:distca_server"
+        name, _, server = system.partition(":")
+        cfg = TrainConfig.load(None, BASE + layout + [f"system.name={name}"] + (
+            [f"system.distca_server={server}"] if server else []))
         trainer = Trainer(cfg, rank, world)
         try:
             params = _global_params(trainer.chunks)
@@ -199,8 +201,8 @@ def _check(res: dict, systems: list, documents: int | None) -> None:
     (["parallel.cp=2", "parallel.pool_size=2"], 4, ["libra", "ulysses", "wlb", "distca"]),
     # CP 4, one replica: per-document zigzag over 4 ranks, RoPE from positions
     (["parallel.cp=4", "parallel.pool_size=1"], 4, ["libra", "ulysses"]),
-    # no CP, 2 replicas in one pool
-    (["parallel.cp=1", "parallel.pool_size=2"], 2, ["libra", "wlb"]),
+    # no CP, 2 replicas in one pool; DistCA as deployed (every GPU a server: here a replica)
+    (["parallel.cp=1", "parallel.pool_size=2"], 2, ["libra", "wlb", "distca:gpu"]),
     # 2 pipeline stages of CP 2
     (["parallel.cp=2", "parallel.pool_size=1", "parallel.pp=2"], 4, ["libra"]),
 ], ids=["cp2-dp2-pool2", "cp4", "cp1-dp2-pool2", "pp2-cp2"])
@@ -209,6 +211,7 @@ def test_packed_step_equals_every_document_alone(tmp_path, layout, world, system
     _check(res, systems, sum(len(s) for s in SEQUENCES))
     if "parallel.pool_size=2" in layout:  # tiles really moved between the replicas
         assert res["libra"]["moved"] > 0 and res.get("distca", {"moved": 1})["moved"] > 0
+        assert res.get("distca:gpu", {"moved": 1})["moved"] > 0
 
 
 def test_indexed_documents_equal_every_document_alone(tmp_path):

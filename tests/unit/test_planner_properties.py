@@ -1,5 +1,7 @@
 """Property tests of the planner over random workloads and layouts, for every system."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -11,12 +13,14 @@ from libra_ext.planner import PLAN_PHASES, LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import LengthSource, ModelConfig, block_pairs
 from tests.strategies import layouts, step_inputs
 
-SYSTEMS = ["libra", "ulysses", "wlb", "distca"]
+SYSTEMS = ["libra", "ulysses", "wlb", "distca", "distca-gpu"]
+"""distca-gpu: distca with every GPU an attention server (planned at cp 1)."""
 
 
 def _options(data, system):
     return PlannerOptions(
-        system=system,
+        system="distca" if system == "distca-gpu" else system,
+        distca_server="gpu" if system == "distca-gpu" else "replica",
         block=data.draw(st.sampled_from([None, 1, 7, 64, 512])),
         head_group=data.draw(st.sampled_from([0, 1, 3])),
         epsilon=data.draw(st.sampled_from([0.0, 0.02, 0.2])),
@@ -43,6 +47,8 @@ def _expected_exchange(plan):
 @given(data=st.data())
 def test_plan_is_exact_preserving_and_deterministic(system, data):
     layout, model = data.draw(layouts())
+    if system == "distca-gpu":  # a GPU is a replica
+        layout = dataclasses.replace(layout, cp=1)
     seqs = data.draw(step_inputs(layout))
     options = _options(data, system)
     plan = Planner(layout, model, options).plan(seqs, flush=True)
@@ -80,8 +86,10 @@ def test_plan_is_exact_preserving_and_deterministic(system, data):
 @given(data=st.data())
 def test_rank_slices_are_consistent_with_the_whole(data):
     layout, model = data.draw(layouts())
-    seqs = data.draw(step_inputs(layout))
     system = data.draw(st.sampled_from(SYSTEMS))
+    if system == "distca-gpu":
+        layout = dataclasses.replace(layout, cp=1)
+    seqs = data.draw(step_inputs(layout))
     plan = Planner(layout, model, _options(data, system)).plan(seqs, flush=True)
     px = plan.exchange_pool
     seen_seq, executed = [], np.zeros(plan.n_tiles, dtype=int)
@@ -170,8 +178,10 @@ def test_hash_of_arrays_hashed_while_written_matches_a_full_rehash(system, threa
     """Document and tile arrays are hashed as they are written; that hash equals one computed
     from the finished arrays alone."""
     source = LengthSource(preset="libra-256k")
-    layout = LayoutConfig(dp=16, cp=8, pool_size=4, context=262_144)
-    opts = PlannerOptions(system=system, threads=threads)
+    gpu = system == "distca-gpu"
+    layout = LayoutConfig(dp=16, cp=1 if gpu else 8, pool_size=4, context=262_144)
+    opts = PlannerOptions(system="distca" if gpu else system, threads=threads,
+                          distca_server="gpu" if gpu else "replica")
     for step in range(2):
         seqs = source.step(64, 262_144, 5, step)
         planned, rehashed = _core.plan_hashes(

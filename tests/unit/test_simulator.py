@@ -329,6 +329,15 @@ def test_distca_as_deployed_follows_distcas_layout_and_greedy_on_hand_worked_cas
     assert distca_gpu.balance([[6, 4, 2, 8]], 10, 2, 0.0, 8, 2).tolist() == [34.0, 36.0]
     # a tolerance of 1/8 of the mean (35) leaves a deficit of 4 alone
     assert distca_gpu.balance([[6, 4, 2, 8]], 10, 2, 0.125, 8, 2).tolist() == [31.0, 39.0]
+    # traffic: the 30-token document lives on both GPUs (rows [0, 10) + [20, 30) on GPU 0,
+    # [10, 20) on GPU 1). GPU 1 now serves rows 9 and 20 (2 query rows from GPU 0: each crosses
+    # twice each way) and needs keys [0, 21): 11 rows from GPU 0; GPU 0 still serves rows up to
+    # key 30 and needs GPU 1's 10 rows. Every row counted at both ends.
+    _, _, _, _, layout = distca_gpu.balance([[30, 10]], 20, 2, 0.0, 8, 2, pieces=True)
+    assert distca_gpu.traffic(layout, 2).tolist() == [[4.0, 21.0], [4.0, 21.0]]
+    # whole documents that stay where they live move nothing
+    _, _, _, _, layout = distca_gpu.balance([[6, 4, 2, 8]], 10, 2, 0.125, 8, 2, pieces=True)
+    assert distca_gpu.traffic(layout, 2).tolist() == [[0.0, 0.0], [0.0, 0.0]]
     # the micro-batches of a step: one sequence per replica, in the production order
     seqs = [[1], [2], [3], [4]]
     assert distca_gpu.slots_of(seqs, 2, "megatron") == [[[1], [2]], [[3], [4]]]
@@ -352,3 +361,30 @@ def test_distca_as_deployed_is_a_simulated_system_beside_the_replica_variant(tmp
     assert gpu.attn_max_over_mean >= replica.attn_max_over_mean - 1e-9
     assert {"distca", "distca-replica"} <= set(SYSTEMS)
     assert {"distca", "distca-replica"} <= set(yaml.safe_load(open("configs/sim/libra_paper.yaml"))["systems"])
+
+
+def test_the_planners_every_gpu_distca_makes_the_simulators_decisions_where_a_gpu_is_a_replica():
+    # at cp 1 the planner runs DistCA as deployed (tiles the operator executes): per micro-batch
+    # and GPU the same work as the simulator's model of DistCA's planner
+    from libra_ext.simulator import distca_gpu
+
+    m = ModelConfig()
+    for preset, S, D in (("libra-256k", 65536, 8), ("libra-1m", 131072, 16)):
+        src = LengthSource(preset=preset)
+        planner = Planner(LayoutConfig(dp=D, cp=1, pool_size=D, context=S), m,
+                          PlannerOptions(system="distca", distca_server="gpu"))
+        for step in range(2):
+            seqs = src.step(2 * D, S, 5, step)
+            plan = planner.plan(seqs)
+            per = np.zeros((2, D))
+            np.add.at(per, (plan.seq_slot[plan.tile_seq], plan.tile_executor), plan.tile_pairs)
+            for k, batch in enumerate(distca_gpu.slots_of(seqs.tolist(), D, "megatron")):
+                want = distca_gpu.balance(batch, S, D, 0.05, m.heads * m.head_dim,
+                                          m.kv_heads * m.head_dim)
+                assert np.array_equal(per[k], want), (preset, step, k)
+    with pytest.raises(ValueError, match=r"distca_server = gpu .* got cp 2"):
+        Planner(LayoutConfig(dp=2, cp=2, pool_size=2, context=4096), m,
+                PlannerOptions(system="distca", distca_server="gpu")).plan([[4096]] * 2)
+    with pytest.raises(ValueError, match=r"distca_server must be one of replica, gpu; got 'node'"):
+        Planner(LayoutConfig(dp=2, cp=1, pool_size=2, context=4096), m,
+                PlannerOptions(system="distca", distca_server="node")).plan([[4096]] * 2)

@@ -78,9 +78,10 @@ MOE = ["moe.balancer=libra", "model.moe_topk=2", "model.experts=8", "model.moe_f
         (["system.pp_order=fastest"], 4, r"system.pp_order must be one of none, balanced"),
         (["system.distca_server=node"], 4, r"system.distca_server must be one of replica, gpu"),
         (
-            ["system.name=distca", "system.distca_server=gpu"],
+            ["system.name=distca", "system.distca_server=gpu", "parallel.cp=2"],
             4,
-            r"system.distca_server: gpu \(DistCA as deployed.*modeled by `libra simulate`",
+            r"system.distca_server: gpu \(DistCA as deployed.*parallel.cp = 1\), got "
+            r"parallel.cp = 2",
         ),
         (["parallel.ep=2"], 4, r"parallel.ep \(2\) > 1 needs an MoE model"),
         (

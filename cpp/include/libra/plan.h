@@ -41,6 +41,8 @@ struct PlanOptions {
   bool refine = true;        // libra: refinement pass after the greedy
   i64 max_refine_moves = 0;  // 0 = 64 * pool size per group
   double distca_tolerance = 0.05;  // distca: stop when every replica is within tol * mean
+  bool distca_gpu = false;   // distca: every GPU a server (DistCA as deployed; needs cp 1), not
+                             // one per replica
   i64 dtype_bytes = 2;       // bytes per element of Q/K/V/O (bf16)
   i64 wlb_outlier_len = 0;   // wlb: documents at least this long are delayed; 0 = context / 4
   i64 wlb_max_delay = 4;     // wlb: steps an outlier may wait at most

@@ -32,6 +32,10 @@ void tap_place(const StepPlan& plan, const PlanOptions& opt,
 
 // DistCA: token-level shards on a global pool, greedy on work per byte, per slot.
 void distca_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups);
+// DistCA as deployed (every GPU a server) where a GPU is a replica (cp 1): DistCA's own planner's
+// decisions per slot (see tap.cpp).
+void distca_gpu_place(StepPlan& plan, const PlanOptions& opt,
+                      const std::vector<std::vector<i64>>& groups);
 
 // Tiles of every sequence on its owner, all heads of the slice (Ulysses; libra with tap = false).
 void owner_tiles(StepPlan& plan, i64 block);
