@@ -59,6 +59,7 @@ int fuzz_states(long iterations) {
     M.head_dim = R(0, 6) == 0 ? edge(rng, 1, 64) : 4;
     PlanOptions o;
     o.system = R(0, 3) == 0 ? static_cast<System>(R(0, 3)) : System::Wlb;
+    o.distca_gpu = R(0, 3) == 0;
     if (R(0, 1)) o.block = edge(rng, 0, 64);
     if (R(0, 2) == 0) o.head_group = edge(rng, 0, 4);
     if (R(0, 2) == 0) o.epsilon = edge_real(rng);
@@ -221,6 +222,7 @@ int main(int argc, char** argv) {
     PlanOptions o;
     std::vector<std::vector<i64>> seqs;
     o.system = static_cast<System>(R(0, 3));
+    o.distca_gpu = R(0, 1);  // distca: every GPU a server (planned at cp 1, refused otherwise)
     o.vrsp = R(0, 1);
     o.tap = R(0, 1);
     o.refine = R(0, 1);
@@ -228,7 +230,7 @@ int main(int argc, char** argv) {
     if (valid) {
       L.pool = i64(1) << R(0, 2);
       L.dp = L.pool * R(1, 3);
-      L.cp = i64(1) << R(0, 2);
+      L.cp = o.system == System::Distca && o.distca_gpu ? 1 : i64(1) << R(0, 2);
       L.tp = R(1, 2);
       L.context = R(1, 512);
       M.heads = (i64(1) << R(0, 2)) * L.cp * L.tp;

@@ -105,11 +105,11 @@ void wlb_pack(StepPlan& plan, const SequencesView& sequences, const PlanOptions&
   };
   // Documents packed again as the input sequences that brought them held them, into empty
   // buckets: each (arrival, input sequence) group whole, the groups of `first` (heaviest first)
-  // before those of `then` (heaviest first), into a bucket of its own while empty ones remain
-  // (`any_bucket` false) or into the bucket with the least work that has room for it
-  // (`any_bucket` true; empty buckets have the least). A group that cannot go whole, or of
-  // unknown origin (a version-1 state), goes one by one; what fits nowhere lands in `first_left`
-  // or `then_left`.
+  // before those of `then` (heaviest first), into an empty bucket of its own while empty ones
+  // remain (`any_bucket` false) or into the bucket with the least work that has room for it
+  // (`any_bucket` true; empty buckets have the least). Documents of unknown origin (a version-1
+  // state) go one by one after the groups of their list, into the room the groups leave, and so
+  // does a group that cannot go whole; what fits nowhere lands in `first_left` or `then_left`.
   auto pack_as_input = [&](const std::vector<Doc>& first, const std::vector<Doc>& then,
                            bool any_bucket, std::vector<Doc>& first_left,
                            std::vector<Doc>& then_left) {
@@ -127,14 +127,19 @@ void wlb_pack(StepPlan& plan, const SequencesView& sequences, const PlanOptions&
         for (const Doc& d : group) w += static_cast<double>(causal_pairs(d.len));
         order.push_back({w, &group});
       }
-      std::stable_sort(order.begin(), order.end(),
-                       [](const auto& x, const auto& y) { return x.first > y.first; });
+      // known input sequences first (what the due documents' guarantee rests on), heaviest
+      // first; then the unknown ones
+      std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+        const bool kx = x.second->front().origin >= 0, ky = y.second->front().origin >= 0;
+        return kx != ky ? kx : x.first > y.first;
+      });
       for (const auto& [w, group] : order) {
         i64 sum = 0;
         for (const Doc& d : *group) sum += d.len;
         i64 best = -1;
         if (group->front().origin >= 0) {
           if (!any_bucket) {
+            while (next < n_buckets && !buckets[next].empty()) ++next;
             if (next < n_buckets && sum <= S) best = next++;
           } else {
             for (i64 b = 0; b < n_buckets; ++b) {
@@ -170,9 +175,9 @@ void wlb_pack(StepPlan& plan, const SequencesView& sequences, const PlanOptions&
     left.clear();
     pack_as_input(due, candidates, true, due_left, left);
   }
-  // What did not fit waits: its wait grows by one. A due document that fits nowhere (only a
-  // version-1 state, whose input sequences are unknown, can leave one: due documents of known
-  // input arrived in one step and fit as it held them) stays due.
+  // What did not fit waits: its wait grows by one. A due document that fits nowhere (only one
+  // of unknown input, from a version-1 state: due documents of known input arrived in one step,
+  // are packed before any of unknown input and fit as their input held them) stays due.
   for (const Doc& d : due_left)
     state.spill.push_back({d.id, d.len, std::min(d.age + 1, opt.wlb_max_delay), d.origin});
   for (const Doc& d : left) state.spill.push_back({d.id, d.len, d.age + 1, d.origin});

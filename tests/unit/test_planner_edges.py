@@ -141,6 +141,28 @@ def test_due_documents_go_first_in_a_flushed_step():
     assert p.plan([[]]).doc_ids.tolist() == [1]  # and trains on its deadline
 
 
+def test_due_documents_of_a_known_input_go_before_a_version_1_states_in_a_flushed_step():
+    # A version-1 state (no input sequences) holds 66 and 62 tokens that fall due in the same
+    # step as documents of step 0 (39, 71, 57, from three input sequences). Due, they are 295
+    # tokens for 4 x 77: no packing holds all five. Those of known input fit as their input held
+    # them and must train; before, the version-1 documents were packed first and the 39-token
+    # document of input sequence 0 was left over past its deadline - in a state that then failed
+    # to load ("the documents held from input sequence 0 of 2 steps ago hold 78 tokens").
+    p = P("wlb", LayoutConfig(dp=4, cp=1, pool_size=2, context=77),
+          ModelConfig(hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=8, layers=1, moe_topk=0),
+          wlb_max_delay=2, wlb_release_count=2**31)
+    p.load_state_dict({"planner_state": [1, 64, 3, 3, 0, 0, 11, 2, 3, 66, 0, 8, 62, 0]})
+    seqs = [[17, 39, 4], [71], [11, 2], [57]]  # documents 64.., 71.., 78.. of steps 0, 1, 2
+    p.plan(seqs)
+    p.plan(seqs)
+    trained = p.plan(seqs, flush=True).doc_ids.tolist()
+    assert {65, 67, 70} <= set(trained)  # every due document of known input
+    p.load_state_dict(p.state_dict())  # the state it leaves loads again
+    # what stays is one version-1 document, still due (its input is unknown)
+    held = p.state_dict()["planner_state"]
+    assert [held[i:i + 4] for i in range(5, len(held), 4) if held[i + 3] < 0] == [[8, 62, 2, -1]]
+
+
 def test_wlb_max_delay_zero_holds_nothing():
     p = tiny(wlb_max_delay=0)
     plan = p.plan([[20] * 5, [24, 24, 24, 24, 4]])
