@@ -229,6 +229,19 @@ def _verify_manifest(path: Path) -> str | None:
     return found[0] if found else None
 
 
+
+def _async_save_options(dist_checkpointing) -> dict:
+    """Arguments of a background save through megatron-core's own queue (`AsyncCallsQueue`):
+    megatron-core 0.19 also offers NVIDIA Resiliency Extension's writer and makes it the default
+    (`async_strategy="nvrx"`, which needs nvidia-resiliency-ext); the queue here is megatron-core's,
+    so its strategy is asked for by name where there is a choice."""
+    import inspect
+
+    options = {"async_sharded_save": True}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        options["async_strategy"] = "mcore"
+    return options
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved; the message is one line naming the directory, the
     iteration and what to do."""
@@ -344,7 +357,7 @@ class Checkpointer:
                 logger.info("saved checkpoint at iteration %d to %s in %.2f s", step, self.root,
                             time.perf_counter() - t0)
             return path
-        request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+        request = dist_checkpointing.save(state, str(path), **_async_save_options(dist_checkpointing))
 
         def finished() -> None:  # runs on every rank once all ranks are done
             _write_manifest(path)

@@ -13,7 +13,7 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
   checks for float32 (or float64, for exact comparisons) and scales the grads in place.
 - `moe_without_te`: megatron-core 0.16's MoE router reads a Transformer Engine GEMM name that is
   only defined when TE imports; without TE (always the case on CPU) it is defined as absent, so
-  the router takes its PyTorch path.
+  the router takes its PyTorch path (0.19 defines it itself).
 - `checkpoint_preload`: the dist-checkpointing writer copies tensors to host memory with
   `non_blocking=True` and then calls `torch.cuda.synchronize()`; on CPU it copies blocking and
   synchronizes nothing.
@@ -28,6 +28,12 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
 - `p2p_synchronize`: the pipeline stages' point-to-point exchange calls `torch.cuda.synchronize()`
   after each batched send / receive (and its shape exchange); on CPU gloo's requests are already
   waited for and there is nothing to synchronize.
+- `grad_sync_stream`: megatron-core 0.19's gradient reduction first orders itself after CUDA-graph
+  replays on `torch.cuda.current_stream()`, which a CUDA build of torch refuses without a
+  driver; on CPU that stream is one where everything already ran in order.
+
+A shim some megatron-core versions do not need (`APPLIES`) is left out where the installed one
+has nothing for it to patch.
 """
 
 from __future__ import annotations
@@ -209,8 +215,25 @@ def _shim_checkpoint_preload() -> None:
 # --- async_checkpoint -----------------------------------------------------------------------
 
 
+class _NoStream:
+    """A CUDA stream where there is none: what is ordered on it already ran in order."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self) -> None:
+        return None
+
+
 class _CudaWithoutStreams(types.ModuleType):
-    """`torch.cuda` as the async checkpoint caller sees it on CPU: nothing to synchronize."""
+    """`torch.cuda` as a module that orders its work on streams sees it on CPU: nothing to
+    synchronize, and the current stream is one where everything already ran in order."""
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -218,6 +241,10 @@ class _CudaWithoutStreams(types.ModuleType):
     @staticmethod
     def synchronize(device=None) -> None:
         return None
+
+    @staticmethod
+    def current_stream(device=None) -> _NoStream:
+        return _NoStream()
 
 
 def _torch_without_cuda_streams() -> types.ModuleType:
@@ -267,6 +294,46 @@ def _shim_p2p_synchronize() -> None:
     p2p.torch = _torch_without_cuda_streams()
 
 
+# --- grad_sync_stream -----------------------------------------------------------------------
+
+GRAD_BUFFERS = "megatron.core.distributed.param_and_grad_buffer"
+
+
+def _shim_grad_sync_stream() -> None:
+    importlib.import_module(GRAD_BUFFERS).torch = _torch_without_cuda_streams()
+
+
+def _source_mentions(module: str, text: str) -> bool:
+    import inspect
+
+    return text in inspect.getsource(importlib.import_module(module))
+
+
+def _moe_router_lacks_te_gemm() -> bool:
+    return not hasattr(importlib.import_module("megatron.core.transformer.moe.moe_utils"),
+                       "te_general_gemm")
+
+
+APPLIES = {
+    "grad_sync_stream": (lambda: _source_mentions(GRAD_BUFFERS, "torch.cuda.current_stream"),
+                         "its gradient reduction does not call torch.cuda.current_stream"),
+    "moe_without_te": (_moe_router_lacks_te_gemm,
+                       "its MoE utilities define te_general_gemm without Transformer Engine"),
+}
+"""Shims only some megatron-core versions need: when the installed one has nothing for the shim
+to patch, `apply` leaves it out (and its test says why)."""
+
+
+def applies(name: str) -> tuple[bool, str]:
+    """Whether the installed megatron-core has what shim `name` patches, and if not, why not."""
+    import megatron.core
+
+    if name not in APPLIES:
+        return True, ""
+    test, why = APPLIES[name]
+    return (True, "") if test() else (False, f"megatron-core {megatron.core.__version__}: {why}")
+
+
 SHIMS = {
     "rng_tracker": _shim_rng_tracker,
     "current_device": _shim_current_device,
@@ -278,6 +345,7 @@ SHIMS = {
     "p2p_synchronize": _shim_p2p_synchronize,
     "recompute_rng": _shim_recompute_rng,
     "tied_embeddings": _shim_tied_embeddings,
+    "grad_sync_stream": _shim_grad_sync_stream,
 }
 
 
@@ -290,7 +358,7 @@ def apply(only: tuple[str, ...] | None = None, force: bool = False) -> list[str]
     for name in only or tuple(SHIMS):
         if name not in SHIMS:
             raise ValueError(f"unknown shim {name!r} (known: {', '.join(SHIMS)})")
-        if name not in _APPLIED:
+        if name not in _APPLIED and applies(name)[0]:
             SHIMS[name]()
             _APPLIED.add(name)
             done.append(name)

@@ -72,8 +72,10 @@ from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 d, w, queue = tempfile.mkdtemp(), torch.arange(6.0), AsyncCallsQueue()
+import inspect  # megatron-core's own queue takes its own strategy (0.19's default is nvrx)
+kw = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dc.save).parameters else {}
 queue.schedule_async_request(dc.save({"w": ShardedTensor.from_rank_offsets("w", w)}, d,
-                                     async_sharded_save=True))
+                                     async_sharded_save=True, **kw))
 w.zero_()  # training goes on; the checkpoint holds the values at save time
 queue.maybe_finalize_async_calls(blocking=True)
 queue.close()
@@ -132,6 +134,20 @@ def stage(rank, port):  # (forked: the shims applied above hold in both stages)
     assert torch.equal(both[0], both[1])  # the last stage's copy is the first stage's embedding
 mp.start_processes(stage, args=(sys.argv[2],), nprocs=2, start_method="fork")
 """,
+    "grad_sync_stream": """
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+ps.initialize_model_parallel()
+cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                        use_cpu_initialization=True)
+m = DistributedDataParallel(cfg, DistributedDataParallelConfig(), torch.nn.Linear(4, 4))
+m(torch.ones(2, 4)).sum().backward()
+m.finish_grad_sync()
+assert all(p.main_grad.abs().sum() > 0 for p in m.parameters())
+""",
     "grad_clip_fp32": """
 from megatron.core.optimizer import clip_grads
 p = torch.nn.Parameter(torch.ones(4))
@@ -156,12 +172,25 @@ def _run(shims: list[str], body: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("shim", sorted(CASES))
 def test_shim_is_needed_and_sufficient(shim):
+    ok, why = cpu_shims.applies(shim)
+    if not ok:
+        pytest.skip(f"{shim} has nothing to patch here ({why}); apply() leaves it out")
     others = [s for s in cpu_shims.SHIMS if s != shim]
     without = _run(others, CASES[shim])
     assert without.returncode != 0, f"{shim}: megatron-core worked on CPU without the shim"
     assert any(w in without.stderr for w in ("CUDA", "cuda", "FloatTensor", "te_general_gemm"))
     with_all = _run(list(cpu_shims.SHIMS), CASES[shim])
     assert with_all.returncode == 0, with_all.stderr[-2000:]
+
+
+@pytest.mark.parametrize("shim", sorted(cpu_shims.APPLIES))
+def test_a_shim_is_applied_exactly_where_megatron_core_has_what_it_patches(shim):
+    # (in a fresh interpreter: applying patches modules process-wide)
+    ok, _ = cpu_shims.applies(shim)
+    run = subprocess.run([sys.executable, "-c", PRELUDE + "print(applied)", shim, "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == (f"['{shim}']" if ok else "[]")
 
 
 def test_apply_rejects_unknown_names():

@@ -274,3 +274,21 @@ def test_overrides_may_follow_options(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--config", CPU_TINY, "--nproc", "4", "--bogus"])
     assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_a_background_save_asks_for_megatron_cores_own_writer_where_there_is_a_choice():
+    # megatron-core 0.19's dist_checkpointing.save defaults to NVIDIA Resiliency Extension's
+    # writer (async_strategy="nvrx"); the queue the checkpointer drives is megatron-core's own
+    from types import SimpleNamespace
+
+    from megatron.libra.checkpoint import _async_save_options
+
+    def save_016(state, path, async_sharded_save=False):
+        return None
+
+    def save_019(state, path, async_sharded_save=False, async_strategy="nvrx"):
+        return None
+
+    assert _async_save_options(SimpleNamespace(save=save_016)) == {"async_sharded_save": True}
+    assert _async_save_options(SimpleNamespace(save=save_019)) == {
+        "async_sharded_save": True, "async_strategy": "mcore"}
