@@ -25,7 +25,8 @@ DISTCA_SERVERS = {
     "replica": "distca (one attention server per replica)",
     "gpu": "distca (every GPU an attention server, as DistCA deploys it)",
 }
-"""How a report names the DistCA variant that ran (`distca_server`)."""
+"""What a DistCA attention server can be (`distca_server`), and how a report names the variant
+that ran."""
 
 
 def system_label(system: str, distca_server: str = "replica") -> str:

@@ -87,44 +87,42 @@ def paired_even(seq: list[int]) -> list[int]:
     return [length for length in b if length > 0]
 
 
+def per_micro_batch(steps: list, D: int, balance) -> dict:
+    """Per-GPU work of every micro-batch (the D sequences of a slot, in the production order)
+    as `balance(batch)` gives it, and the two max/mean figures over the steps."""
+    t0, rounds = time.perf_counter(), []
+    for seqs in steps:
+        rounds += [balance(batch) for batch in distca_gpu.slots_of(seqs, D, "megatron")]
+    total = np.sum(rounds, axis=0)
+    return {"per_gpu_sums": float(total.max() / total.mean()),
+            "lock_step": float(sum(w.max() for w in rounds) / total.mean()),
+            "seconds": time.perf_counter() - t0, "rounds": rounds}
+
+
 def distca_own(ns: dict, steps: list, D: int, C: int, S: int, tolerance: float,
                model: ModelConfig) -> dict:
     mc = SimpleNamespace(hidden_size=model.heads * model.head_dim,
                          num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
                          num_hidden_layers=1)
     par = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    total, lock, t0, rounds = np.zeros(D * C), 0.0, time.perf_counter(), []
-    for seqs in steps:
-        for k in range(len(seqs) // D):  # slot k: sequence q = k*D + r on replica r (b = 1)
-            batches = [paired_even(seqs[k * D + r]) for r in range(D)]
-            items = ns["batch_to_items_general"](batches, S // C, D * C, mc)
-            planner = ns["Planner"](D * C, par, tolerance_factor=tolerance, model_config=mc)
-            work = np.zeros(D * C)
-            for item in planner.plan_items(items):
-                work[item.gpuid] += item.get_flops()
-            total += work
-            lock += work.max()
-            rounds.append(work)
-    return {"per_gpu_sums": float(total.max() / total.mean()),
-            "lock_step": float(lock / total.mean()), "seconds": time.perf_counter() - t0,
-            "rounds": rounds}
+
+    def balance(batch):
+        items = ns["batch_to_items_general"]([paired_even(s) for s in batch], S // C, D * C, mc)
+        planner = ns["Planner"](D * C, par, tolerance_factor=tolerance, model_config=mc)
+        work = np.zeros(D * C)
+        for item in planner.plan_items(items):
+            work[item.gpuid] += item.get_flops()
+        return work
+
+    return per_micro_batch(steps, D, balance)
 
 
 def project_gpu(steps: list, D: int, C: int, S: int, tolerance: float, model: ModelConfig,
                 prepare) -> dict:
     """The project's model of DistCA as deployed (the simulator's `distca`)."""
-    total, lock, t0, rounds = np.zeros(D * C), 0.0, time.perf_counter(), []
-    for seqs in steps:
-        for k in range(len(seqs) // D):
-            batches = [prepare(seqs[k * D + r]) for r in range(D)]
-            work = distca_gpu.balance(batches, S // C, D * C, tolerance,
-                                      model.heads * model.head_dim, model.kv_heads * model.head_dim)
-            total += work
-            lock += work.max()
-            rounds.append(work)
-    return {"per_gpu_sums": float(total.max() / total.mean()),
-            "lock_step": float(lock / total.mean()), "seconds": time.perf_counter() - t0,
-            "rounds": rounds}
+    return per_micro_batch(steps, D, lambda batch: distca_gpu.balance(
+        [prepare(s) for s in batch], S // C, D * C, tolerance, model.heads * model.head_dim,
+        model.kv_heads * model.head_dim))
 
 
 def project_distca(steps: list, D: int, C: int, S: int, model: ModelConfig) -> dict:

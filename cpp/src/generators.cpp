@@ -244,7 +244,8 @@ constexpr double kFastError = 1e-9;
 // The lengths of n raw draws, each equal to exact_length's; returns how many took the exact
 // path. First every draw's x by the polynomials (no branches: vectorized, with -fno-math-errno
 // and -fno-trapping-math, which change no result), then the rounding. On x86-64 with GCC an
-// AVX2 copy is chosen at load time where the CPU has it; the lengths do not depend on which.
+// AVX-512 or AVX2 copy is chosen at load time where the CPU has it; the lengths do not depend
+// on which.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #endif
@@ -281,7 +282,7 @@ std::size_t lengths_of(const LengthDist& dist, const RawDraw* raw, i64* out, std
       // outside the polynomials' range (an extreme tail_alpha) the exact path decides
       const bool sure = n_lo == n_hi && std::fabs(ys[i]) <= 700.0;
       out[first + i] = static_cast<i64>(fast::bits_of(n_lo + 0x1p52) - fast::bits_of(0x1p52));
-      ys[i] = sure ? 0.0 : 1.0;
+      ys[i] = sure ? 0.0 : 1.0;  // (ys is done with: it now marks the draws libm decides)
       unsure += sure ? 0 : 1;
     }
     if (unsure == 0) continue;
@@ -531,23 +532,17 @@ void window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 w
   out.stream.lengths.clear();  // capacity kept
   out.stream.offsets.assign(1, 0);
   out.order.clear();
-  if (shuffle_window == 1) {
-    packed_stream(dist, gbs, context, seed, window, threads, out.stream);
-  } else {
-    // A stream of its own per window (the per-step streams stay those of shuffle_window = 1).
-    u64 state = seed ^ 0x5851F42D4C957F2DULL;
-    const u64 wseed = splitmix64(state);
-    packed_stream(dist, gbs * shuffle_window, context, wseed, window, threads, out.stream);
-    u64 pstate = wseed ^ (0x9E3779B97F4A7C15ULL * (static_cast<u64>(window) + 1));
-    Rng rng(splitmix64(pstate));
-    out.order.resize(out.stream.size());
-    for (std::size_t i = 0; i < out.order.size(); ++i) out.order[i] = static_cast<i64>(i);
-    for (std::size_t i = out.order.size(); i > 1; --i)  // Fisher-Yates
-      std::swap(out.order[i - 1], out.order[static_cast<std::size_t>(rng.below(static_cast<i64>(i)))]);
-    return;
-  }
+  // A stream of its own per window (the per-step streams stay those of shuffle_window = 1).
+  u64 state = seed ^ 0x5851F42D4C957F2DULL;
+  const u64 wseed = shuffle_window == 1 ? seed : splitmix64(state);
+  packed_stream(dist, gbs * shuffle_window, context, wseed, window, threads, out.stream);
   out.order.resize(out.stream.size());
   for (std::size_t i = 0; i < out.order.size(); ++i) out.order[i] = static_cast<i64>(i);
+  if (shuffle_window == 1) return;
+  u64 pstate = wseed ^ (0x9E3779B97F4A7C15ULL * (static_cast<u64>(window) + 1));
+  Rng rng(splitmix64(pstate));
+  for (std::size_t i = out.order.size(); i > 1; --i)  // Fisher-Yates
+    std::swap(out.order[i - 1], out.order[static_cast<std::size_t>(rng.below(static_cast<i64>(i)))]);
 }
 
 ShuffledWindow window_stream(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 window,
@@ -616,13 +611,7 @@ PackedBatch window_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 s
 
 PackedBatch step_sequences(const LengthDist& dist, i64 gbs, i64 context, u64 seed, i64 step,
                            i64 shuffle_window, i64 threads) {
-  if (step < 0) fail("step must be >= 0");
-  require_positive(shuffle_window, "shuffle_window");
-  const ShuffledWindow w =
-      window_stream(dist, gbs, context, seed, step / shuffle_window, shuffle_window, threads);
-  const std::size_t first = static_cast<std::size_t>((step % shuffle_window) * gbs);
-  return gather_sequences(w.stream.view(), w.order.data() + first, static_cast<std::size_t>(gbs),
-                          threads);
+  return WindowCache(dist, shuffle_window).step(gbs, context, seed, step, threads);
 }
 
 }  // namespace libra

@@ -656,6 +656,37 @@ void tap_place(const StepPlan& plan, const PlanOptions& opt,
   });
 }
 
+namespace {
+
+// Query rows [a, b) of a document (first token `off` in its sequence) that member `owner` holds
+// and member `exec` runs: a DistCA shard.
+struct RowShard {
+  i64 seq, doc, off, a, b, owner, exec;
+};
+
+// A slot's shards as tiles (all heads of the slice), in (sequence, document, first row) order.
+void push_row_shards(StepPlan& plan, const std::vector<i64>& members, std::vector<RowShard>& shards) {
+  std::stable_sort(shards.begin(), shards.end(), [](const RowShard& x, const RowShard& y) {
+    return x.seq != y.seq ? x.seq < y.seq : (x.doc != y.doc ? x.doc < y.doc : x.a < y.a);
+  });
+  for (const RowShard& sh : shards)
+    push_tile(plan, sh.seq, sh.doc, sh.off, sh.a, sh.b, 0, plan.heads_local,
+              plan.seq_replica[members[sh.owner]], plan.seq_replica[members[sh.exec]]);
+}
+
+// DistCA's recipients: the members below the mean (negative surplus), largest deficit first,
+// ties by member.
+std::vector<i64> recipients_by_deficit(const std::vector<double>& surplus) {
+  std::vector<i64> recipients;
+  for (std::size_t i = 0; i < surplus.size(); ++i)
+    if (surplus[i] < 0) recipients.push_back(static_cast<i64>(i));
+  std::stable_sort(recipients.begin(), recipients.end(),
+                   [&](i64 x, i64 y) { return surplus[x] < surplus[y]; });
+  return recipients;
+}
+
+}  // namespace
+
 void distca_place(StepPlan& plan, const PlanOptions& opt,
                   const std::vector<std::vector<i64>>& groups) {
   const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
@@ -663,10 +694,7 @@ void distca_place(StepPlan& plan, const PlanOptions& opt,
   for (const auto& members : groups) {
     const i64 P = static_cast<i64>(members.size());
     // Shards: one per document to start with; split on demand.
-    struct Shard {
-      i64 seq, doc, off, a, b, owner;  // owner: member index
-      i64 exec;
-    };
+    using Shard = RowShard;
     std::vector<Shard> shards;
     std::vector<double> load(static_cast<std::size_t>(P), 0.0);
     for (i64 i = 0; i < P; ++i) {
@@ -712,11 +740,7 @@ void distca_place(StepPlan& plan, const PlanOptions& opt,
     // cannot give even one row, that recipient is done and the next one is served.
     std::vector<double> surplus(static_cast<std::size_t>(P));
     for (i64 i = 0; i < P; ++i) surplus[i] = load[i] - mean;
-    std::vector<i64> recipients;
-    for (i64 i = 0; i < P; ++i)
-      if (surplus[i] < 0) recipients.push_back(i);
-    std::stable_sort(recipients.begin(), recipients.end(),
-                     [&](i64 x, i64 y) { return surplus[x] < surplus[y]; });
+    const std::vector<i64> recipients = recipients_by_deficit(surplus);
     const double threshold = opt.distca_tolerance * mean;
     for (const i64 lo : recipients) {
       double need = -surplus[lo];
@@ -766,12 +790,7 @@ void distca_place(StepPlan& plan, const PlanOptions& opt,
         }
       }
     }
-    std::stable_sort(shards.begin(), shards.end(), [](const Shard& x, const Shard& y) {
-      return x.seq != y.seq ? x.seq < y.seq : (x.doc != y.doc ? x.doc < y.doc : x.a < y.a);
-    });
-    for (const Shard& sh : shards)
-      push_tile(plan, sh.seq, sh.doc, sh.off, sh.a, sh.b, 0, plan.heads_local,
-                plan.seq_replica[members[sh.owner]], plan.seq_replica[members[sh.exec]]);
+    push_row_shards(plan, members, shards);
   }
 }
 
@@ -789,7 +808,7 @@ void distca_gpu_place(StepPlan& plan, const PlanOptions& opt,
                       const std::vector<std::vector<i64>>& groups) {
   const double hidden = static_cast<double>(plan.heads_local * plan.head_dim);
   const i64 kv_hidden = plan.kv_heads_local * plan.head_dim;
-  auto pairs = [](i64 q, i64 kv) { return q * kv - q * (q - 1) / 2; };
+  auto pairs = [](i64 q, i64 kv) { return block_pairs(kv - q, kv); };  // q rows ending at kv
   struct Piece {
     i64 seq, doc, off, len, owner, exec;  // owner / exec: member index
     i64 hq, hk, tq, tk;                   // head rows [hk - hq, hk), tail rows [tk - tq, tk)
@@ -805,22 +824,16 @@ void distca_gpu_place(StepPlan& plan, const PlanOptions& opt,
       i64 off = 0;
       for (i64 doc = plan.seq_doc_offsets[s]; doc < plan.seq_doc_offsets[s + 1]; ++doc) {
         const i64 l = plan.doc_lengths[doc];
-        const double w = static_cast<double>(pairs(l, l));
+        const double w = static_cast<double>(causal_pairs(l));
         pieces.push_back({s, doc, off, l, i, i, l, l, 0, 0, true, w});
         load[i] += w;
         off += l;
       }
     }
-    double total = 0;
-    for (const double x : load) total += x;
-    const double mean = total / static_cast<double>(P);
+    const double mean = std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(P);
     std::vector<double> surplus(static_cast<std::size_t>(P));
     for (i64 i = 0; i < P; ++i) surplus[i] = load[i] - mean;
-    std::vector<i64> recipients;
-    for (i64 i = 0; i < P; ++i)
-      if (surplus[i] < 0) recipients.push_back(i);
-    std::stable_sort(recipients.begin(), recipients.end(),
-                     [&](i64 x, i64 y) { return surplus[x] < surplus[y]; });
+    const std::vector<i64> recipients = recipients_by_deficit(surplus);
     const double threshold = mean * opt.distca_tolerance;
     for (const i64 r : recipients) {
       double need = -surplus[r];
@@ -881,20 +894,12 @@ void distca_gpu_place(StepPlan& plan, const PlanOptions& opt,
         need -= moved;
       }
     }
-    struct Rows {
-      i64 seq, doc, off, a, b, owner, exec;
-    };
-    std::vector<Rows> rows;
+    std::vector<RowShard> rows;
     for (const Piece& pc : pieces) {
       if (pc.hq > 0) rows.push_back({pc.seq, pc.doc, pc.off, pc.hk - pc.hq, pc.hk, pc.owner, pc.exec});
       if (pc.tq > 0) rows.push_back({pc.seq, pc.doc, pc.off, pc.tk - pc.tq, pc.tk, pc.owner, pc.exec});
     }
-    std::stable_sort(rows.begin(), rows.end(), [](const Rows& x, const Rows& y) {
-      return x.seq != y.seq ? x.seq < y.seq : (x.doc != y.doc ? x.doc < y.doc : x.a < y.a);
-    });
-    for (const Rows& t : rows)
-      push_tile(plan, t.seq, t.doc, t.off, t.a, t.b, 0, plan.heads_local,
-                plan.seq_replica[members[t.owner]], plan.seq_replica[members[t.exec]]);
+    push_row_shards(plan, members, rows);
   }
 }
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from libra_ext import checks
 from libra_ext.planner import (
+    DISTCA_SERVERS,
     ORDERS,
     PLAN_PHASES,
     SYSTEMS,
@@ -79,7 +80,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--no-vrsp", action="store_true", help="libra: keep production placement")
     p.add_argument("--no-tap", action="store_true", help="libra: no tile moves")
     p.add_argument(
-        "--distca-server", choices=("replica", "gpu"), default="replica",
+        "--distca-server", choices=tuple(DISTCA_SERVERS), default="replica",
         help="distca: one attention server per replica (its heads split over its GPUs) or "
         "every GPU a server as DistCA deploys it (needs --cp 1)",
     )

@@ -32,7 +32,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def _pairs(q, kv):
+def pairs(q, kv):
+    """Causal pairs of q query rows ending at key kv (DistCA's work of a part)."""
     return q * kv - q * (q - 1) // 2
 
 
@@ -73,10 +74,10 @@ def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: fl
             hidden: int, kv_hidden: int, pieces: bool = False):
     """[n_gpus] attention work (causal pairs, all heads counted once) per GPU after DistCA's
     greedy on one micro-batch. `hidden` / `kv_hidden`: query and KV hidden sizes (heads x head
-    dim), which weigh the bytes of a move. `pieces`: also return the pieces' GPUs, document
-    lengths and work (parallel arrays) and (initial layout, final pieces) for `traffic`."""
+    dim), which weigh the bytes of a move. `pieces`: also return (initial layout, final pieces),
+    each as parallel arrays (GPU, head q and kv, tail q and kv, document), for `traffic`."""
     L, G, HQ, HK, TQ, TK, DOC = layout_pieces(sequences, per_gpu, n_gpus, with_docs=True)
-    home = (G.copy(), HQ.copy(), HK.copy(), TQ.copy(), TK.copy(), DOC.copy())
+    home = (G, HQ, HK, TQ, TK, DOC)  # (the arrays grown below are new ones)
     cap = len(L) + 4 * n_gpus * 8 + 64  # pieces split off: a few per recipient
     def grow(a, fill=0):
         out = np.full(cap, fill, dtype=a.dtype)
@@ -87,7 +88,7 @@ def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: fl
     whole = np.zeros(cap, dtype=bool)
     whole[:n] = TQ[:n] == 0
     W = np.zeros(cap, dtype=np.float64)
-    W[:n] = (_pairs(HQ[:n], HK[:n]) + _pairs(TQ[:n], TK[:n])).astype(np.float64)
+    W[:n] = (pairs(HQ[:n], HK[:n]) + pairs(TQ[:n], TK[:n])).astype(np.float64)
     load = np.bincount(G[:n], weights=W[:n], minlength=n_gpus).astype(np.float64)
     mean = load.sum() / n_gpus
     surplus = load - mean
@@ -133,13 +134,13 @@ def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: fl
                 TQ[k] -= m  # the tail's first m rows go: they end where the rest starts
                 new_tq = m
                 new_tk = TK[k] - TQ[k]
-                W[k] = float(_pairs(HQ[k], HK[k]) + _pairs(TQ[k], TK[k]))
+                W[k] = float(pairs(HQ[k], HK[k]) + pairs(TQ[k], TK[k]))
                 moved = before - W[k]
                 if n >= cap:
                     raise RuntimeError("distca_gpu: more pieces than planned for")
                 L[n], G[n], HQ[n], HK[n], TQ[n], TK[n] = L[k], r, new_hq, new_hk, new_tq, new_tk
                 DOC[n] = DOC[k]
-                W[n] = float(_pairs(new_hq, new_hk) + _pairs(new_tq, new_tk))
+                W[n] = float(pairs(new_hq, new_hk) + pairs(new_tq, new_tk))
                 n += 1
             if not moved > 0:
                 break
@@ -149,9 +150,7 @@ def balance(sequences: list[list[int]], per_gpu: int, n_gpus: int, tolerance: fl
     work = np.bincount(G[:n], weights=W[:n], minlength=n_gpus)
     if not pieces:
         return work
-    final = (G[:n].copy(), HQ[:n].copy(), HK[:n].copy(), TQ[:n].copy(), TK[:n].copy(),
-             DOC[:n].copy())
-    return work, G[:n].copy(), L[:n].copy(), W[:n].copy(), (home, final)
+    return work, (home, (G[:n], HQ[:n], HK[:n], TQ[:n], TK[:n], DOC[:n]))
 
 
 def _overlap(lo: int, hi: int, spans: list) -> int:

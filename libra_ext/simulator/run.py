@@ -4,17 +4,23 @@ planner time per system, the paper's numbers beside ours, and a recommended pool
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from libra_ext.pipeline import order_slots
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
-from libra_ext.simulator import dcp
+from libra_ext.simulator import dcp, distca_gpu
 from libra_ext.simulator.config import Scenario, SimConfig
 from libra_ext.simulator.cost import StepTimes, dp_reduction, simulate_plan
 from libra_ext.simulator.hardware import HardwareProfile
-from libra_ext.workload import LengthSource
+from libra_ext.workload import (
+    ATTN_BWD_FACTOR,
+    LINEAR_BWD_FACTOR,
+    LengthSource,
+    linear_fwd_flops_per_token,
+)
 
 # Planner options and whether the TAP pipeline hides exchange, per simulated system.
 SYSTEM_SPECS = {
@@ -171,11 +177,17 @@ def _run_dcp(
         steps.append(r.step)
         attn.append(r.gpu_attention)
         sched.append(r.schedule_ms)
+    return _per_gpu_point(steps, steps_data, attn, sched)
+
+
+def _per_gpu_point(steps: list, steps_data: list, attn: list, sched: list) -> PointResult:
+    """A peer simulated GPU by GPU (no plan): step seconds, the steps' tokens, attention seconds
+    per GPU and scheduling ms per step; what only a plan has is NaN."""
+    nan = float("nan")
     a = np.mean(attn, axis=0)
-    tokens = float(np.mean([sum(map(sum, s)) for s in steps_data]))
     return PointResult(
         step_time=float(np.mean(steps)),
-        tokens_per_step=tokens,
+        tokens_per_step=float(np.mean([sum(map(sum, s)) for s in steps_data])),
         attn_mean=float(a.mean()),
         attn_max=float(a.max()),
         attention_share=nan,
@@ -201,26 +213,20 @@ def _run_distca_gpu(
     layers of its S/C tokens, or the micro-batch's all-to-all if that is longer - the busiest
     GPU's query and KV rows to and from servers (distca_gpu.traffic), forward and backward, which
     DistCA's ping-pong overlaps with compute (assumed here in full: generous to DistCA)."""
-    import time
-
-    from libra_ext.planner import PlannerOptions as _Opts
-    from libra_ext.simulator import distca_gpu
-    from libra_ext.workload import ATTN_BWD_FACTOR, LINEAR_BWD_FACTOR, linear_fwd_flops_per_token
-
     model, C, tp, S = cfg.model, scenario.cp, scenario.tp, scenario.context
-    n_gpus, tolerance = dp * C, _Opts().distca_tolerance
+    n_gpus, tolerance = dp * C, PlannerOptions().distca_tolerance
     L, d, h = model.layers, model.head_dim, model.heads
     lin = (linear_fwd_flops_per_token(model) * (1 + LINEAR_BWD_FACTOR) * L / tp
            / (hw.bf16_peak * hw.linear_efficiency))
     exposed = dp_reduction(model, hw, dp, C, tp)
     link = hw.link(n_gpus * tp <= hw.gpus_per_node)
-    steps, attn, sched, tokens = [], [], [], []
+    steps, attn, sched = [], [], []
     for seqs in steps_data:
         seqs = [list(s) for s in seqs]
         total, gpu_attn, ms = 0.0, np.zeros(n_gpus), 0.0
         for batch in distca_gpu.slots_of(seqs, dp, cfg.order):
             t0 = time.perf_counter()
-            _, g, lengths, work, layout = distca_gpu.balance(
+            _, layout = distca_gpu.balance(
                 batch, S // C, n_gpus, tolerance, h * d, model.kv_heads * d, pieces=True)
             ms += (time.perf_counter() - t0) * 1e3
             rows = distca_gpu.traffic(layout, n_gpus)
@@ -228,10 +234,10 @@ def _run_distca_gpu(
             comm = (one_way.max() / link.bandwidth + 4 * link.latency) * L if one_way.any() else 0.0
             # each part at the efficiency of the keys it attends (as the planner's tiles are
             # timed: a tile of rows against its causal prefix runs at its prefix's length)
-            _, (_, hq, hk, tq, tk, _) = layout
+            _, (g, hq, hk, tq, tk, _) = layout
             a = np.zeros(len(g))
             for q, kv in ((hq, hk), (tq, tk)):
-                part = (q * kv - q * (q - 1) // 2).astype(np.float64)
+                part = distca_gpu.pairs(q, kv).astype(np.float64)
                 a += part / hw.attn_efficiency(np.maximum(kv, 1).astype(np.float64))
             a *= 4.0 * d * (h / tp) * L / hw.attn_peak * (1.0 + ATTN_BWD_FACTOR / hw.attn_bwd_speed)
             per_gpu = np.bincount(g, weights=a, minlength=n_gpus) + 2 * L * hw.call_floor
@@ -240,25 +246,7 @@ def _run_distca_gpu(
         steps.append(total + exposed)
         attn.append(gpu_attn)
         sched.append(ms)
-        tokens.append(float(sum(map(sum, seqs))))
-    a = np.mean(attn, axis=0)
-    nan = float("nan")
-    return PointResult(
-        step_time=float(np.mean(steps)),
-        tokens_per_step=float(np.mean(tokens)),
-        attn_mean=float(a.mean()),
-        attn_max=float(a.max()),
-        attention_share=nan,
-        attn_max_over_mean=float(a.max() / a.mean()),
-        exchange_cost=nan,
-        pp_ratio=nan,
-        pp_bubble_before=nan,
-        pp_bubble_after=nan,
-        plan_ms=float(statistics.median(sched)),
-        imbalance_before=nan,
-        imbalance_after=nan,
-        rank_attention=attn[-1].tolist(),
-    )
+    return _per_gpu_point(steps, steps_data, attn, sched)
 
 
 def recommend_pool(sweep: dict) -> tuple[int, str]:

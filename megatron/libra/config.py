@@ -18,11 +18,8 @@ import yaml
 
 from libra_ext.attention import BACKENDS, DEFAULT_CHUNKS
 from libra_ext.pipeline import PP_ORDERS
-from libra_ext.planner import ORDERS, SYSTEMS
+from libra_ext.planner import DISTCA_SERVERS, ORDERS, SYSTEMS
 from libra_ext.workload import MAX_TOKENS, ModelConfig, check_int, preset_names, read_lengths_file
-
-DISTCA_SERVERS = ("replica", "gpu")
-"""What a DistCA attention server is (system.distca_server)."""
 
 
 @dataclass

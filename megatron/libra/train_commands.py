@@ -468,14 +468,9 @@ def _fmt_spread(x: dict, digits: int = 3) -> str:
     return f"{x['median']:.{digits}f} ({x['min']:.{digits}f}–{x['max']:.{digits}f})"
 
 
-def _run_label(name: str, distca_server: str) -> str:
-    """An A/B run's name with the variant its system runs (`distca` names its servers)."""
-    from libra_ext.planner import system_label
-
-    return system_label(name, distca_server) if " " not in name else name
-
-
 def _ab_markdown(r: dict) -> str:
+    from libra_ext.planner import system_label  # (a run's name, with the DistCA variant it ran)
+
     ref = r.get("reference", "ulysses")
     speed_note = (
         "" if r.get("speed_meaningful") else
@@ -510,7 +505,8 @@ def _ab_markdown(r: dict) -> str:
         ratio = s.get(f"tokens_per_s_ratio_vs_{ref}")
         rep = s["repeats"]
         lines.append(
-            f"| {_run_label(name, r.get('distca_server', 'replica'))} | {s['loss'][-1]:.5f} | {diff:.2e} | {gdiff:.2e} "
+            f"| {system_label(name, r.get('distca_server', 'replica'))} | {s['loss'][-1]:.5f} "
+            f"| {diff:.2e} | {gdiff:.2e} "
             f"| {'yes' if s['losses_identical_over_repeats'] else 'NO'} "
             f"| {sum(s['attn_work_max_over_mean']) / n:.3f} "
             f"| {_fmt_spread(rep['attn_time_max_over_mean'])} | {moe} "

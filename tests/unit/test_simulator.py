@@ -333,10 +333,10 @@ def test_distca_as_deployed_follows_distcas_layout_and_greedy_on_hand_worked_cas
     # [10, 20) on GPU 1). GPU 1 now serves rows 9 and 20 (2 query rows from GPU 0: each crosses
     # twice each way) and needs keys [0, 21): 11 rows from GPU 0; GPU 0 still serves rows up to
     # key 30 and needs GPU 1's 10 rows. Every row counted at both ends.
-    _, _, _, _, layout = distca_gpu.balance([[30, 10]], 20, 2, 0.0, 8, 2, pieces=True)
+    _, layout = distca_gpu.balance([[30, 10]], 20, 2, 0.0, 8, 2, pieces=True)
     assert distca_gpu.traffic(layout, 2).tolist() == [[4.0, 21.0], [4.0, 21.0]]
     # whole documents that stay where they live move nothing
-    _, _, _, _, layout = distca_gpu.balance([[6, 4, 2, 8]], 10, 2, 0.125, 8, 2, pieces=True)
+    _, layout = distca_gpu.balance([[6, 4, 2, 8]], 10, 2, 0.125, 8, 2, pieces=True)
     assert distca_gpu.traffic(layout, 2).tolist() == [[0.0, 0.0], [0.0, 0.0]]
     # the micro-batches of a step: one sequence per replica, in the production order
     seqs = [[1], [2], [3], [4]]
