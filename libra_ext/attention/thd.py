@@ -44,6 +44,15 @@ def padded_lengths(doc_lengths, cp: int) -> np.ndarray:
     return -(-L // (2 * cp)) * (2 * cp)
 
 
+def local_tokens(doc_lengths, seq_doc_offsets, cp: int) -> np.ndarray:
+    """[n_seq] tokens one cp rank holds of each packed sequence (documents padded to 2C; a
+    sequence without documents runs as one padding document of 2C tokens)."""
+    off = np.asarray(seq_doc_offsets, dtype=np.int64)
+    padded = np.r_[0, np.cumsum(padded_lengths(doc_lengths, cp))]
+    per = padded[off[1:]] - padded[off[:-1]]
+    return np.where(per > 0, per, 2 * cp) // cp
+
+
 def ranges(starts, lengths) -> np.ndarray:
     """Concatenation of arange(s, s + n) for every (s, n), vectorized."""
     n = np.asarray(lengths, dtype=np.int64).reshape(-1)

@@ -28,6 +28,8 @@ def _args(argv):
     p.add_argument("--no-trainer", action="store_true",
                    help="leave out the training-step scenario (megatron-core's GPTModel)")
     p.add_argument("--mutate", default="", help=argparse.SUPPRESS)  # tests: a planted defect
+    # one rank of a multi-rank training scenario (SCENARIO,RANK,PORT), started by the gate
+    p.add_argument("--rank-of", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -42,10 +44,17 @@ def main(argv=None) -> int:
     args = _args(argv)
     from libra_ext.gpu_ready import gate
 
-    if args.mutate:
+    mutate = args.mutate or os.environ.get("LIBRA_GATE_MUTATION", "")
+    if mutate:  # (the ranks of multi-rank scenarios inherit it)
         from libra_ext.gpu_ready import mutations
 
-        mutations.apply(args.mutate)
+        os.environ["LIBRA_GATE_MUTATION"] = mutate
+        mutations.apply(mutate)
+    if args.rank_of:
+        scenario, rank, port = args.rank_of.split(",")
+        print(json.dumps(gate.trainer_rank(scenario, int(rank), int(port), args.standins),
+                         default=str))
+        return 0
     report = gate.run(
         systems=tuple(s for s in args.systems.split(",") if s),
         standin_names=tuple(s for s in args.standins.split(",") if s),

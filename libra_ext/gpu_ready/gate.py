@@ -12,7 +12,9 @@ micro-batch, not per layer. Per rank and call it reports device ops
 (kernel launches), the stand-in kernel calls, host reads of device values, blocking transfers,
 the step's uploads, and the bytes kept for backward and the peak, both over the layer's Q/K/V
 bytes (the same measured for one plain varlen call over the whole sequence); and per system how
-the device ops change from 50 to 500 documents per sequence.
+the device ops change from 50 to 500 documents per sequence. Training: one step of the app's
+Trainer (megatron-core's GPTModel and schedule) per system at one rank, and the MULTI_RANK
+scenarios (cp 2 per system; dp 2 / ep 2 with Libra's MoE balancer), each rank a process.
 
 Bounds: no errors (a device mismatch, a stand-in refusing its arguments), no host reads, no
 blocking transfers and no host-to-device copies inside a call, one pinned non-blocking upload
@@ -20,7 +22,8 @@ per slot per step, at most KEPT_BOUND x Q/K/V kept for backward, at most PEAK_BO
 the peak on one rank (PEAK_BOUND_EXCHANGE where ranks exchange) for kernels with native GQA (without it - varlen_attn of 2.11 - K and V are expanded
 to the query heads while the kernel runs, which the peak reports but does not bound; what is
 kept is bounded all the same), and at most GROWTH_BOUND x the device ops from 50 to 500
-documents. `run(...)` returns the report; `check(report)` lists what fails.
+documents; in training steps, inherent host reads and uploads only as ALLOWED_READS and
+ALLOWED_UPLOADS bound them. `run(...)` returns the report; `check(report)` lists what fails.
 """
 
 from __future__ import annotations
@@ -277,10 +280,49 @@ TRAINER_OVERRIDES = [
 """A megatron-core GPTModel of two layers (GQA 8/2, head dim 64, bf16) on one rank."""
 
 
-def _trainer_calls(probe, systems, backend: str) -> dict:
-    """One training micro-step of the app's Trainer per system on the fake device, one rank:
-    the step's uploads (`Trainer.micro_batches`), then megatron-core's forward-backward schedule
-    over the micro-batches (`Trainer.forward_backward`) with Libra's attention in its GPTModel."""
+MULTI_RANK = {
+    "cp2": (2, ["parallel.cp=2", "parallel.pool_size=1"], SYSTEMS),
+    "dp2-ep2-moe": (2, ["parallel.cp=1", "parallel.pool_size=2", "parallel.ep=2",
+                        "model.moe_topk=2", "model.experts=4", "model.moe_ffn=128",
+                        "transformer_impl=local", "moe.balancer=libra"], ("libra",)),
+}
+"""Multi-rank training scenarios: name -> (ranks, overrides of TRAINER_OVERRIDES, systems). Each
+rank is a process of its own on the fake device (host collectives over gloo, device ones
+stand-ins); dp2-ep2-moe runs Libra's expert balancer (MoE layers of 4 experts over 2 EP ranks,
+the second layer planned one layer ahead)."""
+
+ALLOWED_READS = {
+    "moe-counts": (
+        "the expert planner runs on the host: a balanced MoE layer reads its EP group's expert "
+        "token counts to place copies and shard tokens, and with the lookahead the next "
+        "layer's predicted counts (a pinned non-blocking copy behind an event)", 2),
+}
+"""Host reads inherent to a design: name -> (reason, at most this many per balanced MoE layer
+and micro-batch). A stand-in makes each such read on the fake device and logs it."""
+ALLOWED_UPLOADS = {
+    "moe-bounds": ("megatron/libra/moe_layer.py", "_upload",
+                   "the plan made on the host reaches the device: each (source, expert) run's "
+                   "bounds on this EP rank (one pinned non-blocking copy)", 1),
+}
+"""Host-to-device copies inside forward-backward inherent to a design: name -> (file, function
+that makes it, reason, at most this many per balanced MoE layer and micro-batch); each must be
+pinned and non-blocking."""
+
+
+def _allowed_upload(h2d_entry) -> str | None:
+    where = h2d_entry[3]
+    for name, (path, func, _, _) in ALLOWED_UPLOADS.items():
+        if where.startswith(path + ":") and where.endswith(" " + func):
+            return name
+    return None
+
+
+def _trainer_calls(probe, systems, backend: str, overrides=(), rank: int = 0, world: int = 1,
+                   port: int | None = None) -> dict:
+    """One training micro-step of the app's Trainer per system on the fake device, on `rank`
+    of `world` processes: the step's uploads (`Trainer.micro_batches`), then megatron-core's
+    forward-backward schedule over the micro-batches (`Trainer.forward_backward`) with Libra's
+    attention (and, in MoE scenarios, its MoE layers) in its GPTModel."""
     import torch.distributed as dist
 
     from libra_ext.attention.verify import free_port
@@ -289,8 +331,8 @@ def _trainer_calls(probe, systems, backend: str) -> dict:
     from megatron.libra.train import Trainer
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or free_port()}",
+                                rank=rank, world_size=world)
     # megatron-core's model-parallel RNG tracker on the host generator (no device RNG here)
     cpu_shims.apply(only=("rng_tracker", "recompute_rng", "moe_without_te"), force=True)
     out = {}
@@ -299,22 +341,28 @@ def _trainer_calls(probe, systems, backend: str) -> dict:
 
         trainer = None
         try:
-            cfg = TrainConfig.load(TRAINER_CONFIG, TRAINER_OVERRIDES + [
+            cfg = TrainConfig.load(TRAINER_CONFIG, TRAINER_OVERRIDES + list(overrides) + [
                 f"system.name={system}", f"system.attention_backend={backend}"])
             with standins.fake_module_cuda():
-                trainer = Trainer(cfg, 0, 1)
+                trainer = Trainer(cfg, rank, world)
             batch = trainer.sampler.next()
             up = probe.start("uploads")
             micro = trainer.micro_batches(batch)
             fb = probe.start("forward_backward")
             trainer.forward_backward(micro, float(batch.label_tokens))
             probe.start("done")
+            moe = sum(1 for c in trainer.chunks for m in c.modules()
+                      if type(m).__name__ == "LibraMoELayer")
             out[system] = {
                 "slots": int(batch.plan.slots), "micro_batches": len(micro),
+                "balanced_moe_layers": moe, "allowed_reads": fb.allowed,
                 "uploads": len(up.h2d), "uploads_pinned_non_blocking":
                     sum(1 for x in up.h2d if x[1] and x[2]),
                 "device_ops": fb.kernels, "host_reads": fb.reads,
-                "blocking_transfers": fb.blocking, "transfers_in_call": len(fb.h2d),
+                "blocking_transfers": fb.blocking,
+                "transfers_in_call": sum(1 for x in fb.h2d if _allowed_upload(x) is None),
+                "allowed_uploads": [(_allowed_upload(x), x[3]) for x in fb.h2d
+                                    if _allowed_upload(x) is not None],
             }
         except Exception as e:  # noqa: BLE001
             out[system] = _failure(e)
@@ -323,6 +371,49 @@ def _trainer_calls(probe, systems, backend: str) -> dict:
                 trainer.sampler.close()
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
+    return out
+
+
+def trainer_rank(scenario: str, rank: int, port: int, standin: str) -> dict:
+    """One rank's part of a MULTI_RANK scenario (run in a process of its own)."""
+    world, overrides, systems = MULTI_RANK[scenario]
+    with harness.fake_cuda() as probe, standins.fake_collectives(), \
+            standins.use_backend(standin) as backend, standins.fake_distributed(), \
+            standins.moe_counts(probe):
+        return _trainer_calls(probe, systems, backend, overrides, rank, world, port)
+
+
+def _multi_rank(scenario: str, standin: str) -> dict:
+    """A MULTI_RANK scenario's ranks, each a process of the gate's own kind: system -> rank ->
+    its report."""
+    import json
+    import subprocess
+    import sys
+
+    from libra_ext.attention.verify import free_port
+
+    world, _, systems = MULTI_RANK[scenario]
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "libra_ext.gpu_ready", "--rank-of", f"{scenario},{r},{port}",
+         "--standins", standin], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)]
+    out = {s: {} for s in systems}
+    for r, p in enumerate(procs):
+        try:
+            stdout, stderr = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        lines = [x for x in stdout.splitlines() if x.startswith("{")]
+        if p.returncode != 0 or not lines:
+            err = {"error": f"rank {r} exited with {p.returncode}: "
+                            f"{(stderr.strip().splitlines() or ['?'])[-1][:200]}", "where": "?"}
+            for s in systems:
+                out[s][str(r)] = err
+            continue
+        for s, rep in json.loads(lines[-1]).items():
+            out[s][str(r)] = rep
     return out
 
 
@@ -360,6 +451,13 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
         if trainer:
             with standins.use_backend(growth_standin) as backend, standins.fake_distributed():
                 report["trainer"] = _trainer_calls(probe, systems, backend)
+    if trainer:
+        report["trainer_ranks"] = {}
+        for name, (_, _, scenario_systems) in MULTI_RANK.items():
+            if set(scenario_systems) & set(systems):
+                for system, ranks in _multi_rank(name, growth_standin).items():
+                    if system in systems:
+                        report["trainer_ranks"][f"{system}/{name}"] = ranks
     report["seconds"] = time.perf_counter() - t0
     return report
 
@@ -405,6 +503,20 @@ def _transfer_failures(where: str, r: dict, scope: str) -> list[str]:
     return bad
 
 
+def _allowed_failures(where: str, r: dict) -> list[str]:
+    """Allow-listed reads beyond their bound (per balanced MoE layer and micro-batch)."""
+    bad = []
+    for kind, table, key in (("reads", ALLOWED_READS, "allowed_reads"),
+                             ("uploads", ALLOWED_UPLOADS, "allowed_uploads")):
+        for name, entry in table.items():
+            n = sum(1 for x in r[key] if x[0] == name)
+            bound = entry[-1] * r["balanced_moe_layers"] * r["micro_batches"]
+            if n > bound:
+                bad.append(f"{where}: {n} {name} {kind} (bound {bound}: {entry[-1]} per "
+                           f"balanced MoE layer and micro-batch)")
+    return bad
+
+
 def check(report: dict) -> list[str]:
     """What fails the gate: every error, host read, blocking transfer, upload that is not one
     pinned non-blocking copy per slot, memory above the bounds, or growth above its bound."""
@@ -434,12 +546,16 @@ def check(report: dict) -> list[str]:
                 bad.append(f"drop-in {key} rank {rank}: {r['uploads']} uploads and "
                            f"{r['blocking_or_reads']} blocking transfers or host reads over "
                            f"{r['layers']} layer calls (one upload per micro-batch, none else)")
-    for system, r in report.get("trainer", {}).items():
-        where = f"trainer {system}"
+    steps = {f"trainer {system}": r for system, r in report.get("trainer", {}).items()}
+    steps.update({f"trainer {key} rank {rank}": r
+                  for key, ranks in report.get("trainer_ranks", {}).items()
+                  for rank, r in ranks.items()})
+    for where, r in steps.items():
         if "error" in r:
             bad.append(f"{where}: {r['error']} at {r['where']}")
             continue
         bad += _transfer_failures(where, r, "in forward-backward")
+        bad += _allowed_failures(where, r)
     rope = report.get("rope")
     if rope:
         for docs, r in rope.items():
@@ -459,6 +575,13 @@ def check(report: dict) -> list[str]:
     return bad
 
 
+def _worst(ranks: dict) -> tuple[list, str | None]:
+    """A scenario's ranks that ran, and the first failure's line when one did not."""
+    ok = [r for r in ranks.values() if "error" not in r]
+    err = next((r for r in ranks.values() if "error" in r), None)
+    return ok, err and f"FAILED: {err.get('error')} at {err.get('where')}"
+
+
 def summary(report: dict) -> str:
     """The report as a table: per scenario the worst rank's figures, then the growth and what
     fails."""
@@ -469,10 +592,9 @@ def summary(report: dict) -> str:
     lines.append(f"  {'system/kernel/layout':34s} {'ops':>6s} {'kernels':>7s} {'reads':>5s} "
                  f"{'blocking':>8s} {'uploads':>7s} {'kept':>6s} {'peak':>6s}")
     for key, ranks in report["operator"].items():
-        ok = [r for r in ranks.values() if "error" not in r]
-        if len(ok) != len(ranks):
-            err = next(r for r in ranks.values() if "error" in r)
-            lines.append(f"  {key:34s} FAILED: {err.get('error')} at {err.get('where')}")
+        ok, err = _worst(ranks)
+        if err:
+            lines.append(f"  {key:34s} {err}")
             continue
         lines.append(
             f"  {key:34s} {max(r['device_ops'] for r in ok):6d} "
@@ -498,6 +620,19 @@ def summary(report: dict) -> str:
                          f"in forward-backward of {r['micro_batches']} micro-batch(es), "
                          f"{len(r['host_reads'])} host reads, {len(r['blocking_transfers'])} "
                          f"blocking transfers, {r['uploads']} upload(s) for {r['slots']} slot(s)")
+    for key, ranks in report.get("trainer_ranks", {}).items():
+        ok, err = _worst(ranks)
+        if err:
+            lines.append(f"  trainer/{key}: {err}")
+            continue
+        lines.append(
+            f"  trainer/{key} ({len(ranks)} ranks): {max(r['device_ops'] for r in ok)} device "
+            f"ops, {max(len(r['host_reads']) for r in ok)} host reads, "
+            f"{max(len(r['blocking_transfers']) for r in ok)} blocking transfers, "
+            f"{max(len(r['allowed_reads']) for r in ok)} allowed reads and "
+            f"{max(len(r['allowed_uploads']) for r in ok)} allowed uploads "
+            f"({max(r['balanced_moe_layers'] for r in ok)} balanced MoE layers), "
+            f"{max(r['uploads'] for r in ok)} upload(s) for {ok[0]['slots']} slot(s)")
     rope = report.get("rope") or {}
     for name in ("megatron", "libra"):
         if rope and all("device_ops" in rope[k][name] for k in rope):

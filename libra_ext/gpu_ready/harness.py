@@ -113,7 +113,8 @@ _NOT_KERNELS = {
 transfers."""
 _HOST_READS = {_aten._local_scalar_dense.default, _aten.nonzero.default,
                _aten.masked_select.default, _aten.unique_consecutive.default,
-               _aten._unique2.default, _aten.nonzero_static.default}
+               _aten._unique2.default}
+"""Ops that read a device value on the host (nonzero_static, whose size is given, does not)."""
 
 
 def _where() -> str:
@@ -166,9 +167,12 @@ class Phase:
     h2d: list = field(default_factory=list)
     """(bytes, non_blocking, pinned, where) of every host-to-device copy."""
     d2h: list = field(default_factory=list)
-    """(bytes, where) of every device-to-host copy (a sync)."""
+    """(bytes, non_blocking, pinned, where) of every device-to-host copy."""
     reads: list = field(default_factory=list)
     """(op, where) of every host read of a device value."""
+    allowed: list = field(default_factory=list)
+    """(name, where) of every host read a stand-in made in place of an inherent one (see
+    `gate.ALLOWED_READS`)."""
     start_live: int = 0
     """Live device bytes when the phase began."""
     peak_live: int = 0
@@ -184,9 +188,9 @@ class Phase:
 
     @property
     def blocking(self) -> list:
-        """Transfers that make the host wait: device-to-host copies, and host-to-device copies
-        that are blocking or come from memory that is not pinned."""
-        return [h for h in self.h2d if not (h[1] and h[2])] + list(self.d2h)
+        """Transfers that make the host wait: copies that are blocking or whose host side is
+        not pinned memory, either way (an event's synchronize counts as one)."""
+        return [x for x in self.h2d + self.d2h if not (x[1] and x[2])]
 
 
 class Probe(TorchDispatchMode):
@@ -234,7 +238,7 @@ class Probe(TorchDispatchMode):
                 args = (self._fake(args[0]), *args[1:])
         elif func is _aten.copy_.default and len(args) >= 2:
             nb = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-            self._transfer(ph, args[1].device.type, args[0].device.type, args[1], nb)
+            self._transfer(ph, args[1].device.type, args[0].device.type, args[1], nb, args[0])
             if args[0].device.type == "cuda":
                 args = (args[0], self._fake(args[1]), *args[2:])
         out = func(*args, **kwargs)
@@ -272,12 +276,14 @@ class Probe(TorchDispatchMode):
 
         return t if isinstance(t, FakeTensor) else self.mode.from_tensor(t)
 
-    def _transfer(self, ph: Phase, src: str, dst: str, t: torch.Tensor, non_blocking) -> None:
+    def _transfer(self, ph: Phase, src: str, dst: str, t: torch.Tensor, non_blocking,
+                  into=None) -> None:
         nbytes = t.numel() * t.element_size()
         if src == "cpu" and dst == "cuda":
             ph.h2d.append((nbytes, bool(non_blocking), is_pinned(t), _where()))
-        elif src == "cuda" and dst == "cpu":
-            ph.d2h.append((nbytes, _where()))
+        elif src == "cuda" and dst == "cpu":  # (`.cpu()` / `.to("cpu")` has no pinned target)
+            ph.d2h.append((nbytes, bool(non_blocking), into is not None and is_pinned(into),
+                           _where()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,7 +334,8 @@ class FakeEvent:
 
     def synchronize(self):
         if FakeEvent.probe is not None:
-            FakeEvent.probe.current().d2h.append((0, f"event synchronize at {_where()}"))
+            FakeEvent.probe.current().d2h.append((0, False, False,
+                                                  f"event synchronize at {_where()}"))
 
     def elapsed_time(self, end):
         self.synchronize()

@@ -1,7 +1,7 @@
 """Defects planted on purpose (`python -m libra_ext.gpu_ready --mutate NAME`), so that the tests
 can show the gate failing on each: a host index tensor in a device op, a host read in the
-forward, a device op per document, and a micro-batch copied to the device field by field with
-blocking copies."""
+forward, a device op per document, a micro-batch copied to the device field by field with
+blocking copies, and MoE layers that exchange and read their token counts in every layer."""
 
 from __future__ import annotations
 
@@ -57,8 +57,17 @@ def _blocking_batch_copies() -> None:
     batch.MicroBatch.to = to
 
 
+def _moe_counts_per_layer() -> None:
+    from megatron.libra import moe_layer
+
+    original = moe_layer.set_step_rows
+    # the step's row count never set: every MoE layer all-gathers and reads the token counts
+    moe_layer.set_step_rows = lambda rows: original(None)
+
+
 MUTATIONS = {"host-index": _host_index, "item": _item, "per-document-loop": _per_document_loop,
-             "blocking-batch-copies": _blocking_batch_copies}
+             "blocking-batch-copies": _blocking_batch_copies,
+             "moe-counts-per-layer": _moe_counts_per_layer}
 
 
 def apply(name: str) -> None:

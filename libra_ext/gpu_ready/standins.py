@@ -269,6 +269,13 @@ class FakeGroup:
         self.size, self.name = size, name
 
 
+def _group_size(group) -> int:
+    """A stand-in group's size, or a real process group's (multi-rank scenarios)."""
+    if group is None:
+        return 1
+    return group.size if isinstance(group, FakeGroup) else group.size()
+
+
 class _Done:
     def wait(self):
         return None
@@ -309,7 +316,7 @@ def _fake_all_to_all(log: CollectiveLog):
         if sum(out_splits) != out.numel() or sum(in_splits) != inp.numel():
             raise StandInError(f"{kind}: split sizes {sum(in_splits)} -> {sum(out_splits)} do not "
                                f"cover the buffers ({inp.numel()} -> {out.numel()})")
-        size = group.size if group is not None else 1
+        size = _group_size(group)
         if len(out_splits) != size or len(in_splits) != size:
             raise StandInError(f"{kind}: {len(in_splits)} splits for a group of {size}")
         if any(not isinstance(n, int) for n in list(out_splits) + list(in_splits)):
@@ -322,7 +329,7 @@ def _fake_all_to_all(log: CollectiveLog):
 
 def _fake_all_gather_rows(log: CollectiveLog):
     def all_gather_rows(x, group, counter, kind):
-        size = group.size
+        size = _group_size(group)
         log.calls.append((kind, size, x.numel() * x.element_size()))
         return x.new_empty(size * x.shape[0], *x.shape[1:])
 
@@ -418,3 +425,30 @@ def fake_module_cuda():
         yield
     finally:
         torch.nn.Module.cuda = saved
+
+
+@contextlib.contextmanager
+def moe_counts(probe):
+    """LibraMoELayer's host read of expert token counts (`_host_counts`, allow-listed as
+    "moe-counts") made on the fake device: logged on the probe, and counts returned that a
+    routing could give (each source's padded rows x top-k pairs, half of them on expert 0, so
+    the planner replicates it and the copies' path runs)."""
+    import numpy as np
+
+    from libra_ext.gpu_ready.harness import _where
+    from megatron.libra import moe_layer
+
+    def host_counts(self, copied):
+        probe.current().allowed.append(("moe-counts", _where()))
+        ep, experts = copied[0].shape
+        pairs = (moe_layer.step_rows() or 64) * self.config.moe_router_topk
+        counts = np.full((ep, experts), (pairs // 2) // (experts - 1), dtype=np.int64)
+        counts[:, 0] = pairs - counts[:, 1:].sum(1)
+        return counts
+
+    saved = moe_layer.LibraMoELayer._host_counts
+    moe_layer.LibraMoELayer._host_counts = host_counts
+    try:
+        yield
+    finally:
+        moe_layer.LibraMoELayer._host_counts = saved

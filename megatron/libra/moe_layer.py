@@ -122,37 +122,74 @@ STATS = BalanceStats()
 """The process's statistics (the trainer reads and resets them every step)."""
 
 
+_STEP_ROWS: int | None = None
+"""Rows every EP rank's tokens are padded to for the all-gather and the reduce-scatter in this
+step (`set_step_rows`); None: each layer all-gathers the ranks' counts."""
+
+
+def set_step_rows(rows: int | None) -> None:
+    """The most tokens any rank's micro-batch holds in this step (the training loop knows it
+    from the step's plan, one step ahead): every EP rank pads its tokens to it, so no layer
+    exchanges or reads token counts. None: count per layer (an all-gather and a host read)."""
+    global _STEP_ROWS
+    if rows is not None and rows < 1:
+        raise ValueError(f"step rows must be >= 1, got {rows}")
+    _STEP_ROWS = rows
+
+
+def step_rows() -> int | None:
+    return _STEP_ROWS
+
+
 class PaddedAllGatherDispatcher(MoEAllGatherTokenDispatcher):
     """megatron-core's all-gather dispatcher for micro-batches whose token counts differ between
-    the EP ranks (packed sequences of different lengths on different replicas): the counts are
-    all-gathered first, every rank's tokens padded to the largest count for the all-gather and
-    the reduce-scatter, and the padding dropped. `sizes` holds each source rank's count."""
+    the EP ranks (packed sequences of different lengths on different replicas): every rank's
+    tokens are padded to one row count for the all-gather and the reduce-scatter, and the
+    padding dropped. The count is the step's (`set_step_rows`: padding rows route to no expert
+    and stay in the gathered tensors, so nothing about them is read on the host), or else the
+    micro-batch's largest, from an all-gather of the counts (`sizes`: each source rank's), the
+    padding then dropped after each gather.
+
+    After token_dispatch: `pad_to` rows per source rank, `n_local` this rank's tokens,
+    `rows` the index of each gathered token row in the padded layout (source = rows // pad_to),
+    `sizes` each source's count where it was gathered, else None."""
 
     def token_dispatch(self, hidden_states, probs):
-        if self.tp_size == 1 and self.ep_size == 1:
-            self.sizes = [hidden_states.shape[0]]
-            return hidden_states, probs
         n = hidden_states.shape[0]
-        mine = torch.tensor([n], dtype=torch.int64, device=hidden_states.device)
-        sizes = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.tp_ep_group))]
-        dist.all_gather(sizes, mine, group=self.tp_ep_group)
-        self.sizes = [int(x) for x in sizes]
-        m = max(self.sizes)
-        keep = torch.cat([torch.arange(i * m, i * m + k, device=hidden_states.device)
-                          for i, k in enumerate(self.sizes)])
-        self.keep, self.pad_to = keep, m
+        self.n_local = n
+        if self.tp_size == 1 and self.ep_size == 1:
+            self.sizes, self.pad_to, self.rows, self.keep = [n], n, None, None
+            return hidden_states, probs
+        dev = hidden_states.device
+        step = step_rows()
+        if step is not None:
+            if n > step:
+                raise RuntimeError(f"this rank's micro-batch holds {n} tokens, more than the "
+                                   f"step's {step} (set_step_rows)")
+            self.sizes, self.pad_to, self.keep = None, step, None
+            self.rows = torch.arange(step * dist.get_world_size(self.tp_ep_group), device=dev)
+        else:
+            mine = torch.tensor([n], dtype=torch.int64, device=dev)
+            sizes = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.tp_ep_group))]
+            dist.all_gather(sizes, mine, group=self.tp_ep_group)
+            self.sizes = [int(x) for x in sizes]
+            m = max(self.sizes)
+            self.pad_to = m
+            self.keep = self.rows = torch.cat(
+                [torch.arange(i * m, i * m + k, device=dev) for i, k in enumerate(self.sizes)])
         self.routing_map = self.gather_rows(self.routing_map)
-        probs = gather_from_sequence_parallel_region(
-            self._pad(probs), group=self.tp_ep_group
-        )[keep]
-        hidden_states = gather_from_sequence_parallel_region(
-            self._pad(hidden_states), group=self.tp_ep_group
-        )[keep]
+        probs = self._unpad(gather_from_sequence_parallel_region(
+            self._pad(probs), group=self.tp_ep_group))
+        hidden_states = self._unpad(gather_from_sequence_parallel_region(
+            self._pad(hidden_states), group=self.tp_ep_group))
         return hidden_states, probs
 
     def _pad(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's rows padded with zeros to the micro-batch's largest token count."""
+        """This rank's rows padded with zeros to `pad_to`."""
         return torch.nn.functional.pad(t, (0,) * (2 * t.dim() - 1) + (self.pad_to - t.shape[0],))
+
+    def _unpad(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.keep is None else t[self.keep]
 
     @torch.no_grad()
     def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -161,20 +198,22 @@ class PaddedAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         if self.tp_size == 1 and self.ep_size == 1:
             return t
         parts = [torch.empty((self.pad_to,) + tuple(t.shape[1:]), dtype=t.dtype,
-                             device=t.device) for _ in self.sizes]
+                             device=t.device) for _ in range(dist.get_world_size(self.tp_ep_group))]
         dist.all_gather(parts, self._pad(t).contiguous(), group=self.tp_ep_group)
-        return torch.cat(parts)[self.keep]
+        return self._unpad(torch.cat(parts))
 
     def token_combine(self, hidden_states):
         if self.tp_size == 1 and self.ep_size == 1:
             return hidden_states
-        full = hidden_states.new_zeros((self.pad_to * len(self.sizes),) + hidden_states.shape[1:])
-        full = full.index_copy(0, self.keep, hidden_states)
+        full = hidden_states
+        if self.keep is not None:
+            full = hidden_states.new_zeros(
+                (self.pad_to * len(self.sizes),) + hidden_states.shape[1:])
+            full = full.index_copy(0, self.keep, hidden_states)
         out = reduce_scatter_to_sequence_parallel_region(
             full.to(self.local_probs.dtype), group=self.tp_ep_group
         ).to(hidden_states.dtype)
-        rank = dist.get_rank(self.tp_ep_group)
-        return out[: self.sizes[rank]]
+        return out[: self.n_local]
 
 
 class VarlenMoELayer(MoELayer):
@@ -234,26 +273,77 @@ class LibraMoELayer(VarlenMoELayer):
         self._expert_bytes = float(self._per_expert * e0.linear_fc1.weight.element_size())
         # (plan, predicted ids of this rank's tokens, weights in flight, predicted counts)
         self._pending = None
+        self._host_buffers: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ lookahead
     def forward(self, hidden_states, *args, **kwargs):
+        ahead = None
         if self.lookahead and self.next_moe is not None:
-            self.next_moe._pending = self.next_moe._predict(hidden_states)
-        return super().forward(hidden_states, *args, **kwargs)
+            ahead = self.next_moe._predict(hidden_states)
+        out = super().forward(hidden_states, *args, **kwargs)
+        if ahead is not None:  # read once this layer's experts are launched
+            self.next_moe._pending = self.next_moe._plan_predicted(*ahead)
+        return out
 
     @torch.no_grad()
     def _predict(self, hidden_states: torch.Tensor):
-        """This layer's plan from its router applied to the previous layer's input; the
-        replicated weights start moving at once."""
+        """This layer's routing predicted from its router applied to the previous layer's input:
+        (topk ids of this rank's tokens, the EP ranks' predicted counts [source, expert]), on
+        the device; the counts are copied to the host behind an event (`_host_counts`)."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = self.router.gating(x)
         ids = torch.topk(logits, self.config.moe_router_topk, dim=-1).indices
-        local = torch.bincount(ids.flatten(), minlength=self.config.num_moe_experts)
-        counts = [torch.zeros_like(local) for _ in range(self.ep)]
-        dist.all_gather(counts, local, group=self.group)
-        predicted = torch.stack(counts).cpu().numpy()
+        local = torch.zeros(self.config.num_moe_experts, dtype=torch.int64, device=x.device)
+        local.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        counts = local.new_empty(self.ep, local.numel())
+        dist.all_gather(list(counts.unbind(0)), local, group=self.group)
+        return ids, self._copy_counts(counts, "predicted")
+
+    def _plan_predicted(self, ids, copied):
+        """The plan from the predicted counts (read now); the replicated weights start
+        moving at once."""
+        predicted = self._host_counts(copied)
         plan = self._plan(predicted)
         return plan, ids, self._send_weights(plan), predicted
+
+    def _pinned(self, name: str, shape, dtype) -> torch.Tensor:
+        """This layer's pinned host buffer `name` (made once per shape). Reusing one is safe:
+        between two calls of a layer the host waits on a later event of the same stream
+        (`_host_counts`), so the previous call's copy from or into it has finished."""
+        buf = self._host_buffers.get(name)
+        if buf is None or buf.shape != tuple(shape):
+            buf = self._host_buffers[name] = torch.empty(shape, dtype=dtype).pin_memory()
+        return buf
+
+    def _copy_counts(self, counts: torch.Tensor, name: str):
+        """Start copying a [source, expert] count matrix to pinned host memory: (device
+        tensor, host buffer or None on the host, event)."""
+        if counts.device.type == "cpu":
+            return counts, None, None
+        host = self._pinned(name, counts.shape, counts.dtype)
+        host.copy_(counts, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return counts, host, event
+
+    def _upload(self, a: np.ndarray, device) -> torch.Tensor:
+        """A small host array on the device: one non-blocking copy from a pinned buffer."""
+        if device.type == "cpu":
+            return torch.from_numpy(a)
+        host = self._pinned("upload", a.shape, torch.int64)
+        host.numpy()[...] = a
+        return host.to(device, non_blocking=True)
+
+    def _host_counts(self, copied) -> np.ndarray:
+        """The counts of `_copy_counts` on the host. The one host read a balanced layer makes
+        per micro-batch (twice with the lookahead: its own actual counts and the next layer's
+        predicted ones): the planner runs on the host and shards each expert's actual tokens
+        over its copies; the host waits only for the counting kernel and its collective."""
+        counts, host, event = copied
+        if host is None:
+            return counts.numpy().copy()
+        event.synchronize()
+        return host.numpy().copy()
 
     def _plan(self, counts: np.ndarray):
         return moe_plan.plan_layer(counts, self.replica_slots, self.local_slots,
@@ -283,11 +373,11 @@ class LibraMoELayer(VarlenMoELayer):
         routing_map = disp.routing_map  # [tokens of the EP group, experts], source-rank major
         E, ep = self.config.num_moe_experts, self.ep
         dev = routing_map.device
-        sizes = torch.tensor(disp.sizes, device=dev)
-        src = torch.repeat_interleave(torch.arange(ep, device=dev), sizes)  # source of each token
+        # source of each token (padding rows, where the step's row count pads, route nowhere)
+        src = torch.div(disp.rows, disp.pad_to, rounding_mode="floor")
         rmi = routing_map.to(torch.int64)
         counts_t = torch.zeros(ep, E, dtype=torch.int64, device=dev).index_add_(0, src, rmi)
-        counts = counts_t.cpu().numpy()  # actual [source, expert]
+        counts = self._host_counts(self._copy_counts(counts_t, "actual"))  # actual [source, expert]
         pending, self._pending = self._pending, None
         if pending is not None:
             planned, predicted, weights, predicted_counts = pending
@@ -302,9 +392,8 @@ class LibraMoELayer(VarlenMoELayer):
         self._record(plan, predicted, routing_map, sent, err)
         # pairs of this rank: position of each (token, expert) inside its (source, expert) run
         # against the planned bounds of this host
-        cum = np.cumsum(assign, axis=-1)
-        hi = torch.as_tensor(cum[..., self.ep_rank], device=dev)  # [source, expert]
-        lo = hi - torch.as_tensor(assign[..., self.ep_rank], device=dev)
+        hi = np.cumsum(assign, axis=-1)[..., self.ep_rank]  # [source, expert]
+        lo, hi = self._upload(np.stack([hi - assign[..., self.ep_rank], hi]), dev).unbind(0)
         run = torch.cumsum(rmi, dim=0)  # pairs up to each token, per expert
         start = torch.cumsum(counts_t, dim=0) - counts_t  # pairs before each source's tokens
         pos = run - 1 - start[src]
@@ -365,19 +454,33 @@ class LibraMoELayer(VarlenMoELayer):
                   bytes=sent, plan_ms=plan.plan_ms)
         if err is not None:
             STATS.add(layer, load_error=err)
-        sizes = self.token_dispatcher.sizes
-        first = sum(sizes[: self.ep_rank])
-        mine = routing_map[first:first + sizes[self.ep_rank]]
+        disp = self.token_dispatcher
+        first = (self.ep_rank * disp.pad_to if disp.sizes is None
+                 else sum(disp.sizes[: self.ep_rank]))
+        mine = routing_map[first:first + disp.n_local]
         if predicted is not None:
             hit = mine.gather(1, predicted).sum()
             # on the device: read with the step's other statistics (BalanceStats.summary)
             STATS.add(layer, overlap=hit / max(1, predicted.numel()))
         if self.record_routing and layer not in STATS.routing:
             k = self.config.moe_router_topk
+            # (a debugging record: reads the routing on the host)
+            sizes = disp.sizes
+            if sizes is None:  # the sources' real rows of the padded layout
+                n = torch.tensor([disp.n_local], device=routing_map.device)
+                gathered = [torch.zeros_like(n) for _ in range(self.ep)]
+                dist.all_gather(gathered, n, group=self.group)
+                sizes = [int(x) for x in gathered]
+                routing_map = torch.cat([routing_map[i * disp.pad_to:i * disp.pad_to + k]
+                                         for i, k in enumerate(sizes)])
             ids = torch.nonzero(routing_map)[:, 1].reshape(-1, k)
             pred = None
             if predicted is not None:
-                pred = self.token_dispatcher.gather_rows(predicted).cpu().numpy()
+                pred = disp.gather_rows(predicted)
+                if disp.sizes is None:
+                    pred = torch.cat([pred[i * disp.pad_to:i * disp.pad_to + n]
+                                      for i, n in enumerate(sizes)])
+                pred = pred.cpu().numpy()
             STATS.routing[layer] = (ids.cpu().numpy(), pred, np.asarray(sizes))
 
 

@@ -255,6 +255,10 @@ class Trainer:
         if torch.cuda.is_available():
             for chunk in self.chunks:
                 chunk.cuda()
+        from megatron.libra.moe_layer import PaddedAllGatherDispatcher
+
+        self._moe_all_gather = any(isinstance(m, PaddedAllGatherDispatcher)
+                                   for chunk in self.chunks for m in _dispatchers(chunk))
         self.timer = AttentionTimer(self.chunks, cfg.logging.attention_time)
         if self.rank == 0:
             n_params = sum(x.numel() for chunk in self.chunks for x in chunk.parameters())
@@ -410,7 +414,16 @@ class Trainer:
         sampler's thread staged."""
         from megatron.libra.batch import make_micro_batch
 
+        from libra_ext.attention import thd
+        from megatron.libra.moe_layer import set_step_rows
+
         plan, C = batch.plan, self.cfg.parallel.cp
+        if self._moe_all_gather:
+            # every EP rank pads its tokens to the step's longest micro-batch for the MoE
+            # layers' all-gather (no layer exchanges or reads token counts)
+            p = self.cfg.parallel
+            rows = int(thd.local_tokens(plan.doc_lengths, plan.seq_doc_offsets, C).max())
+            set_step_rows(-(-rows // p.tp) if p.sequence_parallel else rows)
         on_device = None
         if batch.uploads and self.device.type != "cpu":  # one copy per slot
             on_device = [joint.to(self.device, non_blocking=True) for joint, _ in batch.uploads]
@@ -781,6 +794,11 @@ class _StopRequest:
 
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _dispatchers(chunk):
+    """The token dispatchers of a model chunk's MoE layers."""
+    return [m.token_dispatcher for m in chunk.modules() if hasattr(m, "token_dispatcher")]
 
 
 def _timed_out(e: BaseException) -> bool:

@@ -88,6 +88,25 @@ def test_a_training_step_of_megatron_core_gpt_runs_on_the_device_without_syncs(r
         assert r["transfers_in_call"] == 0 and r["device_ops"] > 100, (system, r)
 
 
+def test_multi_rank_training_steps_run_on_the_device_without_syncs(report):
+    # every rank of a cp 2 step per system, and a dp 2 / ep 2 MoE step with Libra's expert
+    # balancer: its only host reads are the allow-listed expert counts (the planner is on the
+    # host), its only copies in forward-backward the plan's pinned non-blocking bounds
+    assert set(report["trainer_ranks"]) == {f"{s}/cp2" for s in SYSTEMS} | {"libra/dp2-ep2-moe"}
+    for key, ranks in report["trainer_ranks"].items():
+        assert set(ranks) == {"0", "1"}, key
+        for rank, r in ranks.items():
+            assert "error" not in r, (key, rank, r)
+            assert r["host_reads"] == [] and r["blocking_transfers"] == [], (key, rank)
+            assert r["transfers_in_call"] == 0, (key, rank)
+            assert r["uploads"] == r["uploads_pinned_non_blocking"] == r["slots"] >= 1
+            moe = r["balanced_moe_layers"]
+            assert moe == (2 if key.endswith("moe") else 0), (key, moe)
+            # layer 1 reads its counts; layer 2 its prediction (made in layer 1) and its counts
+            assert [x[0] for x in r["allowed_reads"]] == ["moe-counts"] * (3 if moe else 0)
+            assert [x[0] for x in r["allowed_uploads"]] == ["moe-bounds"] * moe
+
+
 @pytest.mark.parametrize(
     "mutation, expect",
     [
@@ -95,10 +114,11 @@ def test_a_training_step_of_megatron_core_gpt_runs_on_the_device_without_syncs(r
         ("item", "DataDependentOutputException"),
         ("per-document-loop", "device ops from 50 to 500 documents"),
         ("blocking-batch-copies", "pinned and non-blocking) for 2 slots"),
+        ("moe-counts-per-layer", "dp2-ep2-moe rank 0: DataDependentOutputException"),
     ],
 )
 def test_the_gate_fails_on_a_planted_defect(mutation, expect):
-    extra = [] if mutation == "blocking-batch-copies" else ["--no-trainer"]
+    extra = [] if mutation in ("blocking-batch-copies", "moe-counts-per-layer") else ["--no-trainer"]
     rc, rep = _gate("--systems", "libra", "--standins", "varlen-2.13", "--layouts", "single",
                     "--mutate", mutation, *extra)
     assert rc == 1 and any(expect in f for f in rep["failures"]), rep["failures"]

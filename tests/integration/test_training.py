@@ -248,3 +248,55 @@ def test_moe_expert_balancer_keeps_the_math_and_evens_expert_load(tmp_path, caps
     assert lib["max_rel_loss_diff_vs_moe.balancer=none"] <= 1e-5
     assert lib["max_rel_grad_norm_diff_vs_moe.balancer=none"] <= 1e-5
     assert len(lib["expert_tokens_max_over_mean_after"]) == 2
+
+
+def _moe_rows_worker(rank, world, port, out, overrides):
+    from megatron.libra import moe_layer
+    from megatron.libra.train import Trainer
+
+    cfg = TrainConfig.load(CPU_TINY, overrides)
+    trainer = Trainer(cfg, rank, world, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        batch = trainer.sampler.next()
+        results = []
+        for per_layer in (False, True):
+            micro = trainer.micro_batches(batch)  # sets the step's rows
+            assert moe_layer.step_rows() is not None
+            if per_layer:  # a drop-in layer without the training loop: counts per layer
+                moe_layer.set_step_rows(None)
+            outs = trainer.forward_backward(micro, float(batch.label_tokens))  # zeroes grads
+            loss = sum(float(o["local_sum"]) for o in outs)
+            grads = torch.cat([p.main_grad.reshape(-1) for c in trainer.chunks
+                               for p in c.parameters() if p.requires_grad])
+            results.append((loss, grads.clone()))
+            disp = [m.token_dispatcher for c in trainer.chunks for m in c.modules()
+                    if isinstance(getattr(m, "token_dispatcher", None),
+                                  moe_layer.PaddedAllGatherDispatcher)]
+            assert len(disp) == 2 and all((d.sizes is not None) == per_layer for d in disp)
+        (a, ga), (b, gb) = results
+        assert a > 0 and float(ga.abs().sum()) > 0
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (a, b)
+        assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-7), float((ga - gb).abs().max())
+        if rank == 0:
+            open(out, "w").write("ok")
+    finally:
+        trainer.sampler.close()
+
+
+@pytest.mark.parametrize("balancer", ["none", "libra"])
+def test_moe_all_gather_padded_to_the_step_equals_counting_per_layer(tmp_path, balancer):
+    """The training loop pads every EP rank's tokens to the step's longest micro-batch (from the
+    plan: no layer exchanges or reads token counts); a layer used without it all-gathers the
+    counts. Same loss and gradients either way, megatron-core's layer and the balanced one."""
+    import torch.multiprocessing as mp
+
+    from libra_ext.attention.verify import free_port
+
+    overrides = [
+        "model.moe_topk=2", "model.experts=8", "model.moe_ffn=32", "model.layers=2",
+        "parallel.ep=2", "parallel.cp=1", "parallel.pool_size=2", "data.gbs=4",
+        "transformer_impl=local", f"moe.balancer={balancer}", "system.name=wlb",
+    ]
+    out = tmp_path / "ok"
+    mp.spawn(_moe_rows_worker, args=(2, free_port(), str(out), overrides), nprocs=2, join=True)
+    assert out.read_text() == "ok"

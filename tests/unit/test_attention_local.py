@@ -84,6 +84,18 @@ def test_batched_reference_matches_per_segment_math(monkeypatch, hq, hk):
         assert torch.allclose(got, ref, atol=1e-10)
 
 
+def test_local_tokens_of_every_sequence_match_the_zigzag_split():
+    # the rows every EP rank pads its MoE tokens to come from these, one step ahead
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(1, 40, size=n).tolist() for n in (1, 5, 9)] + [[]]
+    off = np.r_[0, np.cumsum([len(s) for s in seqs])]
+    flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
+    for cp in (1, 2, 4):
+        got = thd.local_tokens(flat, off, cp)
+        want = [len(thd.zigzag_split(s, cp, 0).token_index) if s else 2 for s in seqs]
+        assert got.tolist() == want, cp
+
+
 def test_zigzag_split_layout():
     # 10 tokens, C = 2: padded to 12, chunks of 3: rank 0 holds chunks 0 and 3, rank 1 chunks 1, 2
     r0, r1 = thd.zigzag_split([10], 2, 0), thd.zigzag_split([10], 2, 1)
