@@ -34,11 +34,14 @@ struct FakeGuard final : c10::impl::DeviceGuardImplInterface {
 
 C10_REGISTER_GUARD_IMPL(CUDA, FakeGuard<c10::DeviceType::CUDA>);
 
-// CUDA hooks that say CUDA is present (one device, current device 0) and nothing else: the
-// autograd engine asks them which device type is "the accelerator" before it stashes streams
-// for a backward through device tensors. Anything that needs the CUDA runtime itself still
-// raises ("without ATen_cuda library"). They replace the default hooks only if nothing in the
-// process asked for CUDA hooks before this library was loaded; install() says whether it did.
+// CUDA hooks that say CUDA is present (one device, current device 0, its context made) and
+// nothing else: the autograd engine asks them which device type is "the accelerator" and
+// whether its context exists before it stashes streams for a backward through device tensors.
+// Anything that needs the CUDA runtime itself still raises. Registered above the default
+// priority, so they also replace the hooks of a CUDA build of PyTorch on a machine without a
+// GPU (whose own hooks find no device); they take effect only if nothing in the process asked
+// for CUDA hooks before this library was loaded; install() says whether they did. The guard
+// above likewise replaces a CUDA build's (install() registers it again once torch is loaded).
 struct CUDAHooks_ final : at::CUDAHooksInterface {
   explicit CUDAHooks_(at::CUDAHooksArgs) {}
   bool isBuilt() const override { return true; }
@@ -52,13 +55,20 @@ struct CUDAHooks_ final : at::CUDAHooksInterface {
 };
 
 bool install() {
-  return c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA) && at::detail::getCUDAHooks().hasCUDA();
+  // a CUDA build's own guard registers when its CUDA library loads, which may come after this
+  // library's static registration: register this one again, now that torch is loaded
+  static FakeGuard<c10::DeviceType::CUDA> guard;
+  c10::impl::DeviceGuardImplRegistrar again(c10::DeviceType::CUDA, &guard);
+  return c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA) &&
+         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount() == 1 &&
+         at::detail::getCUDAHooks().hasPrimaryContext(0);
 }
 
 }  // namespace
 
 namespace at {
-C10_REGISTER_CLASS(CUDAHooksRegistry, CUDAHooks, ::CUDAHooks_);
+C10_REGISTER_TYPED_CLASS_WITH_PRIORITY(CUDAHooksRegistry, "CUDAHooks", c10::REGISTRY_PREFERRED,
+                                       ::CUDAHooks_);
 }  // namespace at
 
 bool registry_has() { return at::CUDAHooksRegistry()->Has("CUDAHooks"); }

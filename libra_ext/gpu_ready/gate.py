@@ -333,8 +333,10 @@ def _trainer_calls(probe, systems, backend: str, overrides=(), rank: int = 0, wo
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or free_port()}",
                                 rank=rank, world_size=world)
-    # megatron-core's model-parallel RNG tracker on the host generator (no device RNG here)
-    cpu_shims.apply(only=("rng_tracker", "recompute_rng", "moe_without_te"), force=True)
+    # megatron-core's model-parallel RNG tracker on the host generator (no device RNG here), and
+    # (0.19) its gradient reduction's stream ordering without CUDA streams (none here either)
+    cpu_shims.apply(only=("rng_tracker", "recompute_rng", "moe_without_te", "grad_sync_stream"),
+                    force=True)
     out = {}
     for system in systems:
         from megatron.core import parallel_state as ps

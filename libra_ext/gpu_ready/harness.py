@@ -81,14 +81,22 @@ def preload_env(lib: Path) -> dict:
     return env
 
 
+def real_gpus() -> int:
+    """GPUs the CUDA runtime sees (0 on a CPU-only build), asked of the runtime itself, not of
+    the hooks this library replaces."""
+    if torch.version.cuda is None:
+        return 0
+    return int(torch._C._cuda_getDeviceCount())
+
+
 def activate() -> None:
     """In the preloaded process: check that the fake device is in place."""
     lib = os.environ.get(PRELOAD_ENV)
     if not lib:
         raise RuntimeError("the fake-CUDA library is not preloaded (run python -m "
                            "libra_ext.gpu_ready)")
-    if torch.version.cuda is not None:
-        raise RuntimeError("the gate fakes CUDA on a CPU-only PyTorch; this one is a CUDA build")
+    if real_gpus() > 0:
+        raise RuntimeError("the gate fakes CUDA where no GPU is present; this machine has one")
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(LIB_NAME, lib)

@@ -6,6 +6,7 @@ otherwise; either way only `core_attention` is replaced."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -221,6 +222,17 @@ class SeededTransformerLayer(TransformerLayer):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
 
 
+def _mlp_as(mlp, cls, **params):
+    """The layer spec's MoE entry with `cls` as its module and `params` added: a ModuleSpec
+    (megatron-core < 0.19) or a functools.partial of the module (0.19)."""
+    if isinstance(mlp, functools.partial):
+        return functools.partial(cls, *mlp.args, **{**mlp.keywords, **params})
+    mlp.module = cls
+    if params:
+        mlp.params = dict(mlp.params or {}, **params)
+    return mlp
+
+
 def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str,
                init_seed: int | None = None, moe=None, record_routing: bool = False
                ) -> ModuleSpec:
@@ -246,16 +258,12 @@ def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str,
         from megatron.libra.moe_layer import LibraMoELayer, VarlenMoELayer
 
         if moe.balancer == "libra":
-            spec.submodules.mlp.module = LibraMoELayer
-            spec.submodules.mlp.params = dict(
-                spec.submodules.mlp.params or {},
-                replica_slots=moe.replica_slots,
-                local_slots=moe.local_slots,
-                lookahead=moe.lookahead,
-                record_routing=record_routing,
-            )
+            spec.submodules.mlp = _mlp_as(
+                spec.submodules.mlp, LibraMoELayer, replica_slots=moe.replica_slots,
+                local_slots=moe.local_slots, lookahead=moe.lookahead,
+                record_routing=record_routing)
         else:  # megatron-core's layer, its all-gather padded for unequal token counts
-            spec.submodules.mlp.module = VarlenMoELayer
+            spec.submodules.mlp = _mlp_as(spec.submodules.mlp, VarlenMoELayer)
     if init_seed is not None:
         spec.module = SeededTransformerLayer
         spec.params = dict(spec.params or {}, init_seed=init_seed)

@@ -222,8 +222,9 @@ class VarlenMoELayer(MoELayer):
     token count on every EP rank, which packed micro-batches of different replicas do not
     have)."""
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
-        super().__init__(config, submodules, layer_number, pg_collection)
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs):
+        # (kwargs: what newer megatron-core passes its MoELayer, e.g. 0.19's is_mtp_layer, name)
+        super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
         if isinstance(self.token_dispatcher, MoEAllGatherTokenDispatcher) and (
             self.token_dispatcher.ep_size > 1 or self.token_dispatcher.tp_size > 1
         ):
@@ -240,8 +241,8 @@ class LibraMoELayer(VarlenMoELayer):
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                  replica_slots: int = 2, local_slots: int = -1, lookahead: bool = True,
-                 record_routing: bool = False):
-        super().__init__(config, submodules, layer_number, pg_collection)
+                 record_routing: bool = False, **kwargs):
+        super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
         if not isinstance(self.token_dispatcher, PaddedAllGatherDispatcher):
             raise ValueError("moe.balancer=libra runs on megatron-core's all-gather token "
                              "dispatcher (moe_token_dispatcher_type='allgather')")
