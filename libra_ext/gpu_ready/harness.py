@@ -43,9 +43,10 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_dir() -> Path:
-    """Where the library is built: build/fake_cuda under the checkout (LIBRA_BUILD_DIR
-    overrides)."""
-    return Path(os.environ.get("LIBRA_BUILD_DIR") or _ROOT / "build") / "fake_cuda"
+    """Where the library is built: build/fake_cuda/<python>-<torch> under the checkout
+    (LIBRA_BUILD_DIR overrides build/), one per environment that shares the checkout."""
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
+    return Path(os.environ.get("LIBRA_BUILD_DIR") or _ROOT / "build") / "fake_cuda" / tag
 
 
 def build_library(verbose: bool = False) -> Path:
