@@ -351,24 +351,21 @@ class PlannedAttention(torch.autograd.Function):
         dof = d_out.view(-1, d)
         chunks = prog.chunks
         n_ch = len(chunks)
-        # dO to the executors, last chunk first (the order chunks are processed below)
+        # dO to the executors, a chunk ahead of its backward: chunks are processed last first,
+        # and one chunk's dO is in flight while the local tiles' (then the previous chunk's)
+        # backward runs, so a rank holds at most two chunks' dO at once.
+        d_o_recv = [None] * n_ch
         do_works = [None] * n_ch
+
+        def post_do(i):
+            c = chunks[i]
+            d_o_recv[i] = d_o_send.new_empty(c.n_o_send, d)
+            do_works[i] = _a2a(d_o_recv[i], d_o_send[c.o_recv_off : c.o_recv_off + c.n_o_recv],
+                               c.o_send, c.o_recv, d, pool, env, "pool.do", pipelined)
+
         if n_ch:
             d_o_send = dof.index_select(0, prog.o_out_idx)
-            d_o_recv = dof.new_empty(prog.n_o_send, d)
-            for i in reversed(range(n_ch)):
-                c = chunks[i]
-                do_works[i] = _a2a(
-                    d_o_recv[c.o_send_off : c.o_send_off + c.n_o_send],
-                    d_o_send[c.o_recv_off : c.o_recv_off + c.n_o_recv],
-                    c.o_send,
-                    c.o_recv,
-                    d,
-                    pool,
-                    env,
-                    "pool.do",
-                    pipelined,
-                )
+            post_do(n_ch - 1)
         local = saved.pop("local", None)  # released as soon as its backward has run
         local_grads = _output_grads(dof, prog.local, d) if local is not None else None
         del d_out, dof  # (the local gradients are views of it where its outputs were in order)
@@ -398,14 +395,17 @@ class PlannedAttention(torch.autograd.Function):
                 c = chunks[i]
                 if do_works[i] is not None:
                     do_works[i].wait()
+                do_works[i], msg, d_o_recv[i] = None, d_o_recv[i], None
+                if i:
+                    post_do(i - 1)
                 if i in saved:
                     outs, leaves = saved.pop(i)
-                    msg = d_o_recv[c.o_send_off : c.o_send_off + c.n_o_send]
                     grads = _output_grads(msg, c.block, d)
                     calls_grads = _backward_calls(outs, leaves, grads, counts)
-                    del outs, leaves, grads, msg
+                    del outs, leaves, grads
                     _accumulate(d_recv, c.block, calls_grads, d, False)
                     del calls_grads
+                del msg
                 ret = d_recv[c.recv_off : c.recv_off + c.n_recv].to(dtype)
                 ret_works.append(
                     _a2a(
@@ -423,7 +423,7 @@ class PlannedAttention(torch.autograd.Function):
             for w in ret_works:
                 if w is not None:
                     w.wait()
-            del ret_works, ret, d_recv, d_o_recv, d_o_send, do_works
+            del ret_works, ret, d_recv, d_o_send
             acc.add_returned(prog, d_send)
             del d_send
         acc.finish()
