@@ -32,6 +32,13 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
   replays on `torch.cuda.current_stream()`, which a CUDA build of torch refuses without a
   driver; on CPU that stream is one where everything already ran in order.
 
+- `megatron_training`: megatron-core 0.19's `megatron.training` (Megatron-LM's `pretrain` loop,
+  its start-up, timers, rerun state machine and model builder) makes `device="cuda"` tensors for
+  its flags and loss sums, asks `torch.cuda` for a device, streams, events, RNG states and memory
+  statistics, and synchronizes; those modules see a `torch` whose factories put "cuda" tensors
+  on the CPU and whose `cuda` is one CPU device (`_CudaOnCpu`: streams where everything already
+  ran in order, events that read the host clock, no RNG state of its own, zero memory figures).
+
 A shim some megatron-core versions do not need (`APPLIES`) is left out where the installed one
 has nothing for it to patch.
 """
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import types
 
 import torch
@@ -141,10 +149,10 @@ def _torch_view(name: str) -> types.ModuleType:
     return view
 
 
-def _torch_on_cpu() -> types.ModuleType:
+def _torch_on_cpu(more: tuple[str, ...] = ()) -> types.ModuleType:
     """A view of `torch` whose tensor factories put device="cuda" tensors on the CPU."""
     proxy = _torch_view("torch_on_cpu")
-    for name in ("zeros", "ones", "empty", "tensor", "full", "arange"):
+    for name in ("zeros", "ones", "empty", "tensor", "full", "arange") + more:
         fn = getattr(torch, name)
         setattr(proxy, name, (lambda f: lambda *a, **k: f(*a, **_cpu_device(k)))(fn))
     return proxy
@@ -299,6 +307,88 @@ def _shim_p2p_synchronize() -> None:
 GRAD_BUFFERS = "megatron.core.distributed.param_and_grad_buffer"
 
 
+# --- megatron_training ----------------------------------------------------------------------
+
+
+class _HostEvent:
+    """A CUDA event where there is none: recorded and timed on the host clock."""
+
+    def __init__(self, *args, **kwargs):
+        self._t = None
+
+    def record(self, stream=None) -> None:
+        import time
+
+        self._t = time.perf_counter()
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return (end._t - self._t) * 1e3
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream=None) -> None:
+        return None
+
+
+class _CudaOnCpu(types.ModuleType):
+    """`torch.cuda` as Megatron-LM's training loop sees it on CPU: one device (the CPU), whose
+    streams ran everything in order, whose events read the host clock, with no RNG state of its
+    own (the CPU generator's is kept beside it) and no memory to report."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    is_available = staticmethod(lambda: True)
+    device_count = staticmethod(lambda: 1)
+    current_device = staticmethod(lambda: "cpu")
+    set_device = staticmethod(lambda device: None)
+    synchronize = staticmethod(lambda device=None: None)
+    empty_cache = staticmethod(lambda: None)
+    memory_stats = staticmethod(lambda device=None: {})
+    memory_allocated = staticmethod(lambda device=None: 0)
+    max_memory_allocated = staticmethod(lambda device=None: 0)
+    memory_reserved = staticmethod(lambda device=None: 0)
+    max_memory_reserved = staticmethod(lambda device=None: 0)
+    reset_peak_memory_stats = staticmethod(lambda device=None: None)
+    current_stream = staticmethod(lambda device=None: _NoStream())
+    Stream = staticmethod(lambda *args, **kwargs: _NoStream())
+    stream = staticmethod(lambda stream=None: contextlib.nullcontext())
+    Event = _HostEvent
+    get_device_properties = staticmethod(
+        lambda device=None: types.SimpleNamespace(name="cpu", major=0, minor=0, total_memory=0))
+    get_device_capability = staticmethod(lambda device=None: (0, 0))
+    get_rng_state = staticmethod(lambda device="cuda": torch.empty(0, dtype=torch.uint8))
+    set_rng_state = staticmethod(lambda state, device="cuda": None)
+
+
+MEGATRON_TRAINING_MODULES = (
+    "megatron.training.arguments",
+    "megatron.training.training",
+    "megatron.training.initialize",
+    "megatron.training.checkpointing",
+    "megatron.training.utils.common_utils",
+    "megatron.training.utils.utils",
+    "megatron.training.models.dist_utils",
+    "megatron.core.timers",
+    "megatron.core.rerun_state_machine",
+)
+
+
+def _shim_megatron_training() -> None:
+    proxy = _torch_on_cpu(("rand", "randn", "zeros_like", "ones_like", "empty_like", "full_like"))
+    proxy.cuda = _CudaOnCpu("torch.cuda")
+    for name in MEGATRON_TRAINING_MODULES:
+        importlib.import_module(name).torch = proxy
+
+
+def _has_megatron_training() -> bool:
+    return importlib.util.find_spec("megatron.training") is not None
+
+
 def _shim_grad_sync_stream() -> None:
     importlib.import_module(GRAD_BUFFERS).torch = _torch_without_cuda_streams()
 
@@ -319,6 +409,7 @@ APPLIES = {
                          "its gradient reduction does not call torch.cuda.current_stream"),
     "moe_without_te": (_moe_router_lacks_te_gemm,
                        "its MoE utilities define te_general_gemm without Transformer Engine"),
+    "megatron_training": (_has_megatron_training, "its wheel ships no megatron.training"),
 }
 """Shims only some megatron-core versions need: when the installed one has nothing for the shim
 to patch, `apply` leaves it out (and its test says why)."""
@@ -346,6 +437,7 @@ SHIMS = {
     "recompute_rng": _shim_recompute_rng,
     "tied_embeddings": _shim_tied_embeddings,
     "grad_sync_stream": _shim_grad_sync_stream,
+    "megatron_training": _shim_megatron_training,
 }
 
 

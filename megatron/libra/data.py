@@ -386,7 +386,8 @@ class StepSampler:
     documents of its own replica's sequences. With `cp_rank` given, the same thread also
     compiles this rank's attention programs (index arrays, cu_seqlens, split sizes) for every
     slot and stages them in one (pinned, on CUDA) host buffer each, ready for one copy, and
-    orders the replica's slots for the pipeline schedule (micro_batch_order)."""
+    orders the replica's slots for the pipeline schedule (micro_batch_order). `source`: the
+    document source (default: data.source's, make_source)."""
 
     def __init__(
         self,
@@ -399,11 +400,12 @@ class StepSampler:
         cp_rank: int | None = None,
         split: str = "train",
         stop_step: int | None = None,
+        source=None,
     ):
         self.cfg, self.planner, self.replica, self.cp_rank = cfg, planner, replica, cp_rank
         self._pin = torch.cuda.is_available()  # staged programs in pinned memory on a GPU
         self._order = micro_batch_order(cfg)
-        self.source = make_source(cfg, split)
+        self.source = make_source(cfg, split) if source is None else source
         # plans steps [start_step, stop_step); the last one flushes what WLB-LLM holds when
         # the stream ends there (validation: every document of its batches is computed)
         self.stop_step = cfg.schedule.train_steps if stop_step is None else stop_step

@@ -339,17 +339,7 @@ class Trainer:
         self.fb = mc["get_forward_backward_func"]()
 
     def _new_planner(self):
-        from libra_ext.planner import LayoutConfig, Planner
-
-        cfg, p = self.cfg, self.cfg.parallel
-        return Planner(
-            LayoutConfig(dp=self.dp, cp=p.cp, tp=p.tp, pool_size=p.pool_size,
-                         context=cfg.data.context),
-            cfg.model,
-            cfg.system.planner_options(
-                cfg.data.order, torch.tensor([], dtype=self.dtype).element_size()
-            ),
-        )
+        return new_planner(self.cfg, self.dp, torch.tensor([], dtype=self.dtype).element_size())
 
     def _build_data(self) -> None:
         from megatron.libra import checkpoint
@@ -412,8 +402,6 @@ class Trainer:
         device: the attention metadata of every slot and the micro-batch's tokens, labels,
         positions and loss mask, each one non-blocking copy from the pinned buffers the
         sampler's thread staged."""
-        from megatron.libra.batch import make_micro_batch
-
         from libra_ext.attention import thd
         from megatron.libra.moe_layer import set_step_rows
 
@@ -424,25 +412,7 @@ class Trainer:
             p = self.cfg.parallel
             rows = int(thd.local_tokens(plan.doc_lengths, plan.seq_doc_offsets, C).max())
             set_step_rows(-(-rows // p.tp) if p.sequence_parallel else rows)
-        on_device = None
-        if batch.uploads and self.device.type != "cpu":  # one copy per slot
-            on_device = [joint.to(self.device, non_blocking=True) for joint, _ in batch.uploads]
-        steps = self.runtime.prepare(
-            plan, self.device, batch.programs,
-            [buf[:n] for buf, (_, n) in zip(on_device, batch.uploads)] if on_device else None,
-        )
-        micro = []
-        for slot in batch.slot_order:
-            mb = batch.micro.get(slot) if batch.micro else None
-            if mb is None:  # not staged ahead (a sampler without this rank's cp index)
-                seq = plan.sequence_at(self.r, slot)
-                docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
-                mb = make_micro_batch([batch.pieces[i] for i in docs], C, self.c, None)
-            buf = on_device[slot][batch.uploads[slot][1]:] if on_device else None
-            mb = mb.to(self.device, buf)
-            mb.packed_seq_params.libra = steps[slot]
-            micro.append(mb)
-        return micro
+        return device_micro_batches(batch, self.runtime, self.device, C, self.c, self.r)
 
     def forward_backward(self, micro: list, global_tokens: float,
                          forward_only: bool = False) -> list:
@@ -769,6 +739,47 @@ class Trainer:
         # megatron-core's parallel state is process-global: release it so that another run can
         # follow in this process (`libra ab` under torchrun trains every system in turn)
         self.mc["ps"].destroy_model_parallel()
+
+
+def new_planner(cfg: TrainConfig, dp: int, dtype_bytes: int):
+    """The step planner of `cfg`'s layout, model and system at data-parallel size dp."""
+    from libra_ext.planner import LayoutConfig, Planner
+
+    p = cfg.parallel
+    return Planner(
+        LayoutConfig(dp=dp, cp=p.cp, tp=p.tp, pool_size=p.pool_size, context=cfg.data.context),
+        cfg.model,
+        cfg.system.planner_options(cfg.data.order, dtype_bytes),
+    )
+
+
+def device_micro_batches(batch, runtime, device, cp: int, cp_rank: int, replica: int) -> list:
+    """Micro-batches of rank (replica, cp_rank) for a sampled step, in the order the schedule
+    runs them, on `device`: every slot's attention metadata and the micro-batch's tokens,
+    labels, positions and loss mask, each one non-blocking copy from the pinned buffers the
+    sampler's thread staged."""
+    from megatron.libra.batch import make_micro_batch
+
+    plan = batch.plan
+    on_device = None
+    if batch.uploads and device.type != "cpu":  # one copy per slot
+        on_device = [joint.to(device, non_blocking=True) for joint, _ in batch.uploads]
+    steps = runtime.prepare(
+        plan, device, batch.programs,
+        [buf[:n] for buf, (_, n) in zip(on_device, batch.uploads)] if on_device else None,
+    )
+    micro = []
+    for slot in batch.slot_order:
+        mb = batch.micro.get(slot) if batch.micro else None
+        if mb is None:  # not staged ahead (a sampler without this rank's cp index)
+            seq = plan.sequence_at(replica, slot)
+            docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
+            mb = make_micro_batch([batch.pieces[i] for i in docs], cp, cp_rank, None)
+        buf = on_device[slot][batch.uploads[slot][1]:] if on_device else None
+        mb = mb.to(device, buf)
+        mb.packed_seq_params.libra = steps[slot]
+        micro.append(mb)
+    return micro
 
 
 class _StopRequest:

@@ -148,6 +148,13 @@ m(torch.ones(2, 4)).sum().backward()
 m.finish_grad_sync()
 assert all(p.main_grad.abs().sum() > 0 for p in m.parameters())
 """,
+    "megatron_training": """
+from megatron.core.timers import Timers
+timers = Timers(log_level=2, log_option="minmax")
+timers("step", log_level=0).start()
+timers("step").stop()
+assert timers("step").elapsed(reset=False) >= 0.0
+""",
     "grad_clip_fp32": """
 from megatron.core.optimizer import clip_grads
 p = torch.nn.Parameter(torch.ones(4))

@@ -1,0 +1,528 @@
+"""Libra inside Megatron-LM's own training loop (`pretrain_gpt_libra.py`, megatron-core >= 0.19,
+whose wheel ships `megatron.training`).
+
+Megatron-LM keeps its arguments (and `--yaml-cfg`), its iteration log line, timers,
+TensorBoard, checkpoints and exit-signal handling; this module adds what Libra needs:
+
+- `add_libra_args`: the `--libra-*` arguments (every knob of a `libra train` config's `system`
+  section, with its help text) as `extra_args_provider`, and Megatron defaults Libra relies on
+  (`--dataloader-type external`: the step plan decides which rank reads which sample;
+  `--cp-comm-type a2a`: Libra's operator is the core attention);
+- `check_args`: every refusal knowable from the arguments, before any process group, in one
+  line naming the argument;
+- `layer_spec`: megatron-core's GPT layer (TE spec on a GPU with TE, local otherwise) with
+  Libra's core attention, for `GPTModelConfig.transformer_layer_spec`;
+- `datasets_provider`: Megatron's own GPTDataset (blends, `--split`, any `--tokenizer-type`),
+  or MockGPTDataset with `--mock-data`, served as per-step THD micro-batches: each step's plan
+  is made one step ahead in a background thread from the global batch's document lengths, read
+  from the dataset's index (never from the tokens), and every rank yields the micro-batches of
+  the sequences its replica executes under that plan;
+- `forward_step` / `loss_func`: the micro-batch through the model with its PackedSeqParams,
+  per-token loss (`--calculate-per-token-loss`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import logging
+import os
+import sys
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron.libra.config import SystemConfig, TrainConfig
+from megatron.libra.data import Piece
+
+logger = logging.getLogger("libra.megatron_lm")
+
+SYSTEM_CHOICES = ("libra", "ulysses", "wlb", "distca", "megatron-hybrid")
+"""--libra-system: the planner's systems, or megatron-core's own hybrid CP scheduler as a peer
+(Libra off: Megatron-LM's --hybrid-context-parallel path)."""
+
+_FIELD_ARGS = {"name": "--libra-system"}
+"""SystemConfig field -> argument, where the argument is not --libra-<field>."""
+
+ARG_NAMES = {
+    "parallel.pool_size": "--libra-pool-size",
+    "parallel.tp": "--tensor-model-parallel-size",
+    "parallel.cp": "--context-parallel-size",
+    "parallel.pp": "--pipeline-model-parallel-size",
+    "parallel.vpp": "--num-layers-per-virtual-pipeline-stage",
+    "parallel.ep": "--expert-model-parallel-size",
+    "parallel.sequence_parallel": "--sequence-parallel",
+    "model.heads": "--num-attention-heads",
+    "model.layers": "--num-layers",
+    "model.experts": "--num-experts",
+    "model.moe_topk": "--moe-router-topk",
+    "data.gbs": "--global-batch-size",
+    "data.context": "--seq-length",
+    "data.seed": "--seed",
+    "schedule.train_steps": "--train-iters",
+}
+"""A `libra train` config field -> the Megatron-LM argument it comes from (for error lines)."""
+
+
+def _arg(field: str) -> str:
+    return _FIELD_ARGS.get(field, "--libra-" + field.replace("_", "-"))
+
+
+def _dest(field: str) -> str:
+    return _arg(field)[2:].replace("-", "_")
+
+
+def add_libra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's extra_args_provider: the Libra argument group (one argument per field of a
+    `libra train` config's `system` section, and the pool size), and the defaults Libra needs."""
+    from megatron.libra.config_doc import field_docs
+
+    docs = field_docs(SystemConfig)
+    group = parser.add_argument_group(
+        title="Libra", description="attention-straggler removal (a `libra train` config's "
+        "system section; docs/config_reference.md)")
+    default = SystemConfig()
+    for f in dataclasses.fields(SystemConfig):
+        value, help_text = getattr(default, f.name), docs.get(f.name, "")
+        if f.name == "name":
+            group.add_argument("--libra-system", dest="libra_system", default=value,
+                               choices=SYSTEM_CHOICES, help=help_text.replace(
+                                   "libra | ulysses | wlb | distca.",
+                                   "libra | ulysses | wlb | distca, or megatron-hybrid: "
+                                   "megatron-core's own hybrid CP scheduler (a GPU with "
+                                   "Transformer Engine)."))
+        elif isinstance(value, bool):
+            # Megatron-LM's convention: a flag sets what its default does not
+            name = _arg(f.name)
+            flag = name if not value else "--no-" + name[2:]
+            group.add_argument(flag, dest=_dest(f.name), default=value,
+                               action="store_false" if value else "store_true", help=help_text)
+        else:
+            kind = float if isinstance(value, float) else int if isinstance(value, int) else str
+            if f.name == "block":
+                kind = int
+            group.add_argument(_arg(f.name), dest=_dest(f.name), type=kind, default=value,
+                               help=help_text)
+    group.add_argument("--libra-pool-size", dest="libra_pool_size", type=int, default=1,
+                       help="Replicas per Libra pool; must divide the data-parallel size.")
+    parser.set_defaults(dataloader_type="external", cp_comm_type=["a2a"],
+                        calculate_per_token_loss=True)
+    return parser
+
+
+def system_config(args) -> SystemConfig:
+    """The `system` section the --libra-* arguments stand for."""
+    kw = {f.name: getattr(args, _dest(f.name)) for f in dataclasses.fields(SystemConfig)}
+    return SystemConfig(**kw)
+
+
+def train_config(args, world_size: int | None = None) -> TrainConfig:
+    """A `libra train` config of the same layout, model, data stream and system as Megatron-LM's
+    arguments: what the planner, the sampler and the checks read."""
+    from megatron.libra.config import (DataConfig, ParallelConfig, ScheduleConfig,
+                                       TrainModelConfig)
+
+    heads = args.num_attention_heads
+    kv = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    experts = getattr(args, "num_experts", None) or 1
+    topk = getattr(args, "moe_router_topk", 0) if experts > 1 else 0
+    head_dim = args.kv_channels or args.hidden_size // heads
+    model = TrainModelConfig(
+        hidden=args.hidden_size, heads=heads, kv_heads=kv, head_dim=head_dim,
+        ffn=args.ffn_hidden_size or 4 * args.hidden_size, layers=args.num_layers,
+        moe_topk=topk, moe_ffn=getattr(args, "moe_ffn_hidden_size", None) or 0,
+        experts=experts, vocab=getattr(args, "padded_vocab_size", None) or 1,
+        qk_norm=bool(getattr(args, "qk_layernorm", False)))
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    return TrainConfig(
+        model=model,
+        parallel=ParallelConfig(
+            tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
+            pool_size=args.libra_pool_size, ep=getattr(args, "expert_model_parallel_size", 1),
+            pp=args.pipeline_model_parallel_size, vpp=vpp,
+            sequence_parallel=bool(args.sequence_parallel),
+            timeout_minutes=float(args.distributed_timeout_minutes or 10)),
+        system=system_config(args) if args.libra_system != "megatron-hybrid" else SystemConfig(),
+        data=DataConfig(context=args.seq_length, gbs=args.global_batch_size,
+                        seed=args.seed % 2**31),
+        schedule=ScheduleConfig(train_steps=args.train_iters or 1, warmup_steps=0),
+        dtype="bf16" if args.bf16 else "fp32",
+    )
+
+
+def _named(message: str) -> str:
+    """A config check's message with Megatron-LM's argument names for its fields."""
+    for f in dataclasses.fields(SystemConfig):
+        message = message.replace(f"system.{f.name}", _arg(f.name))
+    for field, arg in ARG_NAMES.items():
+        message = message.replace(field, arg)
+    return message
+
+
+def check_args(args, world_size: int | None = None) -> None:
+    """Every refusal knowable from the arguments, before any process group: raises ValueError
+    with one line naming the argument."""
+    world = world_size or args.world_size
+    if args.libra_system == "megatron-hybrid":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "--libra-system megatron-hybrid runs megatron-core's hybrid CP scheduler, which "
+                "needs a GPU with Transformer Engine (its THD attention with per-sequence CP "
+                "groups); run it on a GPU or choose libra, ulysses, wlb or distca")
+        return
+    cp_comm = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    if args.context_parallel_size > 1 and any(c != "a2a" for c in cp_comm):
+        raise ValueError(
+            f"--cp-comm-type {' '.join(map(str, cp_comm))}: with --libra-system "
+            f"{args.libra_system} Libra's operator is the core attention and runs its own CP "
+            "(Ulysses all-to-all inside the CP group); leave --cp-comm-type at a2a")
+    if getattr(args, "hybrid_context_parallel", False):
+        raise ValueError(
+            f"--hybrid-context-parallel is megatron-core's own CP scheduler; use it with "
+            f"--libra-system megatron-hybrid, not {args.libra_system}")
+    if args.micro_batch_size != 1:
+        raise ValueError(
+            f"--micro-batch-size {args.micro_batch_size}: Libra's micro-batch is one packed "
+            "sequence in THD layout (--micro-batch-size 1; the global batch size sets the "
+            "sequences per step)")
+    if args.dataloader_type != "external":
+        raise ValueError(
+            f"--dataloader-type {args.dataloader_type}: Libra serves each rank the samples its "
+            "replica executes under the step plan (leave --dataloader-type at external)")
+    if not args.mock_data:
+        paths = _data_paths(args)
+        if not paths:
+            raise ValueError("--data-path is required (or --mock-data for synthetic samples)")
+        for p in paths:
+            for ext in (".bin", ".idx"):
+                if not Path(p + ext).is_file():
+                    raise ValueError(f"--data-path: {p}{ext} does not exist")
+    if args.eval_iters and args.eval_interval and args.eval_interval <= (args.train_iters or 0):
+        raise ValueError(
+            f"--eval-iters {args.eval_iters}: validation through the step plan is not served by "
+            "pretrain_gpt_libra.py yet; set --eval-iters 0")
+    cfg = train_config(args, world)
+    try:
+        cfg.check_layout(world)
+        if cfg.system.chunks < 1:
+            raise ValueError(f"system.chunks must be >= 1, got {cfg.system.chunks}")
+        from libra_ext.attention.kernels import BACKENDS
+
+        if cfg.system.attention_backend not in ("auto",) + BACKENDS:
+            raise ValueError(
+                f"system.attention_backend must be auto or one of {', '.join(BACKENDS)}, "
+                f"got {cfg.system.attention_backend!r}")
+    except ValueError as e:
+        raise ValueError(_named(str(e))) from None
+
+
+def _data_paths(args) -> list[str]:
+    """Dataset prefixes of --data-path (weights dropped) and the per-split paths."""
+    out = []
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        items = getattr(args, name, None) or []
+        for x in items:
+            try:
+                float(x)
+            except ValueError:
+                out.append(x)
+    return out
+
+
+# ------------------------------------------------------------------------------ model
+
+
+_RUNTIME = None
+
+
+def runtime(args=None):
+    """This process's attention runtime (made once, on megatron-core's groups)."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        from megatron.core import parallel_state as ps
+
+        from libra_ext.attention.comm import GroupCache
+        from libra_ext.attention.core import Runtime
+
+        s = system_config(args)
+        dp = ps.get_data_parallel_world_size()
+        _RUNTIME = Runtime(
+            groups=GroupCache(tp=args.tensor_model_parallel_size,
+                              cp=args.context_parallel_size, dp=dp,
+                              timeout_s=float(args.distributed_timeout_minutes or 10) * 60,
+                              pp=args.pipeline_model_parallel_size,
+                              cp_group=ps.get_context_parallel_group()),
+            chunks=s.chunks, pipelined=s.pipeline,
+            backend=None if s.attention_backend == "auto" else s.attention_backend)
+    return _RUNTIME
+
+
+def layer_spec(config=None, vp_stage=None):
+    """GPTModelConfig.transformer_layer_spec: megatron-core's GPT layer with Libra's core
+    attention (TE spec where TE imports on a GPU, local otherwise)."""
+    from megatron.training import get_args
+
+    from megatron.libra import model as libra_model
+    from megatron.libra import rope
+    from megatron.libra.config import resolve_impl
+
+    args = get_args()
+    rope.install()  # THD RoPE from each slot's position: a fixed number of kernels
+    cfg = train_config(args)
+    impl = resolve_impl("auto" if args.transformer_impl != "local" else "local")
+    return libra_model.layer_spec(cfg.model, args.libra_system, runtime(args), impl)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+class GPTDatasetSource:
+    """Megatron's GPTDataset (or a blend of them) as the sampler's document source: step k is
+    the samples [k * gbs, (k + 1) * gbs), each a packed sequence whose documents' lengths come
+    from the dataset's sample and document indices (never from the tokens). A document of a
+    sample is a piece of it with the tokens, labels and loss mask GPTDataset gives (its EOD
+    handling, `--eod-mask-loss`, `--reset-*` as Megatron-LM sets them)."""
+
+    def __init__(self, dataset, gbs: int, keep_steps: int):
+        self.ds, self.gbs, self.keep_steps = dataset, gbs, keep_steps
+        self._pieces: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
+        self._samples: dict[int, dict] = {}
+
+    def _leaf(self, i: int):
+        """(GPTDataset, its sample index) of sample i of the (possibly blended) dataset."""
+        ds = self.ds
+        while hasattr(ds, "dataset_index"):  # a BlendedDataset
+            ds, i = ds.datasets[int(ds.dataset_index[i])], int(ds.dataset_sample_index[i])
+        return ds, i
+
+    def lengths(self, i: int) -> list[int]:
+        """Document lengths of sample i inside its seq_length tokens, from the indices."""
+        ds, j = self._leaf(i)
+        j = int(ds.shuffle_index[j])
+        (p0, o0), (p1, o1) = ds.sample_index[j], ds.sample_index[j + 1]
+        docs = np.asarray(ds.document_index[p0:p1 + 1])
+        full = np.asarray(ds.dataset.sequence_lengths)[docs].astype(np.int64)
+        extra = int(getattr(ds.config, "add_extra_token_to_sequence", True))
+        if p0 == p1:
+            seg = [int(o1 - o0 + extra)]
+        else:
+            seg = [int(full[0] - o0)] + [int(x) for x in full[1:-1]] + [int(o1 + extra)]
+        # the sample's tokens are its first seq_length; the extra one is only a label
+        n = ds.config.sequence_length
+        out, used = [], 0
+        for x in seg:
+            take = min(x, n - used)
+            if take > 0:
+                out.append(take)
+                used += take
+        if used < n:  # a short last sample is padded by GPTDataset: one more piece
+            out.append(n - used)
+        return out
+
+    def step(self, step: int, doc_base: int = 0) -> list[list[int]]:
+        seqs, flat = [], []
+        for i in range(step * self.gbs, (step + 1) * self.gbs):
+            lengths = self.lengths(i % len(self.ds))
+            off = 0
+            for n in lengths:
+                flat.append((i % len(self.ds), off, n))
+                off += n
+            seqs.append(lengths)
+        self._pieces[step] = (doc_base, flat)
+        for gone in [k for k in self._pieces if k <= step - self.keep_steps]:
+            del self._pieces[gone]
+        return seqs
+
+    def epochs(self, step: int) -> tuple[int, int]:
+        return 0, 0
+
+    def _lookup(self, doc_id: int) -> tuple[int, int, int]:
+        for base, flat in self._pieces.values():
+            if base <= doc_id < base + len(flat):
+                return flat[doc_id - base]
+        raise KeyError(f"document {doc_id} is not among the last {self.keep_steps} steps' inputs")
+
+    def _sample(self, i: int) -> dict:
+        if i not in self._samples:
+            if len(self._samples) >= 4 * self.gbs:
+                self._samples.pop(next(iter(self._samples)))
+            self._samples[i] = self.ds[i]
+        return self._samples[i]
+
+    def piece(self, doc_id: int, length: int) -> Piece:
+        i, off, n = self._lookup(doc_id)
+        if n != length:
+            raise ValueError(f"document {doc_id} has {n} tokens here, the plan says {length}")
+        s = self._sample(i)
+        sl = slice(off, off + n)
+        return Piece(np.asarray(s["tokens"][sl], dtype=np.int64),
+                     np.asarray(s["labels"][sl], dtype=np.int64),
+                     np.asarray(s["loss_mask"][sl], dtype=np.float32))
+
+    def label_count(self, doc_id: int, length: int) -> int:
+        return int(self.piece(doc_id, length).mask.sum())
+
+
+class StepMicroBatches:
+    """The training iterator Megatron-LM's schedule reads (`--dataloader-type external`): each
+    `next` is this rank's next micro-batch, on the device; the step plan behind them is made one
+    step ahead by the sampler's thread."""
+
+    def __init__(self, args, dataset, start_step: int):
+        from megatron.core import parallel_state as ps
+
+        from megatron.libra.data import StepSampler, held_steps
+        from megatron.libra.train import new_planner
+
+        self.args = args
+        self.cfg = cfg = train_config(args)
+        self.rt = runtime(args)
+        self.r, self.c = self.rt.groups.r, self.rt.groups.c
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        self.rank0 = torch.distributed.get_rank() == 0
+        planner = new_planner(cfg, ps.get_data_parallel_world_size(),
+                              torch.finfo(torch.bfloat16 if args.bf16 else torch.float32).bits
+                              // 8)
+        src = GPTDatasetSource(dataset, cfg.data.gbs, held_steps(cfg))
+        self.sampler = StepSampler(cfg, planner, replica=self.r, start_step=start_step,
+                                   cp_rank=self.c, source=src,
+                                   stop_step=args.train_iters)
+        self.step = start_step
+        self._micro: deque = deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from megatron.libra.train import device_micro_batches
+
+        if not self._micro:
+            batch = self.sampler.next()
+            self._micro.extend(device_micro_batches(batch, self.rt, self.device,
+                                                    self.cfg.parallel.cp, self.c, self.r))
+            self.step = batch.step + 1
+            if self.rank0 and self.step % max(self.args.log_interval, 1) == 0:
+                plan = batch.plan
+                print(f" libra | iteration {self.step:8d} | system: {self.args.libra_system} | "
+                      f"attn work max/mean: {plan.max_over_mean:.3f} | inter-pool imbalance: "
+                      f"{plan.inter_pool_imbalance:.3f} | planned exchange MB/rank: "
+                      f"{float(plan.rank_bytes_sent.mean()) / 1e6:.2f} |", flush=True)
+        return self._micro.popleft()
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron-LM's dataset provider: the training iterator over GPTDataset (MockGPTDataset
+    with --mock-data) under the step plan; no validation or test iterators."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        blend_per_split=blend_per_split, split=args.split,
+        path_to_cache=args.data_cache_path, tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False, mmap_bin_files=args.mmap_bin_files)
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        kind, train_val_test_num_samples, lambda: True, config).build()
+    return StepMicroBatches(args, train, start_step=args.iteration), None, None
+
+
+datasets_provider.is_distributed = True  # every rank builds it (it reads its replica's samples)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss: the micro-batch's summed token losses and its token count (Megatron-LM
+    divides by the global batch's count, --calculate-per-token-loss)."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    """Megatron-LM's forward_step: the rank's next micro-batch (on the device, with the step
+    plan in its PackedSeqParams) through the model."""
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    mb = next(data_iterator)
+    timers("batch-generator").stop()
+    out = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                packed_seq_params=mb.packed_seq_params)
+    return out, functools.partial(loss_func, mb.loss_mask)
+
+
+# ------------------------------------------------------------------------------ set-up
+
+
+def skip_helper_build() -> None:
+    """megatron-core's wheel ships its dataset index helpers compiled (helpers_cpp) but not their
+    Makefile, so `megatron.training`'s start-up compile step fails on every machine: skip it
+    when the compiled module imports."""
+    import importlib
+
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return
+    import megatron.core.datasets.utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: None
+
+
+def main(argv=None) -> int:
+    """pretrain_gpt_libra.py: parse Megatron-LM's and Libra's arguments, refuse bad ones before
+    any process group, then run megatron.training.pretrain with Libra's providers."""
+    from megatron.libra import cpu_shims
+    from megatron.libra.notices import quiet_megatron_notices
+
+    quiet_megatron_notices()
+    if cpu_shims.needed():
+        # Megatron-LM asks for it with TP or CP (kernel ordering on a GPU's queues); on CPU
+        # there are no queues to order
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    cpu_shims.apply()
+    skip_helper_build()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import (gpt_config_from_args,
+                                                  pretrain_cfg_container_from_args)
+    from megatron.training.arguments import parse_and_validate_args
+
+    if argv is not None:
+        sys.argv = [sys.argv[0]] + list(argv)
+    prog = os.path.basename(sys.argv[0]) or "pretrain_gpt_libra.py"
+    try:
+        args = parse_and_validate_args(extra_args_provider=add_libra_args,
+                                       args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+        check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except (ValueError, AssertionError) as e:
+        print(f"{prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        return 2
+    if args.libra_system == "megatron-hybrid":
+        args.hybrid_context_parallel = True
+    model_cfg = gpt_config_from_args(args)
+    if args.libra_system != "megatron-hybrid":
+        model_cfg.transformer_layer_spec = layer_spec
+    full = pretrain_cfg_container_from_args(args, model_cfg)
+    pretrain(full, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    return 0
