@@ -412,7 +412,7 @@ class StepSampler:
         self._flush_last = stop_step is not None
         self.keep_steps = held_steps(cfg)
         self._bases = dict(recent_bases or {})
-        if isinstance(self.source, IndexedSource):
+        if not isinstance(self.source, SyntheticSource):
             # a resumed run: documents WLB-LLM holds back from before the checkpoint stay
             # addressable (a step's layout is a function of the step alone)
             for s, base in sorted(self._bases.items()):

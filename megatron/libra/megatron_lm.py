@@ -7,7 +7,8 @@ TensorBoard, checkpoints and exit-signal handling; this module adds what Libra n
 - `add_libra_args`: the `--libra-*` arguments (every knob of a `libra train` config's `system`
   section, with its help text) as `extra_args_provider`, and Megatron defaults Libra relies on
   (`--dataloader-type external`: the step plan decides which rank reads which sample;
-  `--cp-comm-type a2a`: Libra's operator is the core attention);
+  `--cp-comm-type a2a`: Libra's operator is the core attention; `--calculate-per-token-loss`;
+  `--eval-iters 0`: validation is not served through the plan yet);
 - `check_args`: every refusal knowable from the arguments, before any process group, in one
   line naming the argument;
 - `layer_spec`: megatron-core's GPT layer (TE spec on a GPU with TE, local otherwise) with
@@ -109,7 +110,7 @@ def add_libra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--libra-pool-size", dest="libra_pool_size", type=int, default=1,
                        help="Replicas per Libra pool; must divide the data-parallel size.")
     parser.set_defaults(dataloader_type="external", cp_comm_type=["a2a"],
-                        calculate_per_token_loss=True)
+                        calculate_per_token_loss=True, eval_iters=0)
     return parser
 
 
@@ -388,11 +389,21 @@ class StepMicroBatches:
                               torch.finfo(torch.bfloat16 if args.bf16 else torch.float32).bits
                               // 8)
         src = GPTDatasetSource(dataset, cfg.data.gbs, held_steps(cfg))
-        self.sampler = StepSampler(cfg, planner, replica=self.r, start_step=start_step,
-                                   cp_rank=self.c, source=src,
-                                   stop_step=args.train_iters)
         self.step = start_step
+        self.last = None  # the StepBatch whose micro-batches were served last
         self._micro: deque = deque()
+        if start_step > 0 and args.load:
+            state = self._load_state(start_step)
+            if state is not None:
+                planner.load_state_dict(state["planner_state"])
+                src_state = (int(state["doc_base"]), dict(state["recent_bases"]))
+            else:
+                src_state = (0, {})
+        else:
+            src_state = (0, {})
+        self.sampler = StepSampler(cfg, planner, replica=self.r, start_step=start_step,
+                                   doc_base=src_state[0], recent_bases=src_state[1],
+                                   cp_rank=self.c, source=src, stop_step=args.train_iters)
 
     def __iter__(self):
         return self
@@ -401,7 +412,7 @@ class StepMicroBatches:
         from megatron.libra.train import device_micro_batches
 
         if not self._micro:
-            batch = self.sampler.next()
+            batch = self.last = self.sampler.next()
             self._micro.extend(device_micro_batches(batch, self.rt, self.device,
                                                     self.cfg.parallel.cp, self.c, self.r))
             self.step = batch.step + 1
@@ -415,6 +426,65 @@ class StepMicroBatches:
 
     def close(self) -> None:
         self.sampler.close()
+
+    # Megatron-LM's checkpoint has no slot for a planner: its external-dataloader hook
+    # (args.dataloader_save, `save_state`) stores this beside each checkpoint's shards, in the
+    # iteration's directory, as train_dataloader_dprank<NNN>.pt; Megatron's loader ignores it.
+    def save_state(self) -> dict:
+        """What resuming after the last served step needs: the planner's state after planning
+        it (WLB-LLM's held documents), the document counter and the recent steps' document
+        bases, and the settings the sample stream depends on."""
+        if self._micro:
+            raise RuntimeError("a checkpoint inside a step: its micro-batches are not all run")
+        b = self.last
+        return {
+            "next_step": 0 if b is None else b.step + 1,
+            "planner_state": self.sampler.planner.state_dict() if b is None
+            else b.planner_state,
+            "doc_base": 0 if b is None else b.doc_base + b.n_inputs,
+            "recent_bases": {} if b is None else dict(b.recent_bases),
+            "settings": libra_settings(self.args),
+        }
+
+    def _load_state(self, step: int) -> dict | None:
+        from megatron.core import parallel_state as ps
+        from megatron.training.checkpointing import get_checkpoint_name
+
+        path = get_checkpoint_name(
+            self.args.load, step, pipeline_parallel=ps.get_pipeline_model_parallel_world_size()
+            > 1, tensor_rank=0, pipeline_rank=0, expert_parallel=False, expert_rank=0,
+            basename=f"train_dataloader_dprank{ps.get_data_parallel_rank():03d}.pt")
+        if not os.path.isfile(path):
+            if self.args.libra_system == "wlb":
+                raise RuntimeError(
+                    f"resume at iteration {step}: {path} is missing, so the documents WLB-LLM "
+                    "held back at the checkpoint are unknown (a checkpoint saved without Libra?)")
+            if self.rank0:
+                print(f" libra | no planner state at {path}: the step plans restart at "
+                      f"iteration {step} from the samples alone", flush=True)
+            return None
+        state = torch.load(path, weights_only=False)["dataloader_state_dict"]
+        if int(state["next_step"]) != step:
+            raise RuntimeError(f"{path} holds the planner state before iteration "
+                               f"{state['next_step']}, not {step}")
+        old, new = state["settings"], libra_settings(self.args)
+        changed = [f"{k} = {old.get(k)!r} there, {new[k]!r} here" for k in new
+                   if old.get(k) != new[k]]
+        if changed:
+            raise RuntimeError(f"resume at iteration {step} with other Libra settings than the "
+                               f"checkpoint's: {'; '.join(changed)}")
+        return state
+
+
+def libra_settings(args) -> dict:
+    """The arguments a resumed run must keep for its samples and plans to be the uninterrupted
+    run's: every --libra-* argument, the global batch, the sequence length and the seed."""
+    out = {_arg(f.name): getattr(args, _dest(f.name)) for f in dataclasses.fields(SystemConfig)}
+    out["--libra-pool-size"] = args.libra_pool_size
+    out["--global-batch-size"] = args.global_batch_size
+    out["--seq-length"] = args.seq_length
+    out["--seed"] = args.seed
+    return out
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -518,8 +588,12 @@ def main(argv=None) -> int:
         print(f"{prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)
         return 2
+    if args.eval_interval is None:  # no validation (check_args): Megatron-LM still divides
+        args.eval_interval = args.train_iters
     if args.libra_system == "megatron-hybrid":
         args.hybrid_context_parallel = True
+    elif args.save and not getattr(args, "dataloader_save", None):
+        args.dataloader_save = args.save  # the planner's state beside each checkpoint
     model_cfg = gpt_config_from_args(args)
     if args.libra_system != "megatron-hybrid":
         model_cfg.transformer_layer_spec = layer_spec

@@ -1,0 +1,139 @@
+"""pretrain_gpt_libra.py: Libra inside Megatron-LM's own training loop (megatron.training of
+megatron-core >= 0.19, Python >= 3.12), on CPU with gloo."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None,
+                       reason="megatron.training ships with megatron-core >= 0.19 (Python >= "
+                              "3.12): .ci/run's second environment runs these"),
+    pytest.mark.slow,
+]
+
+TINY = [
+    "--distributed-backend", "gloo", "--num-layers", "2", "--hidden-size", "64",
+    "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+    "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+    "--lr", "1e-3", "--use-cpu-initialization", "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion", "--log-interval", "1", "--eval-iters", "0",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+    "--disable-bias-linear", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
+]
+MOCK = ["--mock-data", "--vocab-size", "512", "--tokenizer-type", "NullTokenizer"]
+
+
+def _torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    from libra_ext.attention.verify import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_libra.py"), *TINY, *args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
+
+
+def _losses(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\] iteration +\d+/ *\d+ \|.*?lm loss: ([0-9.E+-]+)",
+                                         out)]
+
+
+def test_every_system_trains_to_the_same_losses_at_cp2_pool2():
+    # 4 processes: cp 2 x dp 2, one pool of 2; the same model, weights and samples. WLB-LLM
+    # holds nothing back here (outlier length above the sequence), so its steps hold the
+    # same documents and its losses must equal the others'.
+    runs = {}
+    for system in ("libra", "ulysses", "wlb", "distca"):
+        extra = ["--libra-wlb-outlier-len", "100000"] if system == "wlb" else []
+        run = _torchrun(4, [*MOCK, "--global-batch-size", "8", "--train-iters", "2",
+                            "--context-parallel-size", "2", "--libra-pool-size", "2",
+                            "--libra-system", system, *extra])
+        assert run.returncode == 0, run.stderr[-3000:]
+        losses = _losses(run.stdout)
+        assert len(losses) == 2, run.stdout[-3000:]
+        runs[system] = losses
+        # Megatron-LM's iteration line, and Libra's fields beside it
+        assert re.search(r"iteration +2/ +2 \| consumed samples: +16 \|", run.stdout)
+        assert re.search(rf"libra \| iteration +2 \| system: {system} \| attn work max/mean: "
+                         r"[0-9.]+ \| inter-pool imbalance: [0-9.]+ \| planned exchange "
+                         r"MB/rank: [0-9.]+ \|", run.stdout), run.stdout[-2000:]
+    ref = runs["libra"]
+    assert 5.0 < ref[0] < 7.0  # ln(512) = 6.24 at initialisation
+    for system, losses in runs.items():
+        for a, b in zip(losses, ref):
+            assert abs(a - b) <= 1e-5 * abs(b), (system, losses, ref)
+
+
+BAD = [
+    (["--libra-system", "bogus"], "argument --libra-system: invalid choice: 'bogus'"),
+    (["--libra-pool-size", "3"],
+     "--libra-pool-size (P=3) must divide the data-parallel size (D=2)"),
+    (["--cp-comm-type", "p2p"], "--cp-comm-type p2p: with --libra-system libra"),
+    (["--micro-batch-size", "2"], "--micro-batch-size 2: Libra's micro-batch is one packed"),
+    (["--libra-chunks", "0"], "--libra-chunks must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=[b[0][0] for b in BAD])
+def test_bad_arguments_are_refused_before_any_process_group(extra, message):
+    # one process standing for rank 0 of 4 (cp 2, dp 2) and no launcher: a refusal must come
+    # before anything waits for the other ranks
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt_libra.py"), *TINY, *MOCK,
+         "--global-batch-size", "8", "--train-iters", "2", "--context-parallel-size", "2",
+         *extra], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 2, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("pretrain_gpt_libra.py: error: ") and message in last, last
+    assert "initializing torch distributed" not in run.stdout
+
+
+def test_a_missing_data_path_is_refused_naming_it(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt_libra.py"), *TINY, "--vocab-size", "512",
+         "--tokenizer-type", "NullTokenizer", "--global-batch-size", "2", "--train-iters", "1",
+         "--data-path", str(tmp_path / "nothing")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"pretrain_gpt_libra.py: error: --data-path: {tmp_path / 'nothing'}.bin does not exist")
+
+
+def test_trains_on_an_indexed_dataset_made_from_text_with_documents_from_its_index(tmp_path):
+    # a real text file, tokenized offline by the project's dataset tool (byte-level BPE),
+    # served by Megatron's own GPTDataset; the plan's documents are the index's
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    paras = [p for p in text.split("\n\n") if p.strip()]
+    for i, p in enumerate(paras):
+        (corpus / f"doc{i:04d}.txt").write_text(p, encoding="utf-8")
+    prefix = tmp_path / "readme"
+    built = subprocess.run([sys.executable, str(ROOT / "tools/build_indexed_dataset.py"),
+                            str(corpus), str(prefix)], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
+    assert built.returncode == 0, built.stderr[-2000:]
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(f"{prefix}.tokenizer.json").get_vocab_size()
+    run = _torchrun(2, ["--data-path", str(prefix), "--split", "99,1,0", "--vocab-size",
+                        str(vocab), "--tokenizer-type", "NullTokenizer", "--global-batch-size",
+                        "4", "--train-iters", "2", "--context-parallel-size", "2"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = _losses(run.stdout)
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses), run.stdout[-2000:]
+    assert "libra | iteration        2 | system: libra" in run.stdout
