@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -462,7 +463,11 @@ def _load_common(path: Path) -> tuple[dict | None, str | None]:
     if problem is not None:
         return None, problem
     try:
-        return dist_checkpointing.load_common_state_dict(str(path)), None
+        with warnings.catch_warnings():  # read here in one process, on purpose (megatron-core
+            # 0.19 reads it through torch.distributed.checkpoint, which warns of that)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, "
+                                    "unavailable or uninitialized", category=UserWarning)
+            return dist_checkpointing.load_common_state_dict(str(path)), None
     except Exception as e:  # a truncated or garbled common state
         return None, f"its common state does not load: {_first_line(e)}"
 

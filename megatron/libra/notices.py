@@ -6,7 +6,8 @@ not about anything in a config). megatron-core 0.19 and a CUDA build of PyTorch 
 without a GPU add a few of their own, some through `logging` (LOGGED_NOTICES): that no CUDA
 runtime is found (a CPU run, by design), that megatron-core's GPTModel and its own async save
 strategy are deprecated in favour of classes Libra does not use, that absl is absent, and that
-its MIMO config is experimental. Every other warning still shows."""
+its MIMO config is experimental, and that TE (absent, read as version 0.0.0) is too old for
+MoE experts. Every other warning still shows."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ MEGATRON_NOTICES = (
     (r"Apex is not installed\. Falling back to Torch Norm", UserWarning),
     (r"absl\.logging is not installed", UserWarning),
     (r"MimoModelConfig is experimental", UserWarning),
+    # TE's version read as 0.0.0: TE is absent (the CPU path); an old TE still warns
+    (r"Only transformer-engine>=1\.7\.0 supports MoE experts, but your version is 0\.0\.0",
+     UserWarning),
 )
 
 LOGGED_NOTICES = (
