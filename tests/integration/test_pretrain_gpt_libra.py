@@ -83,6 +83,8 @@ BAD = [
     (["--cp-comm-type", "p2p"], "--cp-comm-type p2p: with --libra-system libra"),
     (["--micro-batch-size", "2"], "--micro-batch-size 2: Libra's micro-batch is one packed"),
     (["--libra-chunks", "0"], "--libra-chunks must be >= 1, got 0"),
+    (["--libra-system", "megatron-hybrid"],
+     "--libra-system megatron-hybrid runs megatron-core's hybrid CP scheduler, which needs a GPU"),
 ]
 
 
@@ -137,3 +139,68 @@ def test_trains_on_an_indexed_dataset_made_from_text_with_documents_from_its_ind
     losses = _losses(run.stdout)
     assert len(losses) == 2 and all(0 < x < 10 for x in losses), run.stdout[-2000:]
     assert "libra | iteration        2 | system: libra" in run.stdout
+
+
+def test_a_resume_with_other_libra_settings_is_refused_naming_old_and_new(tmp_path):
+    ck = str(tmp_path / "ck")
+    common = [*MOCK, "--global-batch-size", "2", "--train-iters", "2", "--save", ck,
+              "--save-interval", "1", "--ckpt-format", "torch"]
+    first = _torchrun(1, common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # the planner's state sits beside Megatron-LM's shards, where its loader ignores it
+    assert (tmp_path / "ck/iter_0000001/mp_rank_00/train_dataloader_dprank000.pt").is_file()
+    import shutil
+
+    shutil.rmtree(tmp_path / "ck/iter_0000002")  # "killed" after iteration 1's checkpoint
+    (tmp_path / "ck/latest_checkpointed_iteration.txt").write_text("1")
+    again = _torchrun(1, [*common, "--load", ck, "--libra-chunks", "3"])
+    assert again.returncode != 0
+    assert ("resume at iteration 1 with other Libra settings than the checkpoint's: "
+            "--libra-chunks = 2 there, 3 here") in again.stderr, again.stderr[-3000:]
+
+
+def _state(path: Path) -> dict:
+    import torch
+
+    sd = torch.load(path / "mp_rank_00/model_optim_rng.pt", weights_only=False)
+    flat = {}
+
+    def walk(x, key):
+        if isinstance(x, torch.Tensor):
+            flat[key] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{key}.{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{key}[{i}]")
+
+    walk(sd["model"], "model")
+    walk(sd["optimizer"], "optimizer")
+    return flat
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
+    # WLB-LLM at cp 2 / pool 2 holds documents back across steps: the resumed run must get the
+    # planner's state from beside the checkpoint to run the same documents. The weights and
+    # Adam states after the last step are compared exactly (Megatron-LM's log line right after
+    # a resume averages the loss over more than one iteration, so it cannot be compared).
+    common = [*MOCK, "--global-batch-size", "8", "--train-iters", "4", "--context-parallel-size",
+              "2", "--libra-pool-size", "2", "--libra-system", "wlb", "--save-interval", "2",
+              "--ckpt-format", "torch"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run = _torchrun(4, [*common, "--save", str(full)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    # "killed" after the checkpoint of iteration 2: only it survives
+    import shutil
+
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "iter_0000004")
+    (cut / "latest_checkpointed_iteration.txt").write_text("2")
+    again = _torchrun(4, [*common, "--save", str(cut), "--load", str(cut)])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "loading" in again.stdout and "iteration        3/       4" in again.stdout
+    a, b = _state(full / "iter_0000004"), _state(cut / "iter_0000004")
+    assert a.keys() == b.keys() and len(a) > 20
+    for k in a:
+        assert a[k].dtype == b[k].dtype and bool((a[k] == b[k]).all()), k
