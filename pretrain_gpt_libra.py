@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Pretrain a GPT with Libra's attention scheduling inside Megatron-LM's own training loop.
 
     torchrun --nproc-per-node 4 pretrain_gpt_libra.py <Megatron-LM's arguments> \\

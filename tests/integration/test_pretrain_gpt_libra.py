@@ -204,3 +204,18 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
     assert a.keys() == b.keys() and len(a) > 20
     for k in a:
         assert a[k].dtype == b[k].dtype and bool((a[k] == b[k]).all()), k
+
+
+def test_the_sbatch_script_runs_it_under_torchrun_on_every_node(tmp_path):
+    # srun and scontrol are stand-ins (run here, name this host); torchrun and its c10d
+    # rendezvous are real: 2 "GPUs" of one node, cp 2
+    from tests.integration.test_slurm_scripts import _slurm
+
+    env = dict(_slurm(tmp_path), PYTHONPATH=str(ROOT))
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts/slurm/pretrain_gpt_libra.sbatch"), *TINY, *MOCK,
+         "--global-batch-size", "2", "--train-iters", "1", "--context-parallel-size", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(_losses(run.stdout)) == 1
+    assert "libra | iteration        1 | system: libra" in run.stdout
