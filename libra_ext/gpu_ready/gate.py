@@ -115,7 +115,6 @@ class _Projection(torch.autograd.Function):
         return grad, None
 
 
-
 def _failure(e: BaseException) -> dict:
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if ("libra_ext" in f.filename or "megatron/libra" in f.filename)

@@ -101,6 +101,19 @@ class SystemConfig:
         "wlb_release_count",
     )
 
+    def check(self) -> None:
+        """The system section's own checks: the system, the exchange chunks, the kernel."""
+        if self.name not in SYSTEMS:
+            raise ValueError(
+                f"system.name must be one of {', '.join(SYSTEMS)}, got {self.name!r}")
+        if self.chunks < 1:
+            raise ValueError(f"system.chunks must be >= 1, got {self.chunks}")
+        if self.attention_backend not in ("auto",) + BACKENDS:
+            raise ValueError(
+                f"system.attention_backend must be auto or one of {', '.join(BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+
     def planner_options(self, order: str, dtype_bytes: int):
         """The PlannerOptions these settings stand for (every planner knob, one default each)."""
         from libra_ext.planner import PlannerOptions
@@ -517,15 +530,7 @@ class TrainConfig:
                 "optimizer.overlap_param_gather needs the distributed optimizer "
                 "(optimizer.distributed=true)"
             )
-        if s.name not in SYSTEMS:
-            raise ValueError(f"system.name must be one of {', '.join(SYSTEMS)}, got {s.name!r}")
-        if s.chunks < 1:
-            raise ValueError(f"system.chunks must be >= 1, got {s.chunks}")
-        if s.attention_backend not in ("auto",) + BACKENDS:
-            raise ValueError(
-                f"system.attention_backend must be auto or one of {', '.join(BACKENDS)}, "
-                f"got {s.attention_backend!r}"
-            )
+        s.check()
         if d.context <= 0:
             raise ValueError(f"data.context must be positive, got {d.context}")
         if d.context > MAX_TOKENS:

@@ -334,19 +334,15 @@ class _HostEvent:
         return None
 
 
-class _CudaOnCpu(types.ModuleType):
+class _CudaOnCpu(_CudaWithoutStreams):
     """`torch.cuda` as Megatron-LM's training loop sees it on CPU: one device (the CPU), whose
     streams ran everything in order, whose events read the host clock, with no RNG state of its
     own (the CPU generator's is kept beside it) and no memory to report."""
-
-    def __getattr__(self, name):
-        return getattr(torch.cuda, name)
 
     is_available = staticmethod(lambda: True)
     device_count = staticmethod(lambda: 1)
     current_device = staticmethod(lambda: "cpu")
     set_device = staticmethod(lambda device: None)
-    synchronize = staticmethod(lambda device=None: None)
     empty_cache = staticmethod(lambda: None)
     memory_stats = staticmethod(lambda device=None: {})
     memory_allocated = staticmethod(lambda device=None: 0)
@@ -354,7 +350,6 @@ class _CudaOnCpu(types.ModuleType):
     memory_reserved = staticmethod(lambda device=None: 0)
     max_memory_reserved = staticmethod(lambda device=None: 0)
     reset_peak_memory_stats = staticmethod(lambda device=None: None)
-    current_stream = staticmethod(lambda device=None: _NoStream())
     Stream = staticmethod(lambda *args, **kwargs: _NoStream())
     stream = staticmethod(lambda stream=None: contextlib.nullcontext())
     Event = _HostEvent

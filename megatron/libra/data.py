@@ -348,7 +348,8 @@ class StepBatch:
     step: int
     plan: StepPlan
     pieces: dict  # executed document index in the plan -> Piece (this replica's documents only)
-    label_tokens: int  # tokens with a label in the whole global batch (the loss denominator)
+    label_tokens: int | None  # tokens with a label in the whole global batch (the loss
+    # denominator; None from a source without label_count)
     planner_state: dict  # planner state after planning this step (checkpointed with it)
     doc_base: int  # global id of this step's first input document
     n_inputs: int  # input documents this step consumed
@@ -432,9 +433,11 @@ class StepSampler:
         else:
             ids = plan.doc_ids + self._doc_base
         lengths = plan.doc_lengths
+        # the loss denominator, where the loop needs it from the sampler (a source without
+        # label_count serves a loop that counts its tokens itself, as Megatron-LM's does)
         label_tokens = sum(
             self.source.label_count(int(i), int(n)) for i, n in zip(ids, lengths, strict=True)
-        )
+        ) if hasattr(self.source, "label_count") else None
         pieces = {}
         off = plan.seq_doc_offsets
         for seq in np.flatnonzero(plan.seq_replica == self.replica):

@@ -120,7 +120,7 @@ def system_config(args) -> SystemConfig:
     return SystemConfig(**kw)
 
 
-def train_config(args, world_size: int | None = None) -> TrainConfig:
+def train_config(args) -> TrainConfig:
     """A `libra train` config of the same layout, model, data stream and system as Megatron-LM's
     arguments: what the planner, the sampler and the checks read."""
     from megatron.libra.config import (DataConfig, ParallelConfig, ScheduleConfig,
@@ -205,17 +205,10 @@ def check_args(args, world_size: int | None = None) -> None:
         raise ValueError(
             f"--eval-iters {args.eval_iters}: validation through the step plan is not served by "
             "pretrain_gpt_libra.py yet; set --eval-iters 0")
-    cfg = train_config(args, world)
+    cfg = train_config(args)
     try:
         cfg.check_layout(world)
-        if cfg.system.chunks < 1:
-            raise ValueError(f"system.chunks must be >= 1, got {cfg.system.chunks}")
-        from libra_ext.attention.kernels import BACKENDS
-
-        if cfg.system.attention_backend not in ("auto",) + BACKENDS:
-            raise ValueError(
-                f"system.attention_backend must be auto or one of {', '.join(BACKENDS)}, "
-                f"got {cfg.system.attention_backend!r}")
+        cfg.system.check()
     except ValueError as e:
         raise ValueError(_named(str(e))) from None
 
@@ -285,7 +278,9 @@ class GPTDatasetSource:
     the samples [k * gbs, (k + 1) * gbs), each a packed sequence whose documents' lengths come
     from the dataset's sample and document indices (never from the tokens). A document of a
     sample is a piece of it with the tokens, labels and loss mask GPTDataset gives (its EOD
-    handling, `--eod-mask-loss`, `--reset-*` as Megatron-LM sets them)."""
+    handling, `--eod-mask-loss`, `--reset-*` as Megatron-LM sets them). It has no label_count:
+    Megatron-LM's loop counts the loss tokens itself, so no rank reads the samples of replicas
+    other than its own."""
 
     def __init__(self, dataset, gbs: int, keep_steps: int):
         self.ds, self.gbs, self.keep_steps = dataset, gbs, keep_steps
@@ -362,9 +357,6 @@ class GPTDatasetSource:
         return Piece(np.asarray(s["tokens"][sl], dtype=np.int64),
                      np.asarray(s["labels"][sl], dtype=np.int64),
                      np.asarray(s["loss_mask"][sl], dtype=np.float32))
-
-    def label_count(self, doc_id: int, length: int) -> int:
-        return int(self.piece(doc_id, length).mask.sum())
 
 
 class StepMicroBatches:
