@@ -37,7 +37,9 @@ named, and tests/test_cpu_shims.py shows for each one that megatron-core fails o
   its flags and loss sums, asks `torch.cuda` for a device, streams, events, RNG states and memory
   statistics, and synchronizes; those modules see a `torch` whose factories put "cuda" tensors
   on the CPU and whose `cuda` is one CPU device (`_CudaOnCpu`: streams where everything already
-  ran in order, events that read the host clock, no RNG state of its own, zero memory figures).
+  ran in order, events that read the host clock, no RNG state of its own, zero memory figures),
+  and whose `device("cuda:<index>")` (its packed-sequence FLOPs statistics, its meta-device
+  model materialization) is the CPU.
 
 A shim some megatron-core versions do not need (`APPLIES`) is left out where the installed one
 has nothing for it to patch.
@@ -360,6 +362,15 @@ class _CudaOnCpu(_CudaWithoutStreams):
     set_rng_state = staticmethod(lambda state, device="cuda": None)
 
 
+def _device_on_cpu(*args, **kwargs) -> torch.device:
+    """torch.device, with any "cuda" device the CPU (also f"cuda:{torch.cuda.current_device()}",
+    which is "cuda:cpu" here)."""
+    if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+        return torch.device("cpu")
+    d = torch.device(*args, **kwargs)
+    return torch.device("cpu") if d.type == "cuda" else d
+
+
 MEGATRON_TRAINING_MODULES = (
     "megatron.training.arguments",
     "megatron.training.training",
@@ -376,6 +387,7 @@ MEGATRON_TRAINING_MODULES = (
 def _shim_megatron_training() -> None:
     proxy = _torch_on_cpu(("rand", "randn", "zeros_like", "ones_like", "empty_like", "full_like"))
     proxy.cuda = _CudaOnCpu("torch.cuda")
+    proxy.device = _device_on_cpu
     for name in MEGATRON_TRAINING_MODULES:
         importlib.import_module(name).torch = proxy
 

@@ -109,6 +109,11 @@ def add_libra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                help=help_text)
     group.add_argument("--libra-pool-size", dest="libra_pool_size", type=int, default=1,
                        help="Replicas per Libra pool; must divide the data-parallel size.")
+    group.add_argument("--no-libra-attention-time", dest="libra_attention_time",
+                       action="store_false", default=True,
+                       help="Do not measure each rank's core-attention time (forward and "
+                       "backward; CUDA events on a GPU, read once per log interval) for "
+                       "Libra's log line.")
     parser.set_defaults(dataloader_type="external", cp_comm_type=["a2a"],
                         calculate_per_token_loss=True, eval_iters=0)
     return parser
@@ -224,6 +229,168 @@ def _data_paths(args) -> list[str]:
             except ValueError:
                 out.append(x)
     return out
+
+
+# ------------------------------------------------------------------------------ --yaml-cfg
+
+LIBRA_SECTION_KEYS = {"name": "libra_system", "system": "libra_system",
+                      "pool_size": "libra_pool_size"}
+"""Keys of a --yaml-cfg file's `libra:` section that are not `--libra-<key>`: the section takes
+the keys of a `libra train` config's `system` section (`name`, `block`, `chunks`, ...) and the
+pool size."""
+
+
+def _split_yaml_cfg(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(--yaml-cfg's path, the other arguments) of a command line."""
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--yaml-cfg":
+            if i + 1 >= len(argv):
+                raise ValueError("--yaml-cfg: expected a file path")
+            path, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--yaml-cfg="):
+            path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return path, rest
+
+
+def yaml_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """A --yaml-cfg file as the command-line arguments it stands for, checked against `parser`
+    (Megatron-LM's arguments and Libra's).
+
+    Keys are Megatron-LM's argument names with underscores (`num_layers: 2`,
+    `context_parallel_size: 2`, `mock_data: true`), as at the top level of Megatron-LM's own
+    YAML files; a mapping under a key that is no argument (`model_parallel:`, `training:`, ...)
+    only groups such keys. The `libra:` section takes the keys of a `libra train` config's
+    `system` section and `pool_size`. Arguments given on the command line as well win (they come
+    after these); `null` leaves an argument at its default. An unknown key, a value of the wrong
+    kind or one key given twice raises ValueError naming the key."""
+    import difflib
+
+    import yaml
+
+    where = f"--yaml-cfg {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{where}: not YAML ({str(e).splitlines()[0]})") from None
+    if doc is None:
+        return []
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: expected a mapping of argument names to values")
+    actions: dict[str, list] = {}
+    options: dict[str, argparse.Action] = {}  # option name (no dashes) -> its action
+    for a in parser._actions:
+        if a.option_strings and a.dest != "help":
+            actions.setdefault(a.dest, []).append(a)
+            for o in a.option_strings:
+                options[o.lstrip("-").replace("-", "_")] = a
+    system_fields = {f.name for f in dataclasses.fields(SystemConfig)}
+    out: list[str] = []
+    seen: dict[str, str] = {}
+
+    def emit(key: str, dest: str, value) -> None:
+        if dest in seen:
+            raise ValueError(f"{where}: {key} sets --{dest.replace('_', '-')} again "
+                             f"(as {seen[dest]} did)")
+        seen[dest] = key
+        if value is None:
+            return
+        acts = actions[dest]
+        long = lambda a: next((o for o in a.option_strings if o.startswith("--")),  # noqa: E731
+                              a.option_strings[0])
+        if isinstance(value, bool):
+            flags = [a for a in acts if isinstance(a.const, bool) and a.nargs == 0]
+            for a in flags:
+                if a.const is value:
+                    out.append(long(a))
+                    return
+            if flags:
+                if value == flags[0].default:
+                    return
+                raise ValueError(f"{where}: {key}: {long(flags[0])} cannot be set to {value}")
+        a = acts[0]
+        if a.nargs == 0:
+            raise ValueError(f"{where}: {key}: {long(a)} is a flag: give true or false, "
+                             f"not {value!r}")
+        many = a.nargs in ("+", "*") or isinstance(a.nargs, int)
+        if isinstance(value, list):
+            if not many:
+                raise ValueError(f"{where}: {key}: {long(a)} takes one value, not a list")
+            out.extend([long(a), *map(str, value)])
+        elif isinstance(value, dict):
+            raise ValueError(f"{where}: {key}: {long(a)} takes a value, not a mapping")
+        else:
+            out.extend([long(a), str(value)])
+
+    def unknown(key: str, name: str, pool) -> ValueError:
+        near = difflib.get_close_matches(name, list(pool), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        return ValueError(f"{where}: {key} is not a Megatron-LM or Libra argument{hint}")
+
+    def walk(mapping: dict, prefix: str) -> None:
+        for k, v in mapping.items():
+            key = f"{prefix}{k}"
+            name = str(k).replace("-", "_")
+            if prefix == "" and name == "libra" and name not in actions:
+                if not isinstance(v, dict):
+                    raise ValueError(f"{where}: libra: expected a mapping (the system section)")
+                for lk, lv in v.items():
+                    lname = str(lk).replace("-", "_")
+                    if lname in LIBRA_SECTION_KEYS:
+                        emit(f"libra.{lk}", LIBRA_SECTION_KEYS[lname], lv)
+                    elif lname in system_fields:
+                        emit(f"libra.{lk}", _dest(lname), lv)
+                    else:
+                        near = difflib.get_close_matches(
+                            lname, sorted(system_fields | set(LIBRA_SECTION_KEYS)), n=1)
+                        hint = f" (did you mean {near[0]}?)" if near else ""
+                        raise ValueError(f"{where}: libra.{lk} is not a key of the system "
+                                         f"section or pool_size{hint}")
+            elif name == "yaml_cfg":
+                raise ValueError(f"{where}: {key}: a --yaml-cfg file cannot name another")
+            elif name in actions:
+                emit(key, name, v)
+            elif name in options and options[name].nargs == 0:
+                # a flag by its option's name (disable_bias_linear: true)
+                a = options[name]
+                if not isinstance(v, bool):
+                    raise ValueError(f"{where}: {key}: --{k} is a flag: give true or false, "
+                                     f"not {v!r}")
+                emit(key, a.dest, a.const if v else None)
+            elif name in options:
+                emit(key, options[name].dest, v)
+            elif isinstance(v, dict):
+                walk(v, key + ".")
+            else:
+                raise unknown(key, name, set(actions) | set(options))
+
+    walk(doc, "")
+    return out
+
+
+def expand_yaml_cfg(argv: list[str]) -> tuple[list[str], str | None]:
+    """Megatron-LM's and Libra's arguments with --yaml-cfg replaced by the file's arguments
+    (the command line's own after them, so they win), and the file's path. Megatron-LM's own
+    --yaml-cfg mode (every argument from the file, the command line ignored) is not used."""
+    path, rest = _split_yaml_cfg(argv)
+    if path is None:
+        return argv, None
+    return yaml_argv(path, _megatron_parser()) + rest, path
+
+
+def _megatron_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's argument parser with Libra's arguments (as parse_args builds it)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_libra_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
 
 
 # ------------------------------------------------------------------------------ model
@@ -359,6 +526,20 @@ class GPTDatasetSource:
                      np.asarray(s["loss_mask"][sl], dtype=np.float32))
 
 
+_TRAIN_ITERATOR: list = [None]  # the StepMicroBatches of this process's training run
+
+
+def finalize_model_grads_then_log(*args, **kwargs):
+    """megatron-core's finalize_model_grads (the step's gradient reduction, at the end of its
+    backward on every rank), then Libra's per-step accounting (StepMicroBatches.step_end)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    out = finalize_model_grads(*args, **kwargs)
+    if _TRAIN_ITERATOR[0] is not None:
+        _TRAIN_ITERATOR[0].step_end()
+    return out
+
+
 class StepMicroBatches:
     """The training iterator Megatron-LM's schedule reads (`--dataloader-type external`): each
     `next` is this rank's next micro-batch, on the device; the step plan behind them is made one
@@ -384,6 +565,8 @@ class StepMicroBatches:
         self.step = start_step
         self.last = None  # the StepBatch whose micro-batches were served last
         self._micro: deque = deque()
+        self.timer = None  # AttentionTimer, on the model Megatron-LM built (attach)
+        self._window: list[tuple[float, float, float]] = []  # per step: plan metrics
         if start_step > 0 and args.load:
             state = self._load_state(start_step)
             if state is not None:
@@ -396,6 +579,7 @@ class StepMicroBatches:
         self.sampler = StepSampler(cfg, planner, replica=self.r, start_step=start_step,
                                    doc_base=src_state[0], recent_bases=src_state[1],
                                    cp_rank=self.c, source=src, stop_step=args.train_iters)
+        _TRAIN_ITERATOR[0] = self
 
     def __iter__(self):
         return self
@@ -405,16 +589,74 @@ class StepMicroBatches:
 
         if not self._micro:
             batch = self.last = self.sampler.next()
-            self._micro.extend(device_micro_batches(batch, self.rt, self.device,
-                                                    self.cfg.parallel.cp, self.c, self.r))
+            micro = device_micro_batches(batch, self.rt, self.device, self.cfg.parallel.cp,
+                                         self.c, self.r)
+            self._micro.extend(micro)
             self.step = batch.step + 1
-            if self.rank0 and self.step % max(self.args.log_interval, 1) == 0:
-                plan = batch.plan
-                print(f" libra | iteration {self.step:8d} | system: {self.args.libra_system} | "
-                      f"attn work max/mean: {plan.max_over_mean:.3f} | inter-pool imbalance: "
-                      f"{plan.inter_pool_imbalance:.3f} | planned exchange MB/rank: "
-                      f"{float(plan.rank_bytes_sent.mean()) / 1e6:.2f} |", flush=True)
+            self._seqlen_stats(micro)
         return self._micro.popleft()
+
+    def _seqlen_stats(self, micro: list) -> None:
+        """Megatron-LM's FLOPs count of a packed step (sum of document lengths and of their
+        squares): this replica's documents, once per step, from the host lengths the plan
+        holds (one small non-blocking copy on a GPU, no sync)."""
+        from megatron.training import training
+
+        update = getattr(training, "update_seqlen_stats_from_cu_seqlens", None)
+        if update is None:
+            return
+        lengths = [n for mb in micro for n in mb.packed_seq_params.libra_doc_lengths]
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+        if self.device.type != "cpu":
+            cu = cu.pin_memory().to(self.device, non_blocking=True)
+        update(cu)
+
+    def attach(self, model) -> None:
+        """Time this rank's core attention (forward and backward) on the model Megatron-LM
+        built: module hooks, CUDA events on a GPU (read once per log interval)."""
+        if self.timer is None:
+            from megatron.libra.train import AttentionTimer
+
+            self.timer = AttentionTimer(model, self.args.libra_attention_time)
+
+    def step_end(self) -> None:
+        """The end of a step's backward on every rank (Megatron-LM's finalize_model_grads,
+        before the optimizer step): at the log interval, Libra's line over the interval's
+        steps, beside Megatron-LM's iteration line: the plan's attention work max/mean and
+        inter-pool imbalance, the measured attention time per rank (max/mean and the mean
+        per iteration) and the bytes each rank sent per iteration (the pool's tile exchange;
+        the CP group's all-to-alls), gathered on the gloo group of host tensors."""
+        b = self.last
+        if b is None:
+            return
+        plan = b.plan
+        self._window.append((plan.max_over_mean, plan.inter_pool_imbalance))
+        it = b.step + 1
+        if it % max(self.args.log_interval, 1) and it != self.args.train_iters:
+            return
+        timed = self.timer is not None and self.timer.enabled
+        pool = float(self.rt.counter.total("pool."))
+        mine = torch.tensor([self.timer.seconds() if timed else 0.0, pool,
+                             float(self.rt.counter.total()) - pool], dtype=torch.float64)
+        world = torch.distributed.get_world_size()
+        every = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+        torch.distributed.all_gather(every, mine, group=self.rt.groups.check_group)
+        every = torch.stack(every)
+        n = len(self._window)
+        if self.rank0:
+            work, imbalance = (sum(w[i] for w in self._window) / n for i in range(2))
+            t = every[:, 0]
+            attn = (f"{float(t.max() / max(float(t.mean()), 1e-12)):.3f} (mean "
+                    f"{1e3 * float(t.mean()) / n:.1f} ms/iteration)" if timed else "off")
+            print(f" libra | iteration {it:8d} | system: {self.args.libra_system} | attn work "
+                  f"max/mean: {work:.3f} | attn time max/mean: {attn} | inter-pool imbalance: "
+                  f"{imbalance:.3f} | pool exchange MB/rank: {float(every[:, 1].mean()) / n / 1e6:.2f} "
+                  f"| CP all-to-all MB/rank: {float(every[:, 2].mean()) / n / 1e6:.2f} |",
+                  flush=True)
+        self._window.clear()
+        if self.timer is not None:
+            self.timer.reset()
+        self.rt.counter.reset()
 
     def close(self) -> None:
         self.sampler.close()
@@ -525,6 +767,8 @@ def forward_step(data_iterator, model):
 
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
+    if _TRAIN_ITERATOR[0] is not None:  # (Megatron-LM wraps the iterator it was given)
+        _TRAIN_ITERATOR[0].attach(model)
     mb = next(data_iterator)
     timers("batch-generator").stop()
     out = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
@@ -569,10 +813,11 @@ def main(argv=None) -> int:
                                                   pretrain_cfg_container_from_args)
     from megatron.training.arguments import parse_and_validate_args
 
-    if argv is not None:
-        sys.argv = [sys.argv[0]] + list(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     prog = os.path.basename(sys.argv[0]) or "pretrain_gpt_libra.py"
     try:
+        argv, yaml_cfg = expand_yaml_cfg(argv)
+        sys.argv = [sys.argv[0]] + argv
         args = parse_and_validate_args(extra_args_provider=add_libra_args,
                                        args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
         check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
@@ -580,6 +825,9 @@ def main(argv=None) -> int:
         print(f"{prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)
         return 2
+    if yaml_cfg and args.rank == 0:
+        print(f"{prog}: arguments from --yaml-cfg {yaml_cfg}, then the command line's",
+              flush=True)
     if args.eval_interval is None:  # no validation (check_args): Megatron-LM still divides
         args.eval_interval = args.train_iters
     if args.libra_system == "megatron-hybrid":
@@ -589,6 +837,7 @@ def main(argv=None) -> int:
     model_cfg = gpt_config_from_args(args)
     if args.libra_system != "megatron-hybrid":
         model_cfg.transformer_layer_spec = layer_spec
+        model_cfg.transformer.finalize_model_grads_func = finalize_model_grads_then_log
     full = pretrain_cfg_container_from_args(args, model_cfg)
     pretrain(full, datasets_provider, ModelType.encoder_or_decoder, forward_step)
     return 0

@@ -35,11 +35,13 @@ TINY = [
 MOCK = ["--mock-data", "--vocab-size", "512", "--tokenizer-type", "NullTokenizer"]
 
 
-def _torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, args: list[str], timeout: int = 600,
+              tiny: bool = True) -> subprocess.CompletedProcess:
     from libra_ext.attention.verify import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_libra.py"), *TINY, *args]
+           "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_libra.py"),
+           *(TINY if tiny else []), *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=env)
@@ -67,8 +69,10 @@ def test_every_system_trains_to_the_same_losses_at_cp2_pool2():
         # Megatron-LM's iteration line, and Libra's fields beside it
         assert re.search(r"iteration +2/ +2 \| consumed samples: +16 \|", run.stdout)
         assert re.search(rf"libra \| iteration +2 \| system: {system} \| attn work max/mean: "
-                         r"[0-9.]+ \| inter-pool imbalance: [0-9.]+ \| planned exchange "
-                         r"MB/rank: [0-9.]+ \|", run.stdout), run.stdout[-2000:]
+                         r"[0-9.]+ \| attn time max/mean: [0-9.]+ \(mean [0-9.]+ "
+                         r"ms/iteration\) \| inter-pool imbalance: [0-9.]+ \| pool exchange "
+                         r"MB/rank: [0-9.]+ \| CP all-to-all MB/rank: [0-9.]+ \|", run.stdout), \
+            run.stdout[-2000:]
     ref = runs["libra"]
     assert 5.0 < ref[0] < 7.0  # ln(512) = 6.24 at initialisation
     for system, losses in runs.items():
@@ -180,26 +184,33 @@ def _state(path: Path) -> dict:
     return flat
 
 
-def test_a_killed_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
-    # WLB-LLM at cp 2 / pool 2 holds documents back across steps: the resumed run must get the
-    # planner's state from beside the checkpoint to run the same documents. The weights and
-    # Adam states after the last step are compared exactly (Megatron-LM's log line right after
-    # a resume averages the loss over more than one iteration, so it cannot be compared).
-    common = [*MOCK, "--global-batch-size", "8", "--train-iters", "4", "--context-parallel-size",
-              "2", "--libra-pool-size", "2", "--libra-system", "wlb", "--save-interval", "2",
-              "--ckpt-format", "torch"]
+def test_a_killed_run_resumes_to_the_uninterrupted_runs_losses_and_weights(tmp_path):
+    # configs/megatron/cpu_tiny.yaml (cp 2, one pool of 2) with WLB-LLM from the command line,
+    # which wins over the file's libra.name: WLB-LLM holds documents back across steps, so the
+    # resumed run must get the planner's state from beside the checkpoint to run the same
+    # documents. The first iteration after the resume has the uninterrupted run's loss, and the
+    # weights and Adam states after the last step are the same bits. (Megatron-LM's log line on
+    # the second iteration after a resume averages two iterations' losses: its loop's quirk.)
+    common = ["--yaml-cfg", "configs/megatron/cpu_tiny.yaml", "--train-iters", "4",
+              "--libra-system", "wlb", "--save-interval", "2", "--ckpt-format", "torch"]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    run = _torchrun(4, [*common, "--save", str(full)])
+    run = _torchrun(4, [*common, "--save", str(full)], tiny=False)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "arguments from --yaml-cfg configs/megatron/cpu_tiny.yaml" in run.stdout
+    assert "libra | iteration        4 | system: wlb |" in run.stdout
+    ref = _losses(run.stdout)
+    assert len(ref) == 4, run.stdout[-3000:]
     # "killed" after the checkpoint of iteration 2: only it survives
     import shutil
 
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "iter_0000004")
     (cut / "latest_checkpointed_iteration.txt").write_text("2")
-    again = _torchrun(4, [*common, "--save", str(cut), "--load", str(cut)])
+    again = _torchrun(4, [*common, "--save", str(cut), "--load", str(cut)], tiny=False)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "loading" in again.stdout and "iteration        3/       4" in again.stdout
+    resumed = _losses(again.stdout)
+    assert abs(resumed[0] - ref[2]) <= 1e-6 * abs(ref[2]), (resumed, ref)
     a, b = _state(full / "iter_0000004"), _state(cut / "iter_0000004")
     assert a.keys() == b.keys() and len(a) > 20
     for k in a:
@@ -219,3 +230,17 @@ def test_the_sbatch_script_runs_it_under_torchrun_on_every_node(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(_losses(run.stdout)) == 1
     assert "libra | iteration        1 | system: libra" in run.stdout
+
+
+def test_a_bad_yaml_cfg_is_refused_before_any_process_group(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text((ROOT / "configs/megatron/cpu_tiny.yaml").read_text()
+                   + "  wlb_outlier_length: 4096\n")  # under libra: (wlb_outlier_len)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
+    run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt_libra.py"), "--yaml-cfg",
+                          str(cfg)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=env)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"pretrain_gpt_libra.py: error: --yaml-cfg {cfg}: libra.wlb_outlier_length is not a "
+        "key of the system section or pool_size (did you mean wlb_outlier_len?)")
