@@ -141,7 +141,10 @@ def train_config(args) -> TrainConfig:
         ffn=args.ffn_hidden_size or 4 * args.hidden_size, layers=args.num_layers,
         moe_topk=topk, moe_ffn=getattr(args, "moe_ffn_hidden_size", None) or 0,
         experts=experts, vocab=getattr(args, "padded_vocab_size", None) or 1,
-        qk_norm=bool(getattr(args, "qk_layernorm", False)))
+        qk_norm=bool(getattr(args, "qk_layernorm", False)),
+        rope_base=float(getattr(args, "rotary_base", None) or 10000.0),
+        tie_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+        **_recompute(args))
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     return TrainConfig(
         model=model,
@@ -157,6 +160,18 @@ def train_config(args) -> TrainConfig:
         schedule=ScheduleConfig(train_steps=args.train_iters or 1, warmup_steps=0),
         dtype="bf16" if args.bf16 else "fp32",
     )
+
+
+def _recompute(args) -> dict:
+    """A `libra train` model section's recompute keys for Megatron-LM's --recompute-* arguments
+    (what `libra memory` reads)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "full":
+        return {"recompute": "full", "recompute_method": args.recompute_method or "uniform",
+                "recompute_num_layers": args.recompute_num_layers or 1}
+    if granularity == "selective":
+        return {"recompute": "selective"}
+    return {}
 
 
 def _named(message: str) -> str:
