@@ -36,10 +36,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from libra_ext.workload import preset_names, read_lengths_file
 from megatron.libra.config import SystemConfig, TrainConfig
 from megatron.libra.data import Piece
 
 logger = logging.getLogger("libra.megatron_lm")
+
+DATA_CHOICES = ("megatron", "synthetic")
+"""--libra-data: Megatron's GPTDataset, or Libra's synthetic long-tail documents."""
 
 SYSTEM_CHOICES = ("libra", "ulysses", "wlb", "distca", "megatron-hybrid")
 """--libra-system: the planner's systems, or megatron-core's own hybrid CP scheduler as a peer
@@ -109,6 +113,19 @@ def add_libra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                help=help_text)
     group.add_argument("--libra-pool-size", dest="libra_pool_size", type=int, default=1,
                        help="Replicas per Libra pool; must divide the data-parallel size.")
+    group.add_argument("--libra-data", dest="libra_data", choices=DATA_CHOICES,
+                       default="megatron",
+                       help="Where each step's documents come from: megatron (Megatron's own "
+                       "GPTDataset of --data-path, or --mock-data) or synthetic (Libra's "
+                       "long-tail document lengths, --libra-workload or --libra-lengths-file, "
+                       "with token ids a function of --seed and the document; the stream "
+                       "`libra train` reads with data.source synthetic).")
+    group.add_argument("--libra-workload", dest="libra_workload", default="libra-256k",
+                       help="--libra-data synthetic: the document-length preset "
+                       "(`libra plan --help` lists them).")
+    group.add_argument("--libra-lengths-file", dest="libra_lengths_file", default=None,
+                       help="--libra-data synthetic: draw document lengths from this file (one "
+                       "positive integer per line) instead of a preset.")
     group.add_argument("--no-libra-attention-time", dest="libra_attention_time",
                        action="store_false", default=True,
                        help="Do not measure each rank's core-attention time (forward and "
@@ -155,8 +172,10 @@ def train_config(args) -> TrainConfig:
             sequence_parallel=bool(args.sequence_parallel),
             timeout_minutes=float(args.distributed_timeout_minutes or 10)),
         system=system_config(args) if args.libra_system != "megatron-hybrid" else SystemConfig(),
-        data=DataConfig(context=args.seq_length, gbs=args.global_batch_size,
-                        seed=args.seed % 2**31),
+        data=DataConfig(
+            source="synthetic" if args.libra_data == "synthetic" else "indexed",
+            workload=args.libra_workload, lengths_file=args.libra_lengths_file,
+            context=args.seq_length, gbs=args.global_batch_size, seed=args.seed % 2**31),
         schedule=ScheduleConfig(train_steps=args.train_iters or 1, warmup_steps=0),
         dtype="bf16" if args.bf16 else "fp32",
     )
@@ -213,7 +232,18 @@ def check_args(args, world_size: int | None = None) -> None:
         raise ValueError(
             f"--dataloader-type {args.dataloader_type}: Libra serves each rank the samples its "
             "replica executes under the step plan (leave --dataloader-type at external)")
-    if not args.mock_data:
+    if args.libra_data == "synthetic":
+        if args.libra_lengths_file is None and args.libra_workload not in preset_names():
+            raise ValueError(f"--libra-workload must be one of {', '.join(preset_names())}, "
+                             f"got {args.libra_workload!r}")
+        if args.libra_lengths_file is not None:
+            if not Path(args.libra_lengths_file).is_file():
+                raise ValueError(f"--libra-lengths-file {args.libra_lengths_file} does not exist")
+            try:
+                read_lengths_file(args.libra_lengths_file)
+            except ValueError as e:
+                raise ValueError(f"--libra-lengths-file: {e}") from None
+    elif not args.mock_data:
         paths = _data_paths(args)
         if not paths:
             raise ValueError("--data-path is required (or --mock-data for synthetic samples)")
@@ -249,10 +279,13 @@ def _data_paths(args) -> list[str]:
 # ------------------------------------------------------------------------------ --yaml-cfg
 
 LIBRA_SECTION_KEYS = {"name": "libra_system", "system": "libra_system",
-                      "pool_size": "libra_pool_size"}
-"""Keys of a --yaml-cfg file's `libra:` section that are not `--libra-<key>`: the section takes
-the keys of a `libra train` config's `system` section (`name`, `block`, `chunks`, ...) and the
-pool size."""
+                      "pool_size": "libra_pool_size", "data": "libra_data",
+                      "workload": "libra_workload", "lengths_file": "libra_lengths_file",
+                      "attention_time": "libra_attention_time"}
+"""Keys of a --yaml-cfg file's `libra:` section that are not a system field's `--libra-<key>`:
+the section takes the keys of a `libra train` config's `system` section (`name`, `block`,
+`chunks`, ...), the pool size, where the documents come from (`data: synthetic`, `workload`,
+`lengths_file`) and `attention_time`."""
 
 
 def _split_yaml_cfg(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -367,8 +400,9 @@ def yaml_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
                         near = difflib.get_close_matches(
                             lname, sorted(system_fields | set(LIBRA_SECTION_KEYS)), n=1)
                         hint = f" (did you mean {near[0]}?)" if near else ""
-                        raise ValueError(f"{where}: libra.{lk} is not a key of the system "
-                                         f"section or pool_size{hint}")
+                        raise ValueError(
+                            f"{where}: libra.{lk} is not a key of the system section or one of "
+                            f"{', '.join(k for k in LIBRA_SECTION_KEYS if k != 'system')}{hint}")
             elif name == "yaml_cfg":
                 raise ValueError(f"{where}: {key}: a --yaml-cfg file cannot name another")
             elif name in actions:
@@ -449,7 +483,14 @@ def layer_spec(config=None, vp_stage=None):
     rope.install()  # THD RoPE from each slot's position: a fixed number of kernels
     cfg = train_config(args)
     impl = resolve_impl("auto" if args.transformer_impl != "local" else "local")
-    return libra_model.layer_spec(cfg.model, args.libra_system, runtime(args), impl)
+    # each layer's weights drawn from a generator seeded by (--seed, its global layer number),
+    # and the embedding from --seed itself, as `libra train` draws them: the same model at any
+    # pipeline layout, and in both loops. Megatron-LM builds the model right after asking for
+    # its spec; weights made on a GPU draw from megatron-core's CUDA RNG tracker instead
+    if args.use_cpu_initialization and not vp_stage:
+        torch.manual_seed(cfg.data.seed)
+    return libra_model.layer_spec(cfg.model, args.libra_system, runtime(args), impl,
+                                  init_seed=cfg.data.seed)
 
 
 # ------------------------------------------------------------------------------ data
@@ -576,7 +617,12 @@ class StepMicroBatches:
         planner = new_planner(cfg, ps.get_data_parallel_world_size(),
                               torch.finfo(torch.bfloat16 if args.bf16 else torch.float32).bits
                               // 8)
-        src = GPTDatasetSource(dataset, cfg.data.gbs, held_steps(cfg))
+        if dataset is None:  # --libra-data synthetic: the stream libra train reads
+            from megatron.libra.data import SyntheticSource
+
+            src = SyntheticSource(cfg)
+        else:
+            src = GPTDatasetSource(dataset, cfg.data.gbs, held_steps(cfg))
         self.step = start_step
         self.last = None  # the StepBatch whose micro-batches were served last
         self._micro: deque = deque()
@@ -730,6 +776,10 @@ def libra_settings(args) -> dict:
     run's: every --libra-* argument, the global batch, the sequence length and the seed."""
     out = {_arg(f.name): getattr(args, _dest(f.name)) for f in dataclasses.fields(SystemConfig)}
     out["--libra-pool-size"] = args.libra_pool_size
+    out["--libra-data"] = args.libra_data
+    if args.libra_data == "synthetic":
+        out["--libra-workload"] = args.libra_workload
+        out["--libra-lengths-file"] = args.libra_lengths_file
     out["--global-batch-size"] = args.global_batch_size
     out["--seq-length"] = args.seq_length
     out["--seed"] = args.seed
@@ -748,6 +798,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     from megatron.training.utils import get_blend_and_blend_per_split
 
     args = get_args()
+    if args.libra_data == "synthetic":
+        return StepMicroBatches(args, None, start_step=args.iteration), None, None
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend,

@@ -82,8 +82,9 @@ BAD = [
                        "num_layers?)"),
     ("training:\n  eval_itrs: 0\n", "training.eval_itrs is not a Megatron-LM or Libra argument "
                                     "(did you mean eval_iters?)"),
-    ("libra:\n  chunk: 2\n", "libra.chunk is not a key of the system section or pool_size (did "
-                             "you mean chunks?)"),
+    ("libra:\n  chunk: 2\n", "libra.chunk is not a key of the system section or one of name, "
+                             "pool_size, data, workload, lengths_file, attention_time (did you "
+                             "mean chunks?)"),
     ("libra: wlb\n", "libra: expected a mapping (the system section)"),
     ("num_layers: [1, 2]\n", "num_layers: --num-layers takes one value, not a list"),
     ("mock_data: 3\n", "mock_data: --mock-data is a flag: give true or false, not 3"),
