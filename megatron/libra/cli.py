@@ -62,7 +62,20 @@ _OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*=")
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # `libra ab --trainer megatron ... -- <pretrain_gpt_libra.py arguments>`
+        i = argv.index("--")
+        argv, passthrough = argv[:i], argv[i + 1:]
     args, extra = parser.parse_known_args(argv)
+    if getattr(args, "trainer", None) == "megatron":
+        if args.overrides or extra:
+            parser.error("libra ab --trainer megatron: key=value overrides are libra train's; "
+                         "give pretrain_gpt_libra.py's arguments after `--`")
+        args.overrides = passthrough
+    elif passthrough:
+        parser.error("arguments after `--` are pretrain_gpt_libra.py's (libra ab --trainer "
+                     "megatron)")
     # key.sub=value overrides may stand anywhere, also after an option (`--nproc 4 a.b=1`)
     if extra and hasattr(args, "overrides") and all(_OVERRIDE.match(x) for x in extra):
         args.overrides = list(args.overrides) + extra

@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import logging
 import os
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
@@ -126,6 +128,11 @@ def add_libra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--libra-lengths-file", dest="libra_lengths_file", default=None,
                        help="--libra-data synthetic: draw document lengths from this file (one "
                        "positive integer per line) instead of a preset.")
+    group.add_argument("--libra-metrics-file", dest="libra_metrics_file", default=None,
+                       help="Write one JSON line per iteration here (rank 0): the loss over "
+                       "the global batch's tokens, tokens/s, attention work and measured "
+                       "attention time per rank, bytes sent; what `libra ab --trainer megatron` "
+                       "reads.")
     group.add_argument("--no-libra-attention-time", dest="libra_attention_time",
                        action="store_false", default=True,
                        help="Do not measure each rank's core-attention time (forward and "
@@ -627,7 +634,16 @@ class StepMicroBatches:
         self.last = None  # the StepBatch whose micro-batches were served last
         self._micro: deque = deque()
         self.timer = None  # AttentionTimer, on the model Megatron-LM built (attach)
-        self._window: list[tuple[float, float, float]] = []  # per step: plan metrics
+        self._window: list[tuple[float, float]] = []  # per step: plan metrics
+        self._gathered = None  # per rank: attention s, pool bytes, CP bytes over the window
+        # --libra-metrics-file: the step's loss sum and token count, summed on the device
+        self._record = args.libra_metrics_file
+        self._loss = torch.zeros(2, dtype=torch.float64, device=self.device) \
+            if self._record else None
+        self._clock = time.perf_counter()
+        if self._record and self.rank0:
+            Path(self._record).parent.mkdir(parents=True, exist_ok=True)
+            Path(self._record).write_text("")
         if start_step > 0 and args.load:
             state = self._load_state(start_step)
             if state is not None:
@@ -693,16 +709,30 @@ class StepMicroBatches:
         plan = b.plan
         self._window.append((plan.max_over_mean, plan.inter_pool_imbalance))
         it = b.step + 1
-        if it % max(self.args.log_interval, 1) and it != self.args.train_iters:
+        line = it % max(self.args.log_interval, 1) == 0 or it == self.args.train_iters
+        if not (line or self._record):
             return
         timed = self.timer is not None and self.timer.enabled
         pool = float(self.rt.counter.total("pool."))
+        loss = self._loss.cpu() if self._record else torch.zeros(2, dtype=torch.float64)
         mine = torch.tensor([self.timer.seconds() if timed else 0.0, pool,
-                             float(self.rt.counter.total()) - pool], dtype=torch.float64)
+                             float(self.rt.counter.total()) - pool, *loss.tolist()],
+                            dtype=torch.float64)
         world = torch.distributed.get_world_size()
-        every = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+        every = [torch.zeros(5, dtype=torch.float64) for _ in range(world)]
         torch.distributed.all_gather(every, mine, group=self.rt.groups.check_group)
         every = torch.stack(every)
+        if self.timer is not None:
+            self.timer.reset()
+        self.rt.counter.reset()
+        if self._record:
+            self._loss.zero_()
+            if self.rank0:
+                self._write_record(it, plan, every, timed)
+        self._gathered = every if self._gathered is None else self._gathered + every
+        if not line:
+            return
+        every, self._gathered = self._gathered, None
         n = len(self._window)
         if self.rank0:
             work, imbalance = (sum(w[i] for w in self._window) / n for i in range(2))
@@ -715,9 +745,39 @@ class StepMicroBatches:
                   f"| CP all-to-all MB/rank: {float(every[:, 2].mean()) / n / 1e6:.2f} |",
                   flush=True)
         self._window.clear()
-        if self.timer is not None:
-            self.timer.reset()
-        self.rt.counter.reset()
+
+    def count_loss(self, loss: torch.Tensor, tokens: torch.Tensor) -> None:
+        """A micro-batch's loss sum and token count into the step's (on the device, read once
+        per step in step_end); only with --libra-metrics-file."""
+        if self._record:
+            self._loss += torch.stack([loss.detach().double(), tokens.detach().double()])
+
+    def _write_record(self, it: int, plan, every: torch.Tensor, timed: bool) -> None:
+        """One --libra-metrics-file line for iteration `it` (the keys of `libra train`'s
+        logging.metrics_file that Megatron-LM's loop can fill; its grad norm is in
+        Megatron-LM's own line): the loss over the global batch's tokens (every
+        tensor-parallel rank holds the same sums: they cancel), the step's wall time since the
+        previous step ended, the attention time per rank and the bytes sent."""
+        now = time.perf_counter()
+        dt, self._clock = now - self._clock, now
+        loss_sum, tokens = float(every[:, 3].sum()), float(every[:, 4].sum())
+        t = every[:, 0]
+        tp = self.args.tensor_model_parallel_size
+        rec = {
+            "step": it,
+            "loss": loss_sum / max(tokens, 1.0),
+            "tokens": tokens / tp,
+            "step_time": dt,
+            "tokens_per_s": tokens / tp / max(dt, 1e-12),
+            "attn_work_max_over_mean": plan.max_over_mean,
+            "inter_pool_imbalance": plan.inter_pool_imbalance,
+            "attn_time_max_over_mean": float(t.max() / max(float(t.mean()), 1e-12))
+            if timed else None,
+            "attn_time_per_rank": t.tolist() if timed else None,
+            "bytes_exchanged": float(every[:, 1:3].sum()),
+        }
+        with open(self._record, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
         self.sampler.close()
@@ -824,6 +884,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     tokens = mask.sum().to(torch.int)
+    if _TRAIN_ITERATOR[0] is not None:
+        _TRAIN_ITERATOR[0].count_loss(loss, tokens)
     return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1)])}
 
 

@@ -286,7 +286,13 @@ def add_ab_parser(sub) -> None:
         description="Train the same config, data and initialisation under each "
         "system and report losses, per-rank attention work and time, tokens/s.",
     )
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True,
+                   help="a `libra train` config; with --trainer megatron, a --yaml-cfg file of "
+                   "pretrain_gpt_libra.py")
+    p.add_argument("--trainer", choices=("libra", "megatron"), default="libra",
+                   help="libra: `libra train`'s loop; megatron: Megatron-LM's own loop "
+                   "(pretrain_gpt_libra.py under torchrun with --nproc processes, megatron-core "
+                   ">= 0.19), its arguments from --config and those after `--`")
     p.add_argument("--systems", default="libra,ulysses", help="comma-separated systems")
     p.add_argument(
         "--moe-balancers",
@@ -300,7 +306,9 @@ def add_ab_parser(sub) -> None:
     p.add_argument("--nproc", type=int, help="local worker processes (CPU / gloo)")
     p.add_argument("--out", default="out/ab", help="report directory")
     p.add_argument("--json", action="store_true")
-    p.add_argument("overrides", nargs="*", help="key.sub=value")
+    p.add_argument("overrides", nargs="*",
+                   help="key.sub=value; with --trainer megatron, pretrain_gpt_libra.py's own "
+                   "arguments after `--` (they win over --config's)")
     p.set_defaults(func=run_ab)
 
 
@@ -351,6 +359,8 @@ def _run_ab(args):
         raise ValueError(f"steps must be positive, got {args.steps}")
     if args.repeats <= 0:
         raise ValueError(f"repeats must be positive, got {args.repeats}")
+    if args.trainer == "megatron":
+        return _megatron_ab(args, systems)
     base = TrainConfig.load(args.config, args.overrides)
     world = _world(args)
     # (label, system, moe balancer) of every run
@@ -393,36 +403,11 @@ def _run_ab(args):
         "distca_server": base.system.distca_server,
         "systems": {},
     }
-    first: dict[str, list[dict]] = {}  # each system's first run: its curves
-    identical = {name: True for name in configs}  # later repeats gave the same losses
-    figures: dict[str, list[dict]] = {name: [] for name in configs}
-    total = args.repeats * len(configs)
-    k = 0
-    for rep in range(args.repeats):  # A B A B ...: host load falls on every system alike
-        for name, cfg in configs.items():
-            k += 1
-            print(f"[ab {k}/{total}: {name}, repeat {rep + 1}/{args.repeats}]", file=sys.stderr)
-            hist = _cli_launch(cfg, world, args.nproc)
-            figures[name].append(_run_figures(hist))
-            if name not in first:
-                first[name] = hist
-            elif [h["loss"] for h in hist] != [h["loss"] for h in first[name]]:
-                identical[name] = False
+    first, identical, figures = _interleaved(
+        args.repeats, list(configs), lambda name: _cli_launch(configs[name], world, args.nproc))
     for name, cfg in configs.items():
         hist = first[name]
-        entry = {
-            "loss": [h["loss"] for h in hist],
-            "losses_identical_over_repeats": identical[name],
-            "attn_work_max_over_mean": [h["attn_work_max_over_mean"] for h in hist],
-            "attn_time_max_over_mean": [h["attn_time_max_over_mean"] for h in hist],
-            "attn_time_per_rank": [h["attn_time_per_rank"] for h in hist],
-            "tokens": [h["tokens"] for h in hist],
-            "bytes_exchanged": [h["bytes_exchanged"] for h in hist],
-            "grad_norm": [h["grad_norm"] for h in hist],
-            "tokens_per_s": _median([f["tokens_per_s"] for f in figures[name]]),
-            "repeats": {key: _spread([f[key] for f in figures[name]])
-                        for key in ("tokens_per_s", "attn_time_max_over_mean")},
-        }
+        entry = _entry(hist, identical[name], figures[name])
         if cfg.moe.balancer == "libra":
             for key in ("expert_tokens_max_over_mean_before",
                         "expert_tokens_max_over_mean_after", "lookahead_topk_overlap",
@@ -433,6 +418,153 @@ def _run_ab(args):
 
     if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun: rank 0 reports
         return None
+    return _ab_report(args, result, figures, ref_name)
+
+
+def _entry(hist: list[dict], identical: bool, figures: list[dict]) -> dict:
+    """One system's part of an A/B result: its first run's curves, whether its repeats gave the
+    same losses, and its speed figures over the repeats."""
+    return {
+        "loss": [h["loss"] for h in hist],
+        "losses_identical_over_repeats": identical,
+        "attn_work_max_over_mean": [h["attn_work_max_over_mean"] for h in hist],
+        "attn_time_max_over_mean": [h["attn_time_max_over_mean"] for h in hist],
+        "attn_time_per_rank": [h["attn_time_per_rank"] for h in hist],
+        "tokens": [h["tokens"] for h in hist],
+        "bytes_exchanged": [h["bytes_exchanged"] for h in hist],
+        "grad_norm": [h["grad_norm"] for h in hist],
+        "tokens_per_s": _median([f["tokens_per_s"] for f in figures]),
+        "repeats": {key: _spread([f[key] for f in figures])
+                    for key in ("tokens_per_s", "attn_time_max_over_mean")},
+    }
+
+
+def _megatron_ab(args, systems: list[str]):
+    """`libra ab --trainer megatron`: each system through Megatron-LM's own loop
+    (pretrain_gpt_libra.py under torchrun, --nproc local processes), interleaved; the curves
+    from its --libra-metrics-file and the grad norm from Megatron-LM's iteration line; the same
+    report and figures as `libra ab`."""
+    import tempfile
+
+    if args.moe_balancers:
+        raise ValueError("--moe-balancers: the MoE balancer A/B runs through libra train "
+                         "(--trainer libra)")
+    if args.nproc is None or args.nproc <= 0:
+        raise ValueError("--trainer megatron launches pretrain_gpt_libra.py under torchrun on "
+                         "this machine: give --nproc (its processes)")
+    if not Path(args.config).is_file():
+        raise ValueError(f"--config {args.config}: no such file (a --yaml-cfg file of "
+                         "pretrain_gpt_libra.py)")
+    extra = list(args.overrides)
+    for flag in ("--libra-system", "--train-iters", "--libra-metrics-file", "--log-interval"):
+        if any(a == flag or a.startswith(flag + "=") for a in extra):
+            raise ValueError(f"{flag}: libra ab sets it for every run (--systems, --steps)")
+    server = "replica"
+    for i, a in enumerate(extra[:-1]):
+        if a == "--libra-distca-server":
+            server = extra[i + 1]
+    device = "cuda" if _cuda() else "cpu"
+    result = {
+        "config": args.config,
+        "overrides": extra,
+        "trainer": "megatron",
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "order": "interleaved: every system once per repeat, in turn",
+        "world_size": args.nproc,
+        "device": device,
+        "speed_meaningful": device == "cuda",
+        "distca_server": server,
+        "systems": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(name: str) -> list[dict]:
+            return _megatron_run(args.config, extra, name, args.steps, args.nproc, Path(tmp))
+
+        first, identical, figures = _interleaved(args.repeats, systems, run)
+    for name in systems:
+        result["systems"][name] = _entry(first[name], identical[name], figures[name])
+    return _ab_report(args, result, figures, "ulysses")
+
+
+MEGATRON_LINE = (r"\] iteration +(\d+)/ *\d+ \|.*?grad norm: ([0-9.eE+-]+|nan|inf)")
+"""Megatron-LM's iteration line: the iteration and its grad norm."""
+
+
+def _megatron_run(config: str, extra: list[str], system: str, steps: int, nproc: int,
+                  tmp: Path) -> list[dict]:
+    """One run of pretrain_gpt_libra.py under torchrun: its per-iteration records (the metrics
+    file, with Megatron-LM's grad norm added). No checkpoints are written or read (a --save or
+    --load given is emptied). Its output goes to stderr as it comes; a failed run exits 1 after its
+    error line."""
+    import re
+    import subprocess
+
+    from libra_ext.attention.verify import free_port
+
+    from megatron.libra.megatron_lm import expand_yaml_cfg
+
+    root = Path(__file__).resolve().parents[2]
+    # a checkpoint directory of the file's or the command line's is left alone: emptied
+    given, _ = expand_yaml_cfg(["--yaml-cfg", config, *extra])
+    no_ckpt = [x for flag in ("--save", "--load")
+               if any(a == flag or a.startswith(flag + "=") for a in given) for x in (flag, "")]
+    metrics = tmp / f"{system}.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(root / "pretrain_gpt_libra.py"),
+           "--yaml-cfg", config, *extra, "--libra-system", system, "--train-iters", str(steps),
+           "--log-interval", "1", "--libra-metrics-file", str(metrics), *no_ckpt]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(root), env.get("PYTHONPATH")) if x)
+    grad: dict[int, float] = {}
+    tail: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env) as proc:
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            tail = (tail + [line.rstrip()])[-40:]
+            m = re.search(MEGATRON_LINE, line)
+            if m:
+                grad[int(m.group(1))] = float(m.group(2))
+    if proc.returncode != 0:
+        why = next((x for x in reversed(tail) if "pretrain_gpt_libra.py: error:" in x),
+                   next((x for x in reversed(tail) if "Error" in x), tail[-1] if tail else ""))
+        print(f"libra ab: the {system} run of pretrain_gpt_libra.py failed (exit "
+              f"{proc.returncode}): {why.strip()}", file=sys.stderr)
+        raise SystemExit(1)
+    hist = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    if [h["step"] for h in hist] != list(range(1, steps + 1)):
+        raise RuntimeError(f"{metrics}: expected iterations 1..{steps}, got "
+                           f"{[h['step'] for h in hist]}")
+    for h in hist:
+        h["grad_norm"] = grad.get(h["step"], float("nan"))
+    return hist
+
+
+def _interleaved(repeats: int, names: list[str], run) -> tuple[dict, dict, dict]:
+    """Every run of an A/B, interleaved (A B A B ...: host load falls on every system alike):
+    each name's first history (its curves), whether its later repeats gave the same losses,
+    and each run's speed figures."""
+    first: dict[str, list[dict]] = {}
+    identical = {name: True for name in names}
+    figures: dict[str, list[dict]] = {name: [] for name in names}
+    total, k = repeats * len(names), 0
+    for rep in range(repeats):
+        for name in names:
+            k += 1
+            print(f"[ab {k}/{total}: {name}, repeat {rep + 1}/{repeats}]", file=sys.stderr)
+            hist = run(name)
+            figures[name].append(_run_figures(hist))
+            if name not in first:
+                first[name] = hist
+            elif [h["loss"] for h in hist] != [h["loss"] for h in first[name]]:
+                identical[name] = False
+    return first, identical, figures
+
+
+def _ab_report(args, result: dict, figures: dict, ref_name: str):
+    """The reference comparisons, ab.json, report.md and the figures of an A/B."""
     ref = result["systems"].get(ref_name)
     result["reference"] = ref_name
     if ref:
@@ -479,15 +611,20 @@ def _ab_markdown(r: dict) -> str:
         "systems are on GPUs (`libra simulate` and `libra bench replay` on a GPU answer that)."
     )
     over = r.get("overrides") or []
+    loop = ("Megatron-LM's own loop (`pretrain_gpt_libra.py`; arguments after the config: "
+            + (" ".join(f"`{o}`" for o in over) or "none") + ")"
+            if r.get("trainer") == "megatron" else "`libra train`")
     lines = [
         f"# A/B: {', '.join(r['systems'])}",
+        "",
+        f"Trainer: {loop}.",
         "",
         f"Config `{r['config']}`, {r['steps']} steps, {r['world_size']} ranks, "
         f"{r['device']}; same data and initialisation for every system. "
         f"{r['repeats']} repeat(s), {r['order']}.",
         "",
-        "Overrides: " + (", ".join(f"`{o}`" for o in over) if over else "none") + ".",
-        "",
+        *(["Overrides: " + (", ".join(f"`{o}`" for o in over) if over else "none") + ".", ""]
+          if r.get("trainer") != "megatron" else []),
         f"| run | final loss | max rel. loss diff vs {ref} | max rel. grad-norm diff "
         "| losses same over repeats | attn work max/mean (mean) | attn time max/mean: median "
         f"(range) | expert tokens max/mean before → after (mean) | tokens/s: median (range) "

@@ -285,3 +285,34 @@ def test_a_bad_yaml_cfg_is_refused_before_any_process_group(tmp_path):
         f"pretrain_gpt_libra.py: error: --yaml-cfg {cfg}: libra.wlb_outlier_length is not a "
         "key of the system section or one of name, pool_size, data, workload, lengths_file, "
         "attention_time (did you mean wlb_outlier_len?)")
+
+
+def test_libra_ab_through_megatron_lm_writes_the_report_of_libra_ab(tmp_path):
+    # `libra ab --trainer megatron`: Libra and Ulysses through this script (cpu_tiny.yaml,
+    # Libra's synthetic documents), interleaved, into libra ab's report and figures
+    out = tmp_path / "ab"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "megatron.libra.cli", "ab", "--trainer", "megatron", "--config",
+         "configs/megatron/cpu_tiny.yaml", "--nproc", "4", "--steps", "3", "--repeats", "1",
+         "--out", str(out), "--json", "--", "--libra-data", "synthetic"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(run.stdout)
+    assert r["trainer"] == "megatron" and r["world_size"] == 4 and r["steps"] == 3
+    assert list(r["systems"]) == ["libra", "ulysses"]
+    for name, s in r["systems"].items():
+        assert len(s["loss"]) == 3 and 5.0 < s["loss"][0] < 7.0
+        assert s["max_rel_loss_diff_vs_ulysses"] <= 1e-5, (name, s["loss"])
+        assert all(g > 0 for g in s["grad_norm"])  # Megatron-LM's own line's
+        assert len(s["attn_time_per_rank"][0]) == 4 and s["tokens"][0] == 8 * 256
+    # Libra's plan balances the pool's attention work at least as well as Ulysses' placement
+    lib, uly = (sum(r["systems"][n]["attn_work_max_over_mean"]) for n in ("libra", "ulysses"))
+    assert lib <= uly + 1e-9
+    # every rank sends: the CP group's all-to-alls (and, for Libra, the pool's exchange)
+    assert all(b > 0 for n in ("libra", "ulysses") for b in r["systems"][n]["bytes_exchanged"])
+    assert json.loads((out / "ab.json").read_text())["trainer"] == "megatron"
+    report = (out / "report.md").read_text()
+    assert "Trainer: Megatron-LM's own loop (`pretrain_gpt_libra.py`" in report
+    for fig in ("loss.png", "attention_time.png", "tokens_per_s.png"):
+        assert (out / fig).stat().st_size > 1000

@@ -229,3 +229,31 @@ def test_bench_host_reports_the_sampler_lead_over_the_modeled_step(capsys):
         assert row["host_ms"] == pytest.approx(parts)
         assert row["lead_ms"] == pytest.approx(row["gpu_step_ms"] - row["host_ms"])
         assert row["staged_mib"] > 0 and row["slots"] >= 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc", "4", "a.b=1"], "key=value overrides are libra train's; give "
+     "pretrain_gpt_libra.py's arguments after `--`"),
+    (["--", "--lr", "1"], "--trainer megatron launches pretrain_gpt_libra.py under torchrun on "
+     "this machine: give --nproc"),
+    (["--nproc", "4", "--", "--train-iters", "5"], "--train-iters: libra ab sets it for every "
+     "run (--systems, --steps)"),
+    (["--nproc", "4", "--moe-balancers", "none,libra"], "--moe-balancers: the MoE balancer A/B "
+     "runs through libra train"),
+])
+def test_ab_through_megatron_lm_refuses_what_it_cannot_run(capsys, argv, message):
+    # refused in one line before anything is launched (the parser's own errors exit 2 too)
+    try:
+        code = main(["ab", "--trainer", "megatron", "--config",
+                     "configs/megatron/cpu_tiny.yaml", *argv])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_arguments_after_a_double_dash_are_only_for_megatron_lm(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["ab", "--config", "configs/train/cpu_tiny.yaml", "--", "--lr", "1"])
+    assert e.value.code == 2
+    assert "arguments after `--` are pretrain_gpt_libra.py's" in capsys.readouterr().err
