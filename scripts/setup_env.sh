@@ -19,7 +19,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 vpy="$venv/bin/python"
 if "$vpy" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
-  mcore="megatron-core==0.19.2"
+  # megatron.training's HuggingFaceTokenizer (--tokenizer-type) reads tokenizers through
+  # transformers' AutoTokenizer
+  mcore="megatron-core==0.19.2 transformers>=4.45"
 else
   mcore="megatron-core>=0.15"
 fi
@@ -29,7 +31,7 @@ if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
   "$vpy" -m pip install -q "torch==2.13.0"
 fi
 "$vpy" -m pip install -q "setuptools>=64" wheel "pybind11>=2.12" numpy pyyaml tqdm matplotlib \
-  "$mcore" psutil pytest hypothesis ninja "tokenizers>=0.19"
+  $mcore psutil pytest hypothesis ninja "tokenizers>=0.19"
 # Build the extension in place and expose the sources to the venv (editable, compat mode: the
 # repository root goes on sys.path, so `megatron.libra` joins the installed `megatron` namespace).
 # Skipped when nothing it depends on changed since the last build: the C++ sources, the build

@@ -5,9 +5,12 @@ Tokenizer (--tokenizer):
   bpe (default)  a byte-level BPE of --vocab-size ids (default 512, what
                  configs/train/cpu_tiny.yaml's model.vocab holds) trained on the corpus itself,
                  offline, and saved beside the dataset as PREFIX.tokenizer.json (a HuggingFace
-                 `tokenizers` file: Megatron-LM's HuggingFaceTokenizer and `transformers` load it)
+                 `tokenizers` file) and as the HuggingFace tokenizer folder PREFIX.hf_tokenizer/
+                 (that file and a tokenizer_config.json naming the end-of-document token), which
+                 Megatron-LM reads with --tokenizer-type HuggingFaceTokenizer --tokenizer-model
+                 PREFIX.hf_tokenizer (`transformers` installed)
   FILE.json      an existing HuggingFace `tokenizers` file (e.g. a model's tokenizer.json),
-                 copied beside the dataset as PREFIX.tokenizer.json
+                 kept beside the dataset the same two ways
   bytes          UTF-8 bytes (ids 0-255), id 256 closing each document (model.vocab >= 257)
 Every document is closed by the end-of-document id (--eod-token for bpe and FILE.json).
 Files are found recursively (--glob, default '*.txt', matched in every subfolder); one document
@@ -36,6 +39,30 @@ DEFAULT_VOCAB = 512
 def encode(text: str) -> np.ndarray:
     """The bytes tokenizer: a document's UTF-8 bytes."""
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+
+def hf_tokenizer_dir(prefix: str | Path) -> Path:
+    """The HuggingFace tokenizer folder kept beside a dataset (AutoTokenizer.from_pretrained and
+    Megatron-LM's --tokenizer-type HuggingFaceTokenizer --tokenizer-model read it)."""
+    return Path(f"{prefix}.hf_tokenizer")
+
+
+def save_hf_tokenizer(tok, prefix: str | Path, eod_token: str) -> Path:
+    """`tok` (a `tokenizers.Tokenizer`) as a HuggingFace tokenizer folder: its tokenizer.json and
+    a tokenizer_config.json whose end-of-sequence token is the end-of-document token (what
+    Megatron-LM's tokenizer calls eod)."""
+    import json
+
+    out = hf_tokenizer_dir(prefix)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eod_token,
+        "model_max_length": 1 << 40,
+        "clean_up_tokenization_spaces": False,
+    }, indent=1) + "\n")
+    return out
 
 
 def tokenizer_path(prefix: str | Path) -> Path:
@@ -145,6 +172,7 @@ def build(
     builder.finalize(f"{prefix}.idx")
     if tok is not None:  # kept with the data: training checks model.vocab against it
         tok.save(str(tokenizer_path(prefix)))
+        save_hf_tokenizer(tok, prefix, eod_token)
     return n
 
 
@@ -165,7 +193,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"build_indexed_dataset: error: {e}", file=sys.stderr)
         return 2
-    extra = "" if args.tokenizer == "bytes" else f", tokenizer {tokenizer_path(args.prefix)}"
+    extra = "" if args.tokenizer == "bytes" else (
+        f", tokenizer {tokenizer_path(args.prefix)} (and the HuggingFace folder "
+        f"{hf_tokenizer_dir(args.prefix)})")
     print(f"wrote {args.prefix}.bin / .idx with {n} documents{extra}")
     return 0
 

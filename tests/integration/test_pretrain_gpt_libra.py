@@ -36,14 +36,14 @@ TINY = [
 MOCK = ["--mock-data", "--vocab-size", "512", "--tokenizer-type", "NullTokenizer"]
 
 
-def _torchrun(nproc: int, args: list[str], timeout: int = 600,
-              tiny: bool = True) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, args: list[str], timeout: int = 600, tiny: bool = True,
+              env: dict | None = None) -> subprocess.CompletedProcess:
     from libra_ext.attention.verify import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_libra.py"),
            *(TINY if tiny else []), *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=env)
 
@@ -159,9 +159,11 @@ def test_a_missing_data_path_is_refused_naming_it(tmp_path):
         f"pretrain_gpt_libra.py: error: --data-path: {tmp_path / 'nothing'}.bin does not exist")
 
 
-def test_trains_on_an_indexed_dataset_made_from_text_with_documents_from_its_index(tmp_path):
-    # a real text file, tokenized offline by the project's dataset tool (byte-level BPE),
-    # served by Megatron's own GPTDataset; the plan's documents are the index's
+def test_trains_on_an_indexed_dataset_made_from_text_with_a_real_tokenizer(tmp_path):
+    # a real text file, tokenized offline by the project's dataset tool (a byte-level BPE
+    # trained on it), read back by Megatron-LM's own HuggingFaceTokenizer (--tokenizer-type)
+    # from the folder the tool keeps beside the data and served by Megatron's own GPTDataset;
+    # the plan's documents are the index's
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     text = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -173,13 +175,25 @@ def test_trains_on_an_indexed_dataset_made_from_text_with_documents_from_its_ind
                             str(corpus), str(prefix)], capture_output=True, text=True,
                            timeout=300, cwd=ROOT)
     assert built.returncode == 0, built.stderr[-2000:]
-    from tokenizers import Tokenizer
+    hf = f"{prefix}.hf_tokenizer"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a folder on disk: nothing to fetch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import (
+        HuggingFaceTokenizer,
+    )
 
-    vocab = Tokenizer.from_file(f"{prefix}.tokenizer.json").get_vocab_size()
-    run = _torchrun(2, ["--data-path", str(prefix), "--split", "99,1,0", "--vocab-size",
-                        str(vocab), "--tokenizer-type", "NullTokenizer", "--global-batch-size",
-                        "4", "--train-iters", "2", "--context-parallel-size", "2"])
+    tok = HuggingFaceTokenizer(hf)
+    data = IndexedDataset(str(prefix))
+    # Megatron-LM's tokenizer gives the dataset's ids, and its eod closes every document
+    assert tok.text_to_ids(paras[0]) == data[0][:-1].tolist()
+    assert all(int(data[i][-1]) == tok.eod for i in range(len(data)))
+    run = _torchrun(2, ["--data-path", str(prefix), "--split", "99,1,0", "--tokenizer-type",
+                        "HuggingFaceTokenizer", "--tokenizer-model", hf,
+                        "--global-batch-size", "4", "--train-iters", "2",
+                        "--context-parallel-size", "2"], env={"HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"tokenizer_type \.+ HuggingFaceTokenizer", run.stdout)
+    assert "padded vocab (size: 512)" in run.stdout + run.stderr  # the BPE's 512 ids
     losses = _losses(run.stdout)
     assert len(losses) == 2 and all(0 < x < 10 for x in losses), run.stdout[-2000:]
     assert "libra | iteration        2 | system: libra" in run.stdout

@@ -76,6 +76,15 @@ def test_the_default_bpe_tokenizer_round_trips_and_fits_the_tiny_config(tmp_path
     assert bid.build(root, other, per_line=True, tokenizer=prefix + ".tokenizer.json") == n
     assert Path(other + ".bin").read_bytes() == Path(prefix + ".bin").read_bytes()
     assert Path(other + ".tokenizer.json").is_file()
+    # both also as a HuggingFace tokenizer folder (Megatron-LM's --tokenizer-type
+    # HuggingFaceTokenizer --tokenizer-model PREFIX.hf_tokenizer), end of document as eos
+    import json
+
+    for p in (prefix, other):
+        folder = bid.hf_tokenizer_dir(p)
+        assert Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab() == tok.get_vocab()
+        conf = json.loads((folder / "tokenizer_config.json").read_text())
+        assert conf["eos_token"] == bid.EOD_TOKEN
 
 
 def test_builder_refuses_bad_outputs_and_tokenizers_in_one_line(tmp_path, capsys):
