@@ -14,7 +14,10 @@
    256K rank's attention shape, written as a measured hardware profile next to the JSON;
 5. replay: one 256K step (GBS 128, DP 16, CP 8, P 8) under ulysses and libra, every rank's
    kernel calls measured: per-rank max/mean beside the planner's modeled one;
-6. train (only when megatron-core imports): ten steps of the tiny model on this GPU, bf16.
+6. train (only when megatron-core imports): ten steps of the tiny model on this GPU, bf16;
+7. train_megatron_lm (only when megatron-core >= 0.19's megatron.training imports): ten
+   iterations of pretrain_gpt_libra.py (configs/megatron/cpu_tiny.yaml, NCCL, bf16, 4K-token
+   sequences of Libra's synthetic documents) in Megatron-LM's own loop on this GPU.
 
 With `--device cpu` the same script runs on the CPU with the reference kernel at a small
 size (how CI keeps it working). Exit status 1 when any check fails.
@@ -51,16 +54,50 @@ def _train(out_dir: Path) -> dict:
         "optimizer.distributed=true", "schedule.train_steps=10", "schedule.warmup_steps=2",
         "logging.log_interval=1", f"logging.metrics_file={metrics}",
     ]
+    return _run_metrics(cmd, metrics)
+
+
+def _run_metrics(cmd: list[str], metrics: Path, env: dict | None = None) -> dict:
+    """Run a training command; its exit status, time, and first and last losses and last
+    tokens/s from its metrics file (one JSON line per step)."""
+    metrics.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **(env or {})})
     res = {"rc": p.returncode, "seconds": time.perf_counter() - t0}
     if p.returncode:
-        res["stderr_tail"] = p.stderr[-2000:]
+        res["stderr_tail"] = (p.stderr or p.stdout)[-2000:]
         return res
     steps = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    res["steps"] = len(steps)
     res["loss_first"], res["loss_last"] = steps[0]["loss"], steps[-1]["loss"]
     res["tokens_per_s_last"] = steps[-1]["tokens_per_s"]
+    res["attn_time_max_over_mean_last"] = steps[-1].get("attn_time_max_over_mean")
     return res
+
+
+def _train_megatron(out_dir: Path, cpu: bool) -> dict:
+    """Ten iterations of pretrain_gpt_libra.py in Megatron-LM's own loop on one process:
+    configs/megatron/cpu_tiny.yaml at cp 1 with Libra's synthetic documents; on a GPU with
+    NCCL, bf16 and 4K-token sequences, on the CPU (how CI keeps this path working) with gloo,
+    fp32 and 256."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.training") is None:
+        return {"skipped": "megatron.training is not installed (megatron-core >= 0.19)"}
+    metrics = out_dir / "gpu_train_megatron_lm.jsonl"
+    seq = 256 if cpu else 4096
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+        str(ROOT / "pretrain_gpt_libra.py"), "--yaml-cfg", "configs/megatron/cpu_tiny.yaml",
+        "--context-parallel-size", "1", "--libra-pool-size", "1", "--libra-data", "synthetic",
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+        "--global-batch-size", "2", "--train-iters", "10", "--lr-warmup-iters", "2",
+        "--libra-metrics-file", str(metrics),
+        *(["--distributed-backend", "gloo"] if cpu else ["--distributed-backend", "nccl",
+                                                         "--bf16"]),
+    ]
+    return _run_metrics(cmd, metrics, {"PYTHONPATH": str(ROOT)})
 
 
 def _calibration(device: str, cpu: bool, out_dir: Path) -> dict:
@@ -153,6 +190,8 @@ def main() -> int:
     res["replay"] = _replay(args.device, cpu)
     if not args.skip_train and not cpu:
         res["train"] = _train(out.parent)
+    if not args.skip_train:
+        res["train_megatron_lm"] = _train_megatron(out.parent, cpu)
     res["seconds"] = time.perf_counter() - t0
     checks = _checks(res, cpu, args.skip_train)
     res["checks"] = checks
@@ -202,15 +241,16 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
         _skip("CPU timings are not meaningful") if cpu else
         _check(all(s["ratio"] <= 1.05 for s in systems.values()),
                ", ".join(f"{n} x{s['ratio']:.3f}" for n, s in systems.items())))
-    t = res.get("train")
-    if t is None:
-        out["train"] = _skip("--skip-train" if skip_train else "no GPU run on the CPU")
-    elif "skipped" in t:
-        out["train"] = _skip(t["skipped"])
-    else:
-        learns = t.get("rc") == 0 and t["loss_last"] < t["loss_first"]
-        out["train"] = _check(learns, f"rc {t.get('rc')}, loss {t.get('loss_first')} -> "
-                                      f"{t.get('loss_last')}")
+    for name in ("train", "train_megatron_lm"):
+        t = res.get(name)
+        if t is None:
+            out[name] = _skip("--skip-train" if skip_train else "no GPU run on the CPU")
+        elif "skipped" in t:
+            out[name] = _skip(t["skipped"])
+        else:
+            learns = t.get("rc") == 0 and t["loss_last"] < t["loss_first"]
+            out[name] = _check(learns, f"rc {t.get('rc')}, loss {t.get('loss_first')} -> "
+                                       f"{t.get('loss_last')}")
     # calibration: a plausible peak for the device (a broken timer or kernel gives 0 or
     # absurd figures), every row measured
     cal = res["calibration"]

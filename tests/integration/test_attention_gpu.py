@@ -58,6 +58,11 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     checks = r["checks"]
     assert r["ok"] and checks["kernels"]["status"] == checks["no_host_copies"]["status"] == "pass"
     assert checks["train"]["status"] == "skip"  # a skip is reported as one, not as a pass
+    # Megatron-LM's loop runs where megatron.training is installed (on the CPU: gloo, fp32)
+    import importlib.util
+
+    mlm = importlib.util.find_spec("megatron.training") is not None
+    assert checks["train_megatron_lm"]["status"] == ("pass" if mlm else "skip"), checks
     assert checks["replay"]["status"] == checks["calibration"]["status"] == "pass"
     lines = [x for x in p.stdout.splitlines() if x.startswith("check ")]
     assert len(lines) == len(checks)  # one summary line per check
