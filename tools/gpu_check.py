@@ -248,7 +248,7 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
         elif "skipped" in t:
             out[name] = _skip(t["skipped"])
         else:
-            learns = t.get("rc") == 0 and t["loss_last"] < t["loss_first"]
+            learns = t.get("rc") == 0 and t.get("loss_last", 0) < t.get("loss_first", 0)
             out[name] = _check(learns, f"rc {t.get('rc')}, loss {t.get('loss_first')} -> "
                                        f"{t.get('loss_last')}")
     # calibration: a plausible peak for the device (a broken timer or kernel gives 0 or

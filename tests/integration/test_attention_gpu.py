@@ -94,11 +94,13 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
                                "libra": {"measured_max_over_mean": 1.05,
                                          "modeled_max_over_mean": 1.01, "rank_ms": [5.0, 4.8]}}},
         "train": {"rc": 0, "loss_first": 5.5, "loss_last": 4.9},
+        "train_megatron_lm": {"rc": 0, "loss_first": 6.2, "loss_last": 5.7},
     }
     checks = gc._checks(good, cpu=False, skip_train=False)
     assert {k: c["status"] for k, c in checks.items()} == {
         "kernels": "pass", "alignment": "pass", "sync": "pass", "no_host_copies": "pass",
-        "overhead_within_5pct": "pass", "train": "pass", "calibration": "pass",
+        "overhead_within_5pct": "pass", "train": "pass", "train_megatron_lm": "pass",
+        "calibration": "pass",
         "replay": "pass", "multi_rank": "skip"}
     bad = {
         **good,
@@ -108,10 +110,12 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
                                "libra": {"measured_max_over_mean": 2.4,
                                          "modeled_max_over_mean": 1.01, "rank_ms": [9.0, 2.0]}}},
         "train": {"skipped": "megatron-core is not installed"},
+        "train_megatron_lm": {"rc": 1, "stderr_tail": "pretrain_gpt_libra.py: error: ..."},
     }
     checks = gc._checks(bad, cpu=False, skip_train=False)
     assert checks["calibration"]["status"] == "fail" and checks["replay"]["status"] == "fail"
     assert checks["train"] == {"status": "skip", "detail": "megatron-core is not installed"}
+    assert checks["train_megatron_lm"]["status"] == "fail"
 
     # on the CPU one round of milliseconds per rank on a shared host is recorded, not judged:
     # Libra measured above Ulysses still passes while the deterministic modeled figures hold;
