@@ -5,19 +5,39 @@
 # plain `torch` requirement to a multi-GB CUDA build on CPU-only machines (on Python 3.12 the
 # registry's 2.13.0 is a CUDA build; it runs on CPU).
 #
-# VENV (default .venv) and PYTHON (default python3) choose another environment: with a Python
-# >= 3.12 it gets megatron-core 0.19.2, whose wheel ships megatron.training (Megatron-LM's
-# `pretrain`), which pretrain_gpt_libra.py needs:
-#   VENV=.venv-mlm PYTHON=python3.12 bash scripts/setup_env.sh
+# VENV (default .venv) and PYTHON (default: a Python 3.12 or 3.13 where one is found, else
+# python3) choose another environment. With Python >= 3.12 it gets megatron-core 0.19.2, whose
+# wheel ships megatron.training (Megatron-LM's `pretrain`), which pretrain_gpt_libra.py needs;
+# with 3.11 megatron-core 0.16 (`libra train` only):
+#   VENV=.venv-compat PYTHON=python3.11 bash scripts/setup_env.sh
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-py="${PYTHON:-python3}"
 venv="${VENV:-.venv}"
+# The Python: $PYTHON, else a 3.12 (then a 3.13) found (python3.12 / python3.13 on PATH, or
+# pyenv's versions), else python3. megatron-core 0.19's wheel (megatron.training, which
+# pretrain_gpt_libra.py runs on) needs Python >= 3.12; on an older one `libra train` runs on
+# megatron-core 0.16.
+py="${PYTHON:-}"
+if [ -z "$py" ]; then
+  for c in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 \
+           python3.13 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13 python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys, venv' >/dev/null 2>&1; then
+      py="$c"
+      break
+    fi
+  done
+fi
 if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating $venv with $("$py" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
   "$py" -m venv "$venv"
 fi
 vpy="$venv/bin/python"
+if ! "$vpy" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  echo "[setup] $venv has Python $("$vpy" -c 'import sys; print(sys.version.split()[0])'):" \
+       "megatron-core 0.16 (libra train); pretrain_gpt_libra.py needs Python >= 3.12" \
+       "(PYTHON=python3.12 with a new VENV, or remove $venv)"
+fi
 if "$vpy" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
   # megatron.training's HuggingFaceTokenizer (--tokenizer-type) reads tokenizers through
   # transformers' AutoTokenizer

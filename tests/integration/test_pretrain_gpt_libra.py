@@ -242,29 +242,52 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_losses_and_weights(tmp_p
     # configs/megatron/cpu_tiny.yaml (cp 2, one pool of 2) with WLB-LLM from the command line,
     # which wins over the file's libra.name: WLB-LLM holds documents back across steps, so the
     # resumed run must get the planner's state from beside the checkpoint to run the same
-    # documents. The first iteration after the resume has the uninterrupted run's loss, and the
-    # weights and Adam states after the last step are the same bits. (Megatron-LM's log line on
-    # the second iteration after a resume averages two iterations' losses: its loop's quirk.)
+    # documents. A run is killed (SIGKILL to its process group) once iteration 2's checkpoint
+    # is saved; resumed, every later iteration has the uninterrupted run's loss
+    # (--libra-metrics-file: each iteration's own) and the weights and Adam states after the
+    # last step are the same bits.
+    import signal
+
+    from libra_ext.attention.verify import free_port
+
     common = ["--yaml-cfg", "configs/megatron/cpu_tiny.yaml", "--train-iters", "4",
               "--libra-system", "wlb", "--save-interval", "2", "--ckpt-format", "torch"]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    run = _torchrun(4, [*common, "--save", str(full)], tiny=False)
+    run = _torchrun(4, [*common, "--save", str(full), "--libra-metrics-file",
+                        str(tmp_path / "full.jsonl")], tiny=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "arguments from --yaml-cfg configs/megatron/cpu_tiny.yaml" in run.stdout
     assert "libra | iteration        4 | system: wlb |" in run.stdout
-    ref = _losses(run.stdout)
-    assert len(ref) == 4, run.stdout[-3000:]
-    # "killed" after the checkpoint of iteration 2: only it survives
-    import shutil
-
-    shutil.copytree(full, cut)
-    shutil.rmtree(cut / "iter_0000004")
-    (cut / "latest_checkpointed_iteration.txt").write_text("2")
-    again = _torchrun(4, [*common, "--save", str(cut), "--load", str(cut)], tiny=False)
+    ref = [json.loads(x)["loss"] for x in (tmp_path / "full.jsonl").read_text().splitlines()]
+    assert len(ref) == 4 and _losses(run.stdout)[0] == pytest.approx(ref[0], rel=1e-6)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_libra.py"), *common,
+           "--save", str(cut)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    killed = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in killed.stdout:
+            seen.append(line)
+            if "successfully saved checkpoint from iteration       2" in line:
+                os.killpg(killed.pid, signal.SIGKILL)
+                break
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=60)
+    assert killed.returncode == -signal.SIGKILL, "".join(seen[-40:])
+    assert (cut / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    again = _torchrun(4, [*common, "--save", str(cut), "--load", str(cut),
+                          "--libra-metrics-file", str(tmp_path / "resumed.jsonl")], tiny=False)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "loading" in again.stdout and "iteration        3/       4" in again.stdout
-    resumed = _losses(again.stdout)
-    assert abs(resumed[0] - ref[2]) <= 1e-6 * abs(ref[2]), (resumed, ref)
+    resumed = [json.loads(x) for x in (tmp_path / "resumed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for r in resumed:
+        assert abs(r["loss"] - ref[r["step"] - 1]) <= 1e-6 * abs(ref[r["step"] - 1]), (
+            resumed, ref)
     a, b = _state(full / "iter_0000004"), _state(cut / "iter_0000004")
     assert a.keys() == b.keys() and len(a) > 20
     for k in a:

@@ -157,6 +157,8 @@ def test_docker_context_leaves_out_environments_and_outputs_but_not_the_build():
     patterns = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
                 if ln.strip() and not ln.startswith("#")]
     for path in (".venv/lib/python3.11/site-packages/torch/__init__.py", "out/ab/report.md",
+                 ".venv-compat/lib/python3.11/site-packages/torch/__init__.py",
+                 ".whl/megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl",
                  "build/temp/planner.o", "libra_ext/_planner.cpython-311-x86_64-linux-gnu.so",
                  ".git/objects/pack/x.pack", "libra_ext/__pycache__/x.pyc"):
         assert _ignored(patterns, path), path
