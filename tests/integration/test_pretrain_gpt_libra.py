@@ -242,8 +242,8 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_losses_and_weights(tmp_p
     # configs/megatron/cpu_tiny.yaml (cp 2, one pool of 2) with WLB-LLM from the command line,
     # which wins over the file's libra.name: WLB-LLM holds documents back across steps, so the
     # resumed run must get the planner's state from beside the checkpoint to run the same
-    # documents. A run is killed (SIGKILL to its process group) once iteration 2's checkpoint
-    # is saved; resumed, every later iteration has the uninterrupted run's loss
+    # documents. A run is killed (SIGKILL to torchrun and its workers) once iteration 2's
+    # checkpoint is saved; resumed, every later iteration has the uninterrupted run's loss
     # (--libra-metrics-file: each iteration's own) and the weights and Adam states after the
     # last step are the same bits.
     import signal
@@ -263,21 +263,32 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_losses_and_weights(tmp_p
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
            "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_libra.py"), *common,
            "--save", str(cut)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # unbuffered: the save's line is read as it is printed, and the kill follows it
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     killed = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    from megatron.libra.train_commands import _below, _process_tree
+
+    def kill_job():  # as a scheduler ends a job: torchrun and every worker (own sessions)
+        for pid in [killed.pid, *_below([killed.pid], _process_tree())]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     seen = []
     try:
         for line in killed.stdout:
             seen.append(line)
             if "successfully saved checkpoint from iteration       2" in line:
-                os.killpg(killed.pid, signal.SIGKILL)
+                kill_job()
                 break
     finally:
         if killed.poll() is None:
-            os.killpg(killed.pid, signal.SIGKILL)
+            kill_job()
         killed.wait(timeout=60)
     assert killed.returncode == -signal.SIGKILL, "".join(seen[-40:])
+    assert not any("iteration        4/       4" in x for x in seen)  # killed before the end
     assert (cut / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     again = _torchrun(4, [*common, "--save", str(cut), "--load", str(cut),
                           "--libra-metrics-file", str(tmp_path / "resumed.jsonl")], tiny=False)
