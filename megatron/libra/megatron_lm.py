@@ -822,13 +822,19 @@ class StepMicroBatches:
         if int(state["next_step"]) != step:
             raise RuntimeError(f"{path} holds the planner state before iteration "
                                f"{state['next_step']}, not {step}")
-        old, new = state["settings"], libra_settings(self.args)
-        changed = [f"{k} = {old.get(k)!r} there, {new[k]!r} here" for k in new
-                   if old.get(k) != new[k]]
+        changed = changed_settings(state["settings"], libra_settings(self.args))
         if changed:
             raise RuntimeError(f"resume at iteration {step} with other Libra settings than the "
                                f"checkpoint's: {'; '.join(changed)}")
         return state
+
+
+def changed_settings(old: dict, new: dict) -> list[str]:
+    """The settings a resume changes, "NAME = OLD there, NEW here", from the checkpoint's
+    libra_settings (`old`) and this run's (`new`); a checkpoint saved before --libra-data
+    existed read Megatron's own dataset."""
+    old = {"--libra-data": "megatron", **old}
+    return [f"{k} = {old.get(k)!r} there, {new[k]!r} here" for k in new if old.get(k) != new[k]]
 
 
 def libra_settings(args) -> dict:

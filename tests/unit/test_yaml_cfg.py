@@ -124,3 +124,17 @@ def test_a_missing_file_and_an_empty_one(tmp_path):
     assert yaml_argv(_write(tmp_path, "# nothing\n"), _parser()) == []
     with pytest.raises(ValueError, match="--yaml-cfg: expected a file path"):
         expand_yaml_cfg(["--yaml-cfg"])
+
+
+def test_a_resume_names_each_changed_setting_and_reads_older_checkpoints():
+    from megatron.libra.megatron_lm import changed_settings
+
+    now = {"--libra-system": "wlb", "--libra-chunks": 2, "--libra-data": "megatron"}
+    assert changed_settings(dict(now), now) == []
+    assert changed_settings({**now, "--libra-chunks": 3}, now) == [
+        "--libra-chunks = 3 there, 2 here"]
+    # saved before --libra-data existed: Megatron's own dataset, the same stream
+    old = {k: v for k, v in now.items() if k != "--libra-data"}
+    assert changed_settings(old, now) == []
+    assert changed_settings(old, {**now, "--libra-data": "synthetic"}) == [
+        "--libra-data = 'megatron' there, 'synthetic' here"]
