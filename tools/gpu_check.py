@@ -57,13 +57,12 @@ def _train(out_dir: Path) -> dict:
     return _run_metrics(cmd, metrics)
 
 
-def _run_metrics(cmd: list[str], metrics: Path, env: dict | None = None) -> dict:
+def _run_metrics(cmd: list[str], metrics: Path) -> dict:
     """Run a training command; its exit status, time, and first and last losses and last
     tokens/s from its metrics file (one JSON line per step)."""
     metrics.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **(env or {})})
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     res = {"rc": p.returncode, "seconds": time.perf_counter() - t0}
     if p.returncode:
         res["stderr_tail"] = (p.stderr or p.stdout)[-2000:]
@@ -97,7 +96,9 @@ def _train_megatron(out_dir: Path, cpu: bool) -> dict:
         *(["--distributed-backend", "gloo"] if cpu else ["--distributed-backend", "nccl",
                                                          "--bf16"]),
     ]
-    return _run_metrics(cmd, metrics, {"PYTHONPATH": str(ROOT)})
+    # the script's folder (the repository) is on its path; PYTHONPATH (gpu_check.sh's, with
+    # any WHEELS folder) is inherited as it is
+    return _run_metrics(cmd, metrics)
 
 
 def _calibration(device: str, cpu: bool, out_dir: Path) -> dict:

@@ -152,6 +152,15 @@ class DataConfig:
     the second; the test part is left alone. synthetic: validation reads a stream of its own
     (seed data.seed + 1)."""
 
+    def check_synthetic(self) -> None:
+        """The synthetic source's lengths: a known preset, or a lengths file that exists."""
+        if self.lengths_file is None and self.workload not in preset_names():
+            raise ValueError(
+                f"data.workload must be one of {', '.join(preset_names())}, got {self.workload!r}"
+            )
+        if self.lengths_file is not None and not Path(self.lengths_file).is_file():
+            raise ValueError(f"data.lengths_file {self.lengths_file} does not exist")
+
     def split_weights(self) -> tuple[float, float, float]:
         """data.split as three non-negative weights summing to 1."""
         try:
@@ -542,12 +551,7 @@ class TrainConfig:
             raise ValueError(f"data.order must be one of {', '.join(ORDERS)}, got {d.order!r}")
         check_int(d.seed, "data.seed", 0, 2**31 - 1)  # megatron-core offsets it per rank
         if d.source == "synthetic":
-            if d.lengths_file is None and d.workload not in preset_names():
-                raise ValueError(
-                    f"data.workload must be one of {', '.join(preset_names())}, got {d.workload!r}"
-                )
-            if d.lengths_file is not None and not Path(d.lengths_file).is_file():
-                raise ValueError(f"data.lengths_file {d.lengths_file} does not exist")
+            d.check_synthetic()
         elif d.source == "indexed":
             if not d.path:
                 raise ValueError("data.path is required for data.source = indexed")

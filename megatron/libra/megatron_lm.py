@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from libra_ext.workload import preset_names, read_lengths_file
+from libra_ext.workload import read_lengths_file
 from megatron.libra.config import SystemConfig, TrainConfig
 from megatron.libra.data import Piece
 
@@ -69,6 +69,8 @@ ARG_NAMES = {
     "data.gbs": "--global-batch-size",
     "data.context": "--seq-length",
     "data.seed": "--seed",
+    "data.workload": "--libra-workload",
+    "data.lengths_file": "--libra-lengths-file",
     "schedule.train_steps": "--train-iters",
 }
 """A `libra train` config field -> the Megatron-LM argument it comes from (for error lines)."""
@@ -239,13 +241,13 @@ def check_args(args, world_size: int | None = None) -> None:
         raise ValueError(
             f"--dataloader-type {args.dataloader_type}: Libra serves each rank the samples its "
             "replica executes under the step plan (leave --dataloader-type at external)")
+    cfg = train_config(args)
     if args.libra_data == "synthetic":
-        if args.libra_lengths_file is None and args.libra_workload not in preset_names():
-            raise ValueError(f"--libra-workload must be one of {', '.join(preset_names())}, "
-                             f"got {args.libra_workload!r}")
+        try:
+            cfg.data.check_synthetic()
+        except ValueError as e:
+            raise ValueError(_named(str(e))) from None
         if args.libra_lengths_file is not None:
-            if not Path(args.libra_lengths_file).is_file():
-                raise ValueError(f"--libra-lengths-file {args.libra_lengths_file} does not exist")
             try:
                 read_lengths_file(args.libra_lengths_file)
             except ValueError as e:
@@ -262,7 +264,6 @@ def check_args(args, world_size: int | None = None) -> None:
         raise ValueError(
             f"--eval-iters {args.eval_iters}: validation through the step plan is not served by "
             "pretrain_gpt_libra.py yet; set --eval-iters 0")
-    cfg = train_config(args)
     try:
         cfg.check_layout(world)
         cfg.system.check()

@@ -455,14 +455,20 @@ def _megatron_ab(args, systems: list[str]):
     if not Path(args.config).is_file():
         raise ValueError(f"--config {args.config}: no such file (a --yaml-cfg file of "
                          "pretrain_gpt_libra.py)")
+    from megatron.libra.megatron_lm import expand_yaml_cfg
+
     extra = list(args.overrides)
     for flag in ("--libra-system", "--train-iters", "--libra-metrics-file", "--log-interval"):
-        if any(a == flag or a.startswith(flag + "=") for a in extra):
+        if _gives(extra, flag):
             raise ValueError(f"{flag}: libra ab sets it for every run (--systems, --steps)")
+    # the file's arguments, then the command line's (they win); checked by Megatron-LM's parser
+    given, _ = expand_yaml_cfg(["--yaml-cfg", args.config, *extra])
+    # a checkpoint directory of the file's or the command line's is left alone: emptied
+    no_ckpt = [x for flag in ("--save", "--load") if _gives(given, flag) for x in (flag, "")]
     server = "replica"
-    for i, a in enumerate(extra[:-1]):
+    for i, a in enumerate(given[:-1]):
         if a == "--libra-distca-server":
-            server = extra[i + 1]
+            server = given[i + 1]
     device = "cuda" if _cuda() else "cpu"
     result = {
         "config": args.config,
@@ -479,7 +485,8 @@ def _megatron_ab(args, systems: list[str]):
     }
     with tempfile.TemporaryDirectory() as tmp:
         def run(name: str) -> list[dict]:
-            return _megatron_run(args.config, extra, name, args.steps, args.nproc, Path(tmp))
+            return _megatron_run(args.config, [*extra, *no_ckpt], name, args.steps, args.nproc,
+                                 Path(tmp))
 
         first, identical, figures = _interleaved(args.repeats, systems, run)
     for name in systems:
@@ -491,30 +498,28 @@ MEGATRON_LINE = (r"\] iteration +(\d+)/ *\d+ \|.*?grad norm: ([0-9.eE+-]+|nan|in
 """Megatron-LM's iteration line: the iteration and its grad norm."""
 
 
+def _gives(argv: list[str], flag: str) -> bool:
+    """Whether command-line arguments `argv` give option `flag` (`--x V` or `--x=V`)."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
 def _megatron_run(config: str, extra: list[str], system: str, steps: int, nproc: int,
                   tmp: Path) -> list[dict]:
     """One run of pretrain_gpt_libra.py under torchrun: its per-iteration records (the metrics
-    file, with Megatron-LM's grad norm added). No checkpoints are written or read (a --save or
-    --load given is emptied). Its output goes to stderr as it comes; a failed run exits 1 after its
-    error line."""
+    file, with Megatron-LM's grad norm added). Its output goes to stderr as it comes; a failed
+    run exits 1 after its error line."""
     import re
     import subprocess
 
     from libra_ext.attention.verify import free_port
 
-    from megatron.libra.megatron_lm import expand_yaml_cfg
-
     root = Path(__file__).resolve().parents[2]
-    # a checkpoint directory of the file's or the command line's is left alone: emptied
-    given, _ = expand_yaml_cfg(["--yaml-cfg", config, *extra])
-    no_ckpt = [x for flag in ("--save", "--load")
-               if any(a == flag or a.startswith(flag + "=") for a in given) for x in (flag, "")]
     metrics = tmp / f"{system}.jsonl"
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), str(root / "pretrain_gpt_libra.py"),
            "--yaml-cfg", config, *extra, "--libra-system", system, "--train-iters", str(steps),
-           "--log-interval", "1", "--libra-metrics-file", str(metrics), *no_ckpt]
+           "--log-interval", "1", "--libra-metrics-file", str(metrics)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(root), env.get("PYTHONPATH")) if x)
     grad: dict[int, float] = {}
