@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from libra_ext.workload import ModelConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4, "fp64": 8}
@@ -167,7 +169,6 @@ def exchange_bytes_per_layer(plan) -> float:
     """Bytes of one layer's pool exchange the busiest rank keeps for its backward in a step of
     `plan` (the busiest micro-batch slot): received Q and K/V prefixes, and the O computed for
     moved tiles."""
-    import numpy as np
 
     px = plan.exchange_pool
     if px == 1 or not plan.xchg_q.any():

@@ -66,49 +66,67 @@ class LayoutConfig:
         return out
 
 
-@dataclass
-class PlannerOptions:
-    """Which system plans the step, and its knobs."""
+_DEFAULTS = _core.PlanOptions()
+"""The C++ core's default options (`cpp/include/libra/plan.h`): the one place each default is
+written; the Python declarations below read theirs from it."""
 
-    system: str = "libra"
-    """One of libra, ulysses, wlb, distca."""
+
+@dataclass
+class PlannerKnobs:
+    """The planner's settings a user chooses: the one declaration from which the training
+    config's `system` section (`SystemConfig`), `pretrain_gpt_libra.py`'s `--libra-*`
+    arguments, `libra plan`'s flags and docs/config_reference.md are derived."""
+
     block: int | None = None
-    """Query tokens per SH-tile; None = context / 16 (at least 1024)."""
-    head_group: int = 0
-    """Heads per SH-tile; 0 = all heads of a rank's slice."""
-    epsilon: float = 0.02
+    """Query tokens per SH-tile (None: context / 16, at least 1024)."""
+    head_group: int = _DEFAULTS.head_group
+    """Heads per SH-tile (0: the whole slice of a rank)."""
+    epsilon: float = _DEFAULTS.epsilon
     """TAP soft cap: a member takes tiles up to (1 + epsilon) x the group mean."""
-    max_tile_share: float = 0.25
-    """TAP: tiles heavier than this share of a member's mean load are split (heads, then rows);
-    0 never splits."""
-    vrsp: bool = True
-    """libra: VRSP placement (False: Megatron's production order)."""
-    tap: bool = True
-    """libra: move tiles inside the pool (False: every owner computes its own attention)."""
-    refine: bool = True
-    """libra: refinement pass after the greedy."""
-    distca_tolerance: float = 0.05
-    """distca: stop when every replica is within tolerance x mean of the mean."""
-    distca_server: str = "replica"
-    """distca: what an attention server is: replica (one per replica, its heads split over its
-    GPUs: the stronger variant) or gpu (DistCA as deployed: every GPU a server, DistCA's own
-    planner's decisions; planned where a GPU is a replica, cp 1)."""
-    dtype_bytes: int = 2
-    """Bytes per Q/K/V/O element (2 for bf16)."""
-    wlb_outlier_len: int = 0
-    """wlb: documents at least this long wait in the delay queue; 0 = context / 4."""
-    wlb_max_delay: int = 4
+    max_tile_share: float = _DEFAULTS.max_tile_share
+    """TAP: tiles heavier than this share of a member's mean load are split (heads, then rows;
+    0: never)."""
+    vrsp: bool = _DEFAULTS.vrsp
+    """libra: VRSP placement (false: Megatron's production order)."""
+    tap: bool = _DEFAULTS.tap
+    """libra: move tiles inside the pool (false: every owner computes its own attention)."""
+    refine: bool = _DEFAULTS.refine
+    """libra: TAP's refinement pass after the greedy."""
+    distca_tolerance: float = _DEFAULTS.distca_tolerance
+    """distca: a replica stops receiving once its deficit is within this share of the mean."""
+    distca_server: str = _DEFAULTS.distca_server
+    """distca: what an attention server is. replica (one per replica, its heads split evenly
+    over its GPUs by Ulysses: stronger than DistCA's own) or gpu (DistCA as deployed: every GPU
+    a server, its planner's decisions; run where a GPU is a replica, cp 1; with cp > 1 it cuts
+    documents at GPU boundaries, which `libra simulate` models as system distca)."""
+    wlb_outlier_len: int = _DEFAULTS.wlb_outlier_len
+    """wlb: documents at least this long wait in the delay queue (0: context / 4)."""
+    wlb_max_delay: int = _DEFAULTS.wlb_max_delay
     """wlb: most steps an outlier document may wait."""
-    wlb_release_count: int = 0
-    """wlb: an outlier level is released once it holds this many documents; 0 = dp."""
-    order: str = "megatron"
+    wlb_release_count: int = _DEFAULTS.wlb_release_count
+    """wlb: an outlier level is released once it holds this many documents (0: dp)."""
+
+    def knobs(self) -> dict:
+        """{field: value} of every planner knob (what PlannerOptions takes of them)."""
+        return {f.name: getattr(self, f.name) for f in fields(PlannerKnobs)}
+
+
+@dataclass
+class PlannerOptions(PlannerKnobs):
+    """Which system plans the step, its knobs, and what the caller fixes for it."""
+
+    system: str = _DEFAULTS.system
+    """One of libra, ulysses, wlb, distca."""
+    dtype_bytes: int = _DEFAULTS.dtype_bytes
+    """Bytes per Q/K/V/O element (2 for bf16)."""
+    order: str = _DEFAULTS.order
     """Production order of the step's input sequences, used where nothing balances them (ulysses,
     distca, the `_before` figures, VRSP's fallback): megatron (Megatron-LM's pretraining sampler:
     each micro-batch round hands micro_batch_size samples to each data-parallel rank in turn;
     with 1, sample q to replica q mod D, slot q // D) or contiguous (replica q // m)."""
-    micro_batch_size: int = 1
+    micro_batch_size: int = _DEFAULTS.micro_batch_size
     """Sequences per micro-batch and replica in Megatron order; divides gbs / dp."""
-    threads: int = 0
+    threads: int = _DEFAULTS.threads
     """Worker threads for TAP's groups; 0 = automatic: one per 16K documents of the step, at most
     the machine's cores and 8. The plan does not depend on it."""
 

@@ -188,42 +188,50 @@ def production_slot(q: int, dp: int, m: int, order: str, micro_batch_size: int) 
     return within // micro_batch_size, slot
 
 
-def plan_libra(
-    sequences,
-    dp,
-    cp,
-    tp,
-    pool,
-    context,
-    heads,
-    kv_heads,
-    head_dim,
-    block=0,
-    head_group=0,
-    epsilon=0.02,
-    dtype_bytes=2,
-    refine=True,
-    max_tile_share=0.25,
-    order="megatron",
-    micro_batch_size=1,
-) -> ReferencePlan:
-    B = len(sequences)
-    m = B // dp
-    hl = heads // (cp * tp)
-    kvh_local = max(1, hl // (heads // kv_heads))
-    q_per_kv = hl // kvh_local
-    block = block or max(1024, context // 16)
-    hg = min(head_group, hl) if head_group > 0 else hl
-    bwd = 1.0 + ATTN_BWD_FACTOR
-    loads = []
-    for seq in sequences:
-        pairs = float(sum(causal_pairs(l) for l in seq))  # one integer sum per sequence
-        loads.append(4.0 * head_dim * hl * pairs * bwd)
-    # VRSP: sequences -> pools of P*m (LPT + swaps on pool totals), then each pool's sequences ->
-    # m groups of P; Megatron's production grouping instead when its heaviest pool (then group)
-    # is lighter.
-    n_groups = B // pool
-    n_pools = dp // pool
+def plan_libra(sequences, layout, model, options) -> ReferencePlan:
+    """Plan one libra step: `sequences` (lists of document lengths), `layout`
+    (planner.LayoutConfig), `model` (workload.ModelConfig) and `options` (planner.PlannerOptions),
+    as the C++ core does - VRSP, then TAP in every group."""
+    step = _Step(sequences, layout, model, options)
+    replica, slot, group_seqs, gload = _vrsp(step)
+    tiles: list = []
+    for g in range(step.B // layout.pool_size):
+        _GroupPlacer(step, group_seqs[g], replica, tiles).place()
+    return ReferencePlan(replica, slot, [tuple(t) for t in tiles], max(gload),
+                         lower_bound(step.loads, step.B // layout.pool_size, layout.pool_size))
+
+
+class _Step:
+    """What every part of a step's plan reads: the sizes, the resolved block and head group,
+    and each sequence's attention load."""
+
+    def __init__(self, sequences, layout, model, options):
+        self.sequences, self.layout, self.options = sequences, layout, options
+        self.B = len(sequences)
+        self.m = self.B // layout.dp
+        self.hl = model.heads // (layout.cp * layout.tp)
+        kvh_local = max(1, self.hl // (model.heads // model.kv_heads))
+        self.q_per_kv = self.hl // kvh_local
+        self.head_dim = model.head_dim
+        self.block = options.block or max(1024, layout.context // 16)
+        hg = options.head_group
+        self.hg = min(hg, self.hl) if hg > 0 else self.hl
+        bwd = 1.0 + ATTN_BWD_FACTOR
+        self.loads = []
+        for seq in sequences:
+            pairs = float(sum(causal_pairs(l) for l in seq))  # one integer sum per sequence
+            self.loads.append(4.0 * model.head_dim * self.hl * pairs * bwd)
+        self.lengths = [l for seq in sequences for l in seq]
+        self.min_rows = min_split_rows(layout.context)
+
+
+def _vrsp(step: _Step):
+    """VRSP: sequences -> pools of P*m (LPT + swaps on pool totals), then each pool's sequences
+    -> m groups of P; Megatron's production grouping instead when its heaviest pool (then group)
+    is lighter. Returns (replica, slot, group -> its sequences heaviest first, group loads)."""
+    B, m, loads = step.B, step.m, step.loads
+    dp, pool = step.layout.dp, step.layout.pool_size
+    n_groups, n_pools = B // pool, dp // pool
 
     def evaluate(seq_group, group_pool):
         gl = [0.0] * n_groups
@@ -244,7 +252,7 @@ def plan_libra(
     group_pool = [g // m for g in range(n_groups)]
     prod = []
     for q in range(B):
-        r, sl = production_slot(q, dp, m, order, micro_batch_size)
+        r, sl = production_slot(q, dp, m, step.options.order, step.options.micro_batch_size)
         prod.append((r // pool) * m + sl)
     (p1, g1), (p2, g2) = evaluate(seq_group, group_pool), evaluate(prod, group_pool)
     tol = 1e-9 * max(1.0, abs(p1))
@@ -256,304 +264,340 @@ def plan_libra(
         gload[g] += loads[s]
         members[g].append(s)
     replica, slot = [-1] * B, [-1] * B
-    pools = [[g for g in range(n_groups) if group_pool[g] == k] for k in range(n_pools)]
     group_seqs = {}
-    for k, gs in enumerate(pools):
-        gs.sort(key=lambda g: -gload[g])
+    for k in range(n_pools):
+        gs = sorted((g for g in range(n_groups) if group_pool[g] == k), key=lambda g: -gload[g])
         for sl, g in enumerate(gs):
             ms = sorted(members[g], key=lambda s: -loads[s])
             for i, s in enumerate(ms):
                 replica[s], slot[s] = k * pool + i, sl
             group_seqs[k * m + sl] = ms
-    # TAP inside every group.
-    all_lengths = [l for seq in sequences for l in seq]
-    tiles = []
-    for g in range(n_groups):
-        ms = group_seqs[g]
-        gt = []  # (tile index, owner member, local doc, load)
-        n_docs = 0
+    return replica, slot, group_seqs, gload
+
+
+class _GroupPlacer:
+    """TAP inside one group: its members' tiles (appended to the step's `tiles`, executor set)
+    and, per tile of the group (`gt`), (tile index, owner member, local document, load)."""
+
+    def __init__(self, step: _Step, members: list, replica: list, tiles: list):
+        self.step, self.ms, self.replica, self.tiles = step, members, replica, tiles
+        self.gt: list = []
+        self._cut_tiles()
+        P = self.P = len(members)
+        self.total = 0.0
+        for x in self.gt:
+            self.total += x[3]
+        self.cap = (1.0 + step.options.epsilon) * self.total / P
+        self.load = [0.0] * P
+        self.exe = [-1] * len(self.gt)
+        self.have = [dict() for _ in range(P)]
+
+    # -- the tiles -----------------------------------------------------------------------------
+    def _cut_tiles(self) -> None:
+        """Every member sequence cut into tiles (query blocks of long documents, runs of short
+        ones, split when heavier than max_tile_share of a member's mean)."""
+        step = self.step
         group_total = 0.0
-        for s in ms:
-            for l in sequences[s]:
-                group_total += float(causal_pairs(l)) * float(hl)
-        max_load = max_tile_share * group_total / len(ms)
-        for i, s in enumerate(ms):
-            owner = replica[s]
-            doc0 = sum(len(x) for x in sequences[:s])
+        for s in self.ms:
+            for l in step.sequences[s]:
+                group_total += float(causal_pairs(l)) * float(step.hl)
+        self.max_load = step.options.max_tile_share * group_total / len(self.ms)
+        n_docs = 0
+        for i, s in enumerate(self.ms):
+            self._cut_sequence(i, s, n_docs)
+            n_docs += len(step.sequences[s])
 
-            def emit(doc, cnt, q0, ql, kv0, kvl, pairs, doc_off):
-                for h0 in range(0, hl, hg):
-                    pieces = []
-                    t = [s, doc, cnt, q0, ql, h0, min(hg, hl - h0), kv0, kvl, pairs]
-                    if cnt == 1:
-                        split_tile(t, doc_off, max_load, pieces, min_split_rows(context))
-                    else:
-                        split_run(t, all_lengths, max_load, pieces, min_split_rows(context))
-                    for p in pieces:
-                        gt.append((len(tiles), i, n_docs + p[1] - doc0, float(p[9]) * float(p[6])))
-                        tiles.append(p[:9] + [owner, owner])
+    def _cut_sequence(self, i: int, s: int, n_docs: int) -> None:
+        step = self.step
+        owner = self.replica[s]
+        doc0 = sum(len(x) for x in step.sequences[:s])
 
-            run = None  # [first doc, count, start, length, pairs]
-            off = 0
-            for j, l in enumerate(sequences[s]):
-                doc = doc0 + j
-                if l >= block:
-                    if run:
-                        emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4], run[2])
-                        run = None
-                    for a in range(0, l, block):
-                        b = min(l, a + block)
-                        emit(doc, 1, off + a, b - a, off, b, block_pairs(a, b), off)
+        def emit(doc, cnt, q0, ql, kv0, kvl, pairs, doc_off):
+            for h0 in range(0, step.hl, step.hg):
+                pieces = []
+                t = [s, doc, cnt, q0, ql, h0, min(step.hg, step.hl - h0), kv0, kvl, pairs]
+                if cnt == 1:
+                    split_tile(t, doc_off, self.max_load, pieces, step.min_rows)
                 else:
-                    if run and run[3] + l > block:
-                        emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4], run[2])
-                        run = None
-                    if run is None:
-                        run = [doc, 0, off, 0, 0]
-                    run[1] += 1
-                    run[3] += l
-                    run[4] += causal_pairs(l)
-                off += l
-            if run:
-                emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4], run[2])
-            n_docs += len(sequences[s])
-        if not gt:
-            continue
-        P = len(ms)
-        total = 0.0
-        for x in gt:
-            total += x[3]
-        cap = (1.0 + epsilon) * total / P
-        load = [0.0] * P
-        exe = [-1] * len(gt)
-        have = [dict() for _ in range(P)]
+                    split_run(t, step.lengths, self.max_load, pieces, step.min_rows)
+                for p in pieces:
+                    self.gt.append((len(self.tiles), i, n_docs + p[1] - doc0,
+                                    float(p[9]) * float(p[6])))
+                    self.tiles.append(p[:9] + [owner, owner])
 
-        def qo(ql, hc):
-            return 4 * ql * hc * head_dim * dtype_bytes
+        run = None  # [first doc, count, start, length, pairs]
+        off = 0
+        for j, l in enumerate(step.sequences[s]):
+            doc = doc0 + j
+            if l >= step.block:
+                if run:
+                    emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4], run[2])
+                    run = None
+                for a in range(0, l, step.block):
+                    b = min(l, a + step.block)
+                    emit(doc, 1, off + a, b - a, off, b, block_pairs(a, b), off)
+            else:
+                if run and run[3] + l > step.block:
+                    emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4], run[2])
+                    run = None
+                if run is None:
+                    run = [doc, 0, off, 0, 0]
+                run[1] += 1
+                run[3] += l
+                run[4] += causal_pairs(l)
+            off += l
+        if run:
+            emit(run[0], run[1], run[2], run[3], run[2], run[3], run[4], run[2])
 
-        def kvb(n):
-            return 4 * n * head_dim * dtype_bytes
+    # -- bytes and moves -----------------------------------------------------------------------
+    def qo(self, ql, hc):
+        return 4 * ql * hc * self.step.head_dim * self.step.options.dtype_bytes
 
-        def kv_heads_of(t):
-            return range(t[5] // q_per_kv, (t[5] + t[6] - 1) // q_per_kv + 1)
+    def kvb(self, n):
+        return 4 * n * self.step.head_dim * self.step.options.dtype_bytes
 
-        def increment(k, j):
-            t = tiles[gt[k][0]]
-            return increment_rows(k, j, t[4], t[8])
+    def kv_heads_of(self, t):
+        q = self.step.q_per_kv
+        return range(t[5] // q, (t[5] + t[6] - 1) // q + 1)
 
-        def increment_rows(k, j, q_len, kv_len, ldoc=None):
-            ti, owner, tile_ldoc, _ = gt[k]
-            if owner == j:
-                return 0
-            ldoc = tile_ldoc if ldoc is None else ldoc
-            t = tiles[ti]
-            inc = qo(q_len, t[6])
-            for kh in kv_heads_of(t):
-                r = have[j].get((ldoc, kh), 0)
-                if kv_len > r:
-                    inc += kvb(kv_len - r)
-            return inc
+    def increment(self, k, j):
+        t = self.tiles[self.gt[k][0]]
+        return self.increment_rows(k, j, t[4], t[8])
 
-        def split_tail(k, at):
-            """Tile k gives up its tail - its documents from index `at` on, or rows [at, b) of
-            a one-document tile - as a new tile executed nowhere yet; tile k's executor (if any)
-            loses the tail's load. Returns the new tile's group index."""
-            ti, owner, ldoc, wk = gt[k]
-            t = tiles[ti]
-            if t[2] > 1:  # whole documents [at, count)
-                ls = all_lengths[t[1] + at : t[1] + t[2]]
-                tokens, pairs = sum(ls), sum(causal_pairs(l) for l in ls)
-                start = t[3] + t[4] - tokens
-                tiles.append(
-                    [t[0], t[1] + at, t[2] - at, start, tokens, t[5], t[6], start, tokens, t[9],
-                     t[9]]
-                )
-                t[2], t[4], t[8] = at, t[4] - tokens, t[8] - tokens
-                tail_ldoc = ldoc + at
-            else:  # rows [at, b) against the prefix [0, b)
-                a = t[3] - t[7]
-                b = a + t[4]
-                tiles.append([t[0], t[1], 1, t[7] + at, b - at, t[5], t[6], t[7], b, t[9], t[9]])
-                t[4], t[8] = at - a, at
-                pairs = block_pairs(at, b)
-                tail_ldoc = ldoc
-            w = float(pairs) * float(t[6])
-            gt[k] = (ti, owner, ldoc, wk - w)
-            if exe[k] >= 0:
-                load[exe[k]] -= w
-            gt.append((len(tiles) - 1, owner, tail_ldoc, w))
-            exe.append(-1)
-            return len(gt) - 1
+    def increment_rows(self, k, j, q_len, kv_len, ldoc=None):
+        ti, owner, tile_ldoc, _ = self.gt[k]
+        if owner == j:
+            return 0
+        ldoc = tile_ldoc if ldoc is None else ldoc
+        t = self.tiles[ti]
+        inc = self.qo(q_len, t[6])
+        for kh in self.kv_heads_of(t):
+            r = self.have[j].get((ldoc, kh), 0)
+            if kv_len > r:
+                inc += self.kvb(kv_len - r)
+        return inc
 
-        def best_cut(on_hi, hi, lo, min_gain, min_rows):
-            """The tail cut of a tile on hi that best moves half the gap to lo - rows [c, b) of
-            a one-document tile, or the documents after the first c of a multi-document tile:
-            (new max, bytes, tile, c, load) or None."""
-            want = (load[hi] - load[lo]) / 2.0
-            best = None
+    def assign(self, k, j):
+        ti, owner, ldoc, w = self.gt[k]
+        if self.exe[k] >= 0:
+            self.load[self.exe[k]] -= w
+        self.exe[k] = j
+        self.load[j] += w
+        if owner != j:
+            t = self.tiles[ti]
+            for kh in self.kv_heads_of(t):
+                self.have[j][(ldoc, kh)] = max(self.have[j].get((ldoc, kh), 0), t[8])
 
-            def consider(k, c, w, ldoc, q_len, kv_len):
-                nonlocal best
-                new_max = max(load[hi] - w, load[lo] + w)
-                if not new_max < load[hi] - min_gain:
-                    return
-                if best is not None and new_max > best[0]:
-                    return
-                nbytes = increment_rows(k, lo, q_len, kv_len, ldoc)
-                if best is None or new_max < best[0] or nbytes < best[1]:
-                    best = (new_max, nbytes, k, c, w)
+    def per_byte(self, k):
+        t = self.tiles[self.gt[k][0]]
+        return self.gt[k][3] / float(self.qo(t[4], t[6]) + len(self.kv_heads_of(t))
+                                     * self.kvb(t[8]))
 
-            for k in on_hi:
-                if not gt[k][3] > want:  # it would have moved whole: only heavier ones are cut
-                    continue
-                t = tiles[gt[k][0]]
-                if t[2] > 1:
-                    hc = float(t[6])
-                    acc, tail = 0.0, 0
-                    for i in range(t[2] - 1, 0, -1):
-                        l = all_lengths[t[1] + i]
-                        prev = acc
-                        acc += float(causal_pairs(l)) * hc
-                        tail += l
-                        if acc >= want or i == 1:
-                            consider(k, i, acc, gt[k][2] + i, tail, tail)
-                            if i + 1 <= t[2] - 1:
-                                consider(k, i + 1, prev, gt[k][2] + i + 1, tail - l, tail - l)
-                            break
-                    continue
-                if t[4] < 2 * min_rows:
-                    continue
-                a = t[3] - t[7]
-                b = a + t[4]
-                hc = float(t[6])
-                x = float(b) * float(b + 1) - 2.0 * want / hc
-                c = int(math.ceil((-1.0 + math.sqrt(1.0 + 4.0 * max(0.0, x))) / 2.0))
-                c = min(max(c, a + min_rows), b - min_rows)
-                while c > a + min_rows and float(block_pairs(c - 1, b)) * hc <= want:
-                    c -= 1
-                while c < b - min_rows and float(block_pairs(c, b)) * hc > want:
-                    c += 1
-                for cc in (c, c - 1):
-                    if cc < a + min_rows or cc > b - min_rows:
-                        continue
-                    consider(k, cc, float(block_pairs(cc, b)) * hc, gt[k][2], b - cc, b)
-            return best
+    def split_tail(self, k, at):
+        """Tile k gives up its tail - its documents from index `at` on, or rows [at, b) of a
+        one-document tile - as a new tile executed nowhere yet; tile k's executor (if any) loses
+        the tail's load. Returns the new tile's group index."""
+        gt, tiles = self.gt, self.tiles
+        ti, owner, ldoc, wk = gt[k]
+        t = tiles[ti]
+        if t[2] > 1:  # whole documents [at, count)
+            ls = self.step.lengths[t[1] + at : t[1] + t[2]]
+            tokens, pairs = sum(ls), sum(causal_pairs(l) for l in ls)
+            start = t[3] + t[4] - tokens
+            tiles.append([t[0], t[1] + at, t[2] - at, start, tokens, t[5], t[6], start, tokens,
+                          t[9], t[9]])
+            t[2], t[4], t[8] = at, t[4] - tokens, t[8] - tokens
+            tail_ldoc = ldoc + at
+        else:  # rows [at, b) against the prefix [0, b)
+            a = t[3] - t[7]
+            b = a + t[4]
+            tiles.append([t[0], t[1], 1, t[7] + at, b - at, t[5], t[6], t[7], b, t[9], t[9]])
+            t[4], t[8] = at - a, at
+            pairs = block_pairs(at, b)
+            tail_ldoc = ldoc
+        w = float(pairs) * float(t[6])
+        gt[k] = (ti, owner, ldoc, wk - w)
+        if self.exe[k] >= 0:
+            self.load[self.exe[k]] -= w
+        gt.append((len(tiles) - 1, owner, tail_ldoc, w))
+        self.exe.append(-1)
+        return len(gt) - 1
 
-        def assign(k, j):
-            ti, owner, ldoc, w = gt[k]
-            if exe[k] >= 0:
-                load[exe[k]] -= w
-            exe[k] = j
-            load[j] += w
-            if owner != j:
-                t = tiles[ti]
-                for kh in kv_heads_of(t):
-                    have[j][(ldoc, kh)] = max(have[j].get((ldoc, kh), 0), t[8])
+    # -- the passes ----------------------------------------------------------------------------
+    def place(self) -> None:
+        if not self.gt:
+            return
+        self.keep_own_tiles()
+        if self.step.options.refine and self.P > 1:
+            self.refine()
+        self.settle()
 
-        def per_byte(k):
-            t = tiles[gt[k][0]]
-            return gt[k][3] / float(qo(t[4], t[6]) + len(kv_heads_of(t)) * kvb(t[8]))
-
-        # pass 1, owner by owner: all its tiles if they fit under the cap, else least work per
-        # byte first while they fit
+    def keep_own_tiles(self) -> None:
+        """Pass 1, owner by owner: all its tiles if they fit under the cap, else least work per
+        byte first while they fit; then pass 2, heaviest first: the member under the cap with
+        the smallest byte increment, then the lightest; if none fits, the lightest."""
+        gt, load, cap = self.gt, self.load, self.cap
         rest = []
-        for j in range(P):
+        for j in range(self.P):
             own = [k for k in range(len(gt)) if gt[k][1] == j]
             own_total = 0.0
             for k in own:
                 own_total += gt[k][3]
             if own_total > cap:
-                own.sort(key=lambda k: (per_byte(k), k))
+                own.sort(key=lambda k: (self.per_byte(k), k))
             for k in own:
                 if own_total <= cap or load[j] + gt[k][3] <= cap:
-                    assign(k, j)
+                    self.assign(k, j)
                 else:
                     rest.append(k)
         rest.sort(key=lambda k: (-gt[k][3], k))
         for k in rest:
-            w = gt[k][3]
-            best, best_inc = -1, 0
-            for j in range(P):
-                if load[j] + w > cap:
+            self.assign(k, self._best_member(k))
+
+    def _best_member(self, k) -> int:
+        w, load = self.gt[k][3], self.load
+        best, best_inc = -1, 0
+        for j in range(self.P):
+            if load[j] + w > self.cap:
+                continue
+            inc = self.increment(k, j)
+            if best < 0 or inc < best_inc or (inc == best_inc and load[j] < load[best]):
+                best, best_inc = j, inc
+        if best < 0:
+            for j in range(self.P):
+                if best < 0 or load[j] < load[best]:
+                    best, best_inc = j, self.increment(k, j)
+                elif load[j] == load[best]:
+                    inc = self.increment(k, j)
+                    if inc < best_inc:
+                        best, best_inc = j, inc
+        return best
+
+    def refine(self) -> None:
+        """Between the most and least loaded member, while it lowers their maximum by more than
+        REFINE_MIN_GAIN of the mean: the whole tile with the lowest new maximum (then fewest
+        bytes); else a tail cut; else a heavy document isolated for the next round."""
+        P, load, gt = self.P, self.load, self.gt
+        min_gain = REFINE_MIN_GAIN * self.total / P
+        on = [[k for k in range(len(gt)) if self.exe[k] == j] for j in range(P)]
+        for _ in range(64 * P):
+            hi = load.index(max(load))
+            lo = load.index(min(load))
+            # no move lowers the pair's maximum by more than half the gap
+            if hi == lo or not (load[hi] - load[lo]) / 2.0 > min_gain:
+                break
+            pick, pick_pos, pick_max, pick_inc = None, 0, 0.0, 0
+            for pos, k in enumerate(on[hi]):
+                w = gt[k][3]
+                new_max = max(load[hi] - w, load[lo] + w)
+                if not new_max < load[hi] - min_gain:
                     continue
-                inc = increment(k, j)
-                if best < 0 or inc < best_inc or (inc == best_inc and load[j] < load[best]):
-                    best, best_inc = j, inc
-            if best < 0:
-                for j in range(P):
-                    if best < 0 or load[j] < load[best]:
-                        best, best_inc = j, increment(k, j)
-                    elif load[j] == load[best]:
-                        inc = increment(k, j)
-                        if inc < best_inc:
-                            best, best_inc = j, inc
-            assign(k, best)
-        if refine and P > 1:
-            min_gain = REFINE_MIN_GAIN * total / P
-            on = [[k for k in range(len(gt)) if exe[k] == j] for j in range(P)]
-            for _ in range(64 * P):
-                hi = load.index(max(load))
-                lo = load.index(min(load))
-                # no move lowers the pair's maximum by more than half the gap
-                if hi == lo or not (load[hi] - load[lo]) / 2.0 > min_gain:
+                inc = self.increment(k, lo)
+                if pick is None or new_max < pick_max or (new_max == pick_max and inc < pick_inc):
+                    pick, pick_pos, pick_max, pick_inc = k, pos, new_max, inc
+            if pick is not None:
+                self.assign(pick, lo)
+                del on[hi][pick_pos]
+                on[lo].append(pick)
+                on[lo].sort()
+                continue
+            cut = self.best_cut(on[hi], hi, lo, min_gain)
+            if cut is None:
+                if not self.isolate_heavy_document(on[hi], hi, (load[hi] - load[lo]) / 2.0):
                     break
-                pick, pick_pos, pick_max, pick_inc = None, 0, 0.0, 0
-                for pos, k in enumerate(on[hi]):
-                    w = gt[k][3]
-                    new_max = max(load[hi] - w, load[lo] + w)
-                    if not new_max < load[hi] - min_gain:
-                        continue
-                    inc = increment(k, lo)
-                    if (
-                        pick is None
-                        or new_max < pick_max
-                        or (new_max == pick_max and inc < pick_inc)
-                    ):
-                        pick, pick_pos, pick_max, pick_inc = k, pos, new_max, inc
-                if pick is not None:
-                    assign(pick, lo)
-                    del on[hi][pick_pos]
-                    on[lo].append(pick)
-                    on[lo].sort()
-                    continue
-                min_rows = min_split_rows(context)
-                cut = best_cut(on[hi], hi, lo, min_gain, min_rows)
-                if cut is None:
-                    # whole documents too coarse: the heaviest document of a multi-document tile
-                    # on hi heavier than half the gap gets a tile of its own (cut next round)
-                    want = (load[hi] - load[lo]) / 2.0
-                    pk, pi, pw = None, 0, 0.0
-                    for k in on[hi]:
-                        t = tiles[gt[k][0]]
-                        if t[2] < 2 or not gt[k][3] > want:
-                            continue
-                        for i in range(t[2]):
-                            l = all_lengths[t[1] + i]
-                            w = float(causal_pairs(l)) * float(t[6])
-                            if l >= 2 * min_rows and w > want and w > pw:
-                                pk, pi, pw = k, i, w
-                    if pk is None:
+                continue
+            _, _, k, c, _ = cut
+            piece = self.split_tail(k, c)
+            self.assign(piece, lo)
+            on[lo].append(piece)
+
+    def isolate_heavy_document(self, on_hi: list, hi: int, want: float) -> bool:
+        """Whole documents too coarse: the heaviest document of a multi-document tile on hi
+        heavier than half the gap gets a tile of its own (cut next round)."""
+        min_rows = self.step.min_rows
+        pk, pi, pw = None, 0, 0.0
+        for k in on_hi:
+            t = self.tiles[self.gt[k][0]]
+            if t[2] < 2 or not self.gt[k][3] > want:
+                continue
+            for i in range(t[2]):
+                l = self.step.lengths[t[1] + i]
+                w = float(causal_pairs(l)) * float(t[6])
+                if l >= 2 * min_rows and w > want and w > pw:
+                    pk, pi, pw = k, i, w
+        if pk is None:
+            return False
+        # tile pk keeps the documents before pi (or document pi alone); new tiles take
+        # document pi and the documents after it, all still on hi
+        fresh = [self.split_tail(pk, pi)] if pi > 0 else []
+        single = fresh[-1] if pi > 0 else pk
+        if self.tiles[self.gt[single][0]][2] > 1:
+            fresh.append(self.split_tail(single, 1))
+        for k in fresh:
+            self.assign(k, hi)
+            on_hi.append(k)
+        return True
+
+    def best_cut(self, on_hi, hi, lo, min_gain):
+        """The tail cut of a tile on hi that best moves half the gap to lo - rows [c, b) of a
+        one-document tile, or the documents after the first c of a multi-document tile:
+        (new max, bytes, tile, c, load) or None."""
+        load, gt, min_rows = self.load, self.gt, self.step.min_rows
+        want = (load[hi] - load[lo]) / 2.0
+        best = None
+
+        def consider(k, c, w, ldoc, q_len, kv_len):
+            nonlocal best
+            new_max = max(load[hi] - w, load[lo] + w)
+            if not new_max < load[hi] - min_gain:
+                return
+            if best is not None and new_max > best[0]:
+                return
+            nbytes = self.increment_rows(k, lo, q_len, kv_len, ldoc)
+            if best is None or new_max < best[0] or nbytes < best[1]:
+                best = (new_max, nbytes, k, c, w)
+
+        for k in on_hi:
+            if not gt[k][3] > want:  # it would have moved whole: only heavier ones are cut
+                continue
+            t = self.tiles[gt[k][0]]
+            if t[2] > 1:
+                hc = float(t[6])
+                acc, tail = 0.0, 0
+                for i in range(t[2] - 1, 0, -1):
+                    l = self.step.lengths[t[1] + i]
+                    prev = acc
+                    acc += float(causal_pairs(l)) * hc
+                    tail += l
+                    if acc >= want or i == 1:
+                        consider(k, i, acc, gt[k][2] + i, tail, tail)
+                        if i + 1 <= t[2] - 1:
+                            consider(k, i + 1, prev, gt[k][2] + i + 1, tail - l, tail - l)
                         break
-                    # tile pk keeps the documents before pi (or document pi alone); new tiles
-                    # take document pi and the documents after it, all still on hi
-                    fresh = [split_tail(pk, pi)] if pi > 0 else []
-                    single = fresh[-1] if pi > 0 else pk
-                    if tiles[gt[single][0]][2] > 1:
-                        fresh.append(split_tail(single, 1))
-                    for k in fresh:
-                        assign(k, hi)
-                        on[hi].append(k)
+                continue
+            if t[4] < 2 * min_rows:
+                continue
+            a = t[3] - t[7]
+            b = a + t[4]
+            hc = float(t[6])
+            x = float(b) * float(b + 1) - 2.0 * want / hc
+            c = int(math.ceil((-1.0 + math.sqrt(1.0 + 4.0 * max(0.0, x))) / 2.0))
+            c = min(max(c, a + min_rows), b - min_rows)
+            while c > a + min_rows and float(block_pairs(c - 1, b)) * hc <= want:
+                c -= 1
+            while c < b - min_rows and float(block_pairs(c, b)) * hc > want:
+                c += 1
+            for cc in (c, c - 1):
+                if cc < a + min_rows or cc > b - min_rows:
                     continue
-                _, _, k, c, _ = cut
-                piece = split_tail(k, c)
-                assign(piece, lo)
-                on[lo].append(piece)
-        own = [0.0] * P  # never worse than no moves
-        for _, owner, _, w in gt:
+                consider(k, cc, float(block_pairs(cc, b)) * hc, gt[k][2], b - cc, b)
+        return best
+
+    def settle(self) -> None:
+        """Each tile's executor; never worse than no moves."""
+        own = [0.0] * self.P
+        for _, owner, _, w in self.gt:
             own[owner] += w
-        keep_owners = max(own) < max(load)
-        for k, (ti, owner, _, _) in enumerate(gt):
-            tiles[ti][10] = replica[ms[owner if keep_owners else exe[k]]]
-    return ReferencePlan(
-        replica, slot, [tuple(t) for t in tiles], max(gload), lower_bound(loads, n_groups, pool)
-    )
+        keep_owners = max(own) < max(self.load)
+        for k, (ti, owner, _, _) in enumerate(self.gt):
+            self.tiles[ti][10] = self.replica[self.ms[owner if keep_owners else self.exe[k]]]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from libra_ext.cli.commands import bench_attention_main  # noqa: E402
+from megatron.libra.cli.bench import bench_attention_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(bench_attention_main(sys.argv[1:]))

@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from libra_ext.attention import bench, kernels, selfcheck  # noqa: E402
+from libra_ext.attention import kernels  # noqa: E402
+from libra_ext.measure import bench, selfcheck  # noqa: E402
 
 
 def _train(out_dir: Path) -> dict:
@@ -104,7 +105,7 @@ def _train_megatron(out_dir: Path, cpu: bool) -> dict:
 def _calibration(device: str, cpu: bool, out_dir: Path) -> dict:
     """Kernel calibration at a 256K rank's attention shape (Qwen3-30B-A3B at CP 8: 4 query
     heads, 1 KV head, head dim 128), profile written next to the JSON."""
-    from libra_ext.attention.calibrate import calibrate, write_profile
+    from libra_ext.measure.calibrate import calibrate, write_profile
 
     r = calibrate(
         device=device,
@@ -126,7 +127,7 @@ def _calibration(device: str, cpu: bool, out_dir: Path) -> dict:
 def _replay(device: str, cpu: bool) -> dict:
     """One step's per-rank attention under ulysses and libra, measured (256K: GBS 128, DP 16,
     CP 8, P 8 on a GPU; a small layout on the CPU)."""
-    from libra_ext.attention import replay
+    from libra_ext.measure import replay
     from libra_ext.planner import LayoutConfig
     from libra_ext.workload import LengthSource, ModelConfig
 

@@ -195,9 +195,8 @@ py::dict plan_to_dict(StepPlan&& p) {
 
 }  // namespace
 
-PYBIND11_MODULE(_planner, m) {
-  m.doc() = "Libra planner core (C++17): cost model, packing, generators, VRSP, TAP, baselines.";
-
+// The option and layout types, with their validators.
+void bind_types(py::module_& m) {
   py::class_<ModelDims>(m, "ModelDims")
       .def(py::init<>())
       .def_readwrite("hidden", &ModelDims::hidden)
@@ -287,6 +286,10 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("values", &LengthDist::values)
       .def("validate", &LengthDist::validate);
 
+}
+
+// Cost model, packing, length generators and the step source.
+void bind_workload(py::module_& m) {
   m.def("causal_pairs", [](i64 l) {
     if (l < 0 || l > kMaxTokens) fail("length must be in [0, 2^30], got " + std::to_string(l));
     return causal_pairs(l);
@@ -404,11 +407,67 @@ PYBIND11_MODULE(_planner, m) {
       "`threads` threads (0 = automatic; the result does not depend on it).",
       py::arg("lengths"), py::arg("offsets"), py::arg("order"), py::arg("threads") = 1);
 
+}
+
+// VRSP's building blocks and the step planner.
+void bind_planner(py::module_& m) {
   m.def("exact_cardinality_lpt", &exact_cardinality_lpt, py::arg("loads"), py::arg("n_groups"),
         py::arg("cardinality"));
   m.def("exact_cardinality_lower_bound", &exact_cardinality_lower_bound, py::arg("loads"),
         py::arg("n_groups"), py::arg("cardinality"));
 
+  m.def(
+      "plan_step",
+      [](py::handle sequences, const Layout& layout, const ModelDims& model,
+         const PlanOptions& options, PlannerState* state, bool flush) {
+        const PackedBatch batch = batch_from_python(sequences);
+        StepPlan plan;
+        {
+          py::gil_scoped_release release;  // the sampler plans from a background thread
+          plan = plan_step(batch.view(), layout, model, options, state, flush);
+        }
+        return plan_to_dict(std::move(plan));
+      },
+      "Plan one step from nested lists (or 1-D integer arrays) of document lengths.",
+      py::arg("sequences"), py::arg("layout"), py::arg("model"), py::arg("options"),
+      py::arg("state") = nullptr, py::arg("flush") = false);
+  m.def(
+      "plan_step_flat",
+      [](const py::buffer& lengths, const py::buffer& offsets, const Layout& layout,
+         const ModelDims& model, const PlanOptions& options, PlannerState* state, bool flush) {
+        const FlatArray l = flat_array(lengths, "lengths"), o = flat_array(offsets, "offsets");
+        if (o.size == 0) fail("offsets must hold at least one entry (0)");
+        const SequencesView view{l.data, o.data, o.size - 1, l.size};
+        StepPlan plan;
+        {
+          // the buffers stay alive (and must not be written) while the core reads them
+          py::gil_scoped_release release;
+          plan = plan_step(view, layout, model, options, state, flush);
+        }
+        return plan_to_dict(std::move(plan));
+      },
+      "Plan one step from the sequences in CSR form: sequence s holds the document lengths "
+      "lengths[offsets[s]:offsets[s + 1]] (1-D contiguous int64 arrays, read without a copy).",
+      py::arg("lengths"), py::arg("offsets"), py::arg("layout"), py::arg("model"),
+      py::arg("options"), py::arg("state") = nullptr, py::arg("flush") = false);
+
+  m.def(
+      "plan_hashes",
+      [](py::handle sequences, const Layout& layout, const ModelDims& model,
+         const PlanOptions& options, PlannerState* state, bool flush) {
+        const PackedBatch batch = batch_from_python(sequences);
+        py::gil_scoped_release release;
+        const StepPlan plan = plan_step(batch.view(), layout, model, options, state, flush);
+        return std::make_pair(plan.hash, plan.compute_hash(1));
+      },
+      "The plan's hash as planned (arrays hashed as they were written) and recomputed from its "
+      "finished arrays on one thread; the two agree.",
+      py::arg("sequences"), py::arg("layout"), py::arg("model"), py::arg("options"),
+      py::arg("state") = nullptr, py::arg("flush") = false);
+}
+
+// The MoE expert-balancing plan.
+void bind_moe(py::module_& m) {
   using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
   auto moe_dict = [](MoePlan&& p) {
         py::dict d;
@@ -459,52 +518,13 @@ PYBIND11_MODULE(_planner, m) {
       },
       py::arg("counts"), py::arg("options"), py::arg("host_offsets"), py::arg("hosts"));
 
-  m.def(
-      "plan_step",
-      [](py::handle sequences, const Layout& layout, const ModelDims& model,
-         const PlanOptions& options, PlannerState* state, bool flush) {
-        const PackedBatch batch = batch_from_python(sequences);
-        StepPlan plan;
-        {
-          py::gil_scoped_release release;  // the sampler plans from a background thread
-          plan = plan_step(batch.view(), layout, model, options, state, flush);
-        }
-        return plan_to_dict(std::move(plan));
-      },
-      "Plan one step from nested lists (or 1-D integer arrays) of document lengths.",
-      py::arg("sequences"), py::arg("layout"), py::arg("model"), py::arg("options"),
-      py::arg("state") = nullptr, py::arg("flush") = false);
-  m.def(
-      "plan_step_flat",
-      [](const py::buffer& lengths, const py::buffer& offsets, const Layout& layout,
-         const ModelDims& model, const PlanOptions& options, PlannerState* state, bool flush) {
-        const FlatArray l = flat_array(lengths, "lengths"), o = flat_array(offsets, "offsets");
-        if (o.size == 0) fail("offsets must hold at least one entry (0)");
-        const SequencesView view{l.data, o.data, o.size - 1, l.size};
-        StepPlan plan;
-        {
-          // the buffers stay alive (and must not be written) while the core reads them
-          py::gil_scoped_release release;
-          plan = plan_step(view, layout, model, options, state, flush);
-        }
-        return plan_to_dict(std::move(plan));
-      },
-      "Plan one step from the sequences in CSR form: sequence s holds the document lengths "
-      "lengths[offsets[s]:offsets[s + 1]] (1-D contiguous int64 arrays, read without a copy).",
-      py::arg("lengths"), py::arg("offsets"), py::arg("layout"), py::arg("model"),
-      py::arg("options"), py::arg("state") = nullptr, py::arg("flush") = false);
+}
 
-  m.def(
-      "plan_hashes",
-      [](py::handle sequences, const Layout& layout, const ModelDims& model,
-         const PlanOptions& options, PlannerState* state, bool flush) {
-        const PackedBatch batch = batch_from_python(sequences);
-        py::gil_scoped_release release;
-        const StepPlan plan = plan_step(batch.view(), layout, model, options, state, flush);
-        return std::make_pair(plan.hash, plan.compute_hash(1));
-      },
-      "The plan's hash as planned (arrays hashed as they were written) and recomputed from its "
-      "finished arrays on one thread; the two agree.",
-      py::arg("sequences"), py::arg("layout"), py::arg("model"), py::arg("options"),
-      py::arg("state") = nullptr, py::arg("flush") = false);
+PYBIND11_MODULE(_planner, m) {
+  m.doc() = "Libra planner core (C++17): cost model, packing, generators, VRSP, TAP, baselines.";
+
+  bind_types(m);
+  bind_workload(m);
+  bind_planner(m);
+  bind_moe(m);
 }

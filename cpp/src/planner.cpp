@@ -244,39 +244,6 @@ u64 StepPlan::compute_hash(std::size_t workers, const KnownDigests& known) const
   return h.digest();
 }
 
-const std::array<StepPlan::TileColumn, StepPlan::kTileColumns>& StepPlan::tile_columns() {
-  static const std::array<TileColumn, kTileColumns> columns{{
-      {&StepPlan::tile_seq, &Tile::seq},
-      {&StepPlan::tile_doc, &Tile::doc},
-      {&StepPlan::tile_doc_count, &Tile::doc_count},
-      {&StepPlan::tile_q_start, &Tile::q_start},
-      {&StepPlan::tile_q_len, &Tile::q_len},
-      {&StepPlan::tile_head_start, &Tile::head_start},
-      {&StepPlan::tile_head_count, &Tile::head_count},
-      {&StepPlan::tile_kv_start, &Tile::kv_start},
-      {&StepPlan::tile_kv_len, &Tile::kv_len},
-      {&StepPlan::tile_owner, &Tile::owner},
-      {&StepPlan::tile_executor, &Tile::executor},
-      {&StepPlan::tile_cp, &Tile::cp},
-      {&StepPlan::tile_pairs, &Tile::pairs},
-  }};
-  return columns;
-}
-
-StepPlan::Tile StepPlan::tile(std::size_t i) const {
-  Tile t{};
-  for (const TileColumn& c : tile_columns()) t.*c.field = (this->*c.array)[i];
-  return t;
-}
-
-void StepPlan::add_tile(const Tile& t) {
-  for (const TileColumn& c : tile_columns()) (this->*c.array).push_back(t.*c.field);
-}
-
-void StepPlan::resize_tiles(std::size_t n) {
-  for (const TileColumn& c : tile_columns()) (this->*c.array).resize(n);
-}
-
 namespace {
 
 // Writes n values to out. The plan's arrays are written once here and read much later (by the
@@ -905,16 +872,11 @@ StepPlan plan_step(const std::vector<std::vector<i64>>& sequences, const Layout&
   return plan_step(batch.view(), layout, model, options, state, flush);
 }
 
-StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const ModelDims& model,
-                   const PlanOptions& options, PlannerState* state, bool flush) {
-  const auto t0 = std::chrono::steady_clock::now();
-  auto lap = t0;  // end of the previous phase
-  auto phase_done = [&](StepPlan& p, PlanPhase phase) {
-    const auto now = std::chrono::steady_clock::now();
-    p.phase_ms[static_cast<std::size_t>(phase)] =
-        std::chrono::duration<double, std::milli>(now - lap).count();
-    lap = now;
-  };
+namespace {
+
+// Refuse a step its layout, model and options cannot plan, before anything is made.
+void check_step(const SequencesView& sequences, const Layout& layout, const ModelDims& model,
+                const PlanOptions& options, const PlannerState* state) {
   layout.validate();
   model.validate();
   options.validate();
@@ -938,22 +900,51 @@ StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const M
   if (options.system == System::Wlb && state == nullptr)
     fail("state: the wlb system carries a delay queue and needs a PlannerState");
   if (state != nullptr) state->validate(layout, options);
+}
 
+// One step being planned: the plan, what its phases share, and the phase timer.
+struct StepBuilder {
+  const SequencesView& sequences;
+  const Layout& layout;
+  const PlanOptions& options;
+  PlanOptions opt;  // options with the block resolved
+  i64 hg = 0;       // heads per tile
   StepPlan p;
-  p.system = options.system;
-  p.dp = layout.dp; p.cp = layout.cp; p.tp = layout.tp; p.pool = layout.pool;
-  p.context = layout.context; p.slots = B / layout.dp;
-  p.heads_local = model.heads / (layout.cp * layout.tp);
-  const i64 g = model.heads / model.kv_heads;
-  p.kv_heads_local = std::max<i64>(1, p.heads_local / g);
-  p.head_dim = model.head_dim;
-  p.dtype_bytes = options.dtype_bytes;
+  std::vector<i64> input_pairs;  // causal pairs of each input sequence
+  VrspPlacement placement;
+  PlacementBounds bounds;
+  i64 longest = 0;                      // the longest executed document
+  std::size_t workers = 1;              // set once the step's documents are known
+  StepPlan::KnownDigests digests;       // arrays hashed as they were written
+  std::optional<GroupLoads> tap_loads;  // TAP: the groups' loads, summed as they are placed
+  std::chrono::steady_clock::time_point t0, lap;
 
-  PlanOptions opt = options;
-  if (opt.block == 0) opt.block = std::max<i64>(1024, layout.context / 16);
-  const i64 hg = opt.head_group > 0 ? std::min(opt.head_group, p.heads_local) : p.heads_local;
+  StepBuilder(const SequencesView& seqs, const Layout& lay, const ModelDims& model,
+              const PlanOptions& options_)
+      : sequences(seqs), layout(lay), options(options_), opt(options_) {
+    t0 = lap = std::chrono::steady_clock::now();
+    const i64 B = static_cast<i64>(sequences.size());
+    p.system = options.system;
+    p.dp = layout.dp; p.cp = layout.cp; p.tp = layout.tp; p.pool = layout.pool;
+    p.context = layout.context; p.slots = B / layout.dp;
+    p.heads_local = model.heads / (layout.cp * layout.tp);
+    const i64 g = model.heads / model.kv_heads;
+    p.kv_heads_local = std::max<i64>(1, p.heads_local / g);
+    p.head_dim = model.head_dim;
+    p.dtype_bytes = options.dtype_bytes;
+    if (opt.block == 0) opt.block = std::max<i64>(1024, layout.context / 16);
+    hg = opt.head_group > 0 ? std::min(opt.head_group, p.heads_local) : p.heads_local;
+  }
+
+  void phase_done(PlanPhase phase) {
+    const auto now = std::chrono::steady_clock::now();
+    p.phase_ms[static_cast<std::size_t>(phase)] =
+        std::chrono::duration<double, std::milli>(now - lap).count();
+    lap = now;
+  }
+
   // Refuse plans whose tiles would not fit the memory budget rather than failing mid-way.
-  auto check_budget = [&](double est) {
+  void check_budget(double est) const {
     if (est > kMaxPlanTiles)
       fail("this step would make about " + std::to_string(static_cast<i64>(est)) + " tiles (" +
            std::to_string(static_cast<i64>(est * kBytesPerTile / 1e9)) +
@@ -962,24 +953,20 @@ StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const M
                 ? " tiles: per-document CP makes 2C tiles per document; plan fewer documents or a smaller cp"
                 : " tiles; raise block (" + std::to_string(opt.block) + ") or head_group (" +
                       std::to_string(hg) + ")"));
-  };
-  std::vector<i64> input_pairs;  // causal pairs of each input sequence
-  VrspPlacement placement;
-  PlacementBounds bounds;
-  i64 longest = 0;           // the longest executed document
-  std::size_t workers = 1;   // set once the step's documents are known
-  StepPlan::KnownDigests digests;  // arrays hashed as they were written
-  std::optional<GroupLoads> tap_loads;  // TAP: the groups' loads, summed as they are placed
-  if (options.system == System::Wlb) {
+  }
+
+  // WLB-LLM: repack the step's documents (and those it holds) into the buckets, then per-document
+  // CP tiles.
+  void plan_wlb(PlannerState& state, bool flush) {
     validate_sequences(sequences, layout.context);
     // per-document CP: up to 2C chunks of every document (queued ones included)
-    double docs = state != nullptr ? static_cast<double>(state->pending()) * 2.0 * layout.cp : 0.0;
+    double docs = static_cast<double>(state.pending()) * 2.0 * layout.cp;
     for (std::size_t i = 0; i < sequences.n_lengths; ++i)
       docs += static_cast<double>(std::min<i64>(sequences.lengths[i], 2 * layout.cp));
     check_budget(docs);
     input_pairs = pairs_of(sequences);
-    phase_done(p, PlanPhase::Input);
-    wlb_pack(p, sequences, opt, *state, flush);
+    phase_done(PlanPhase::Input);
+    wlb_pack(p, sequences, opt, state, flush);
     workers = plan_workers(options, p.doc_lengths.size());
     std::vector<i64> executed(static_cast<std::size_t>(p.n_seq()), 0);
     for (i64 s = 0; s < p.n_seq(); ++s)
@@ -990,9 +977,14 @@ StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const M
                                  1);  // wlb_pack's round robin
     bounds = placement_bounds(loads, p.dp, p.pool, p.slots);
     for (const i64 l : p.doc_lengths) longest = std::max(longest, l);
-    phase_done(p, PlanPhase::Placement);
+    phase_done(PlanPhase::Placement);
     wlb_tiles(p);
-  } else {
+  }
+
+  // The other systems: the input sequences as they are, placed (VRSP or production order),
+  // then tiled and, for libra and distca, their tiles placed.
+  void plan_placed() {
+    const i64 B = static_cast<i64>(sequences.size());
     i64 tokens = 0;
     const std::size_t n_docs = sequences.n_lengths;
     p.seq_doc_offsets.assign(sequences.offsets, sequences.offsets + sequences.size() + 1);
@@ -1006,7 +998,7 @@ StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const M
                                   static_cast<double>(B)) *
                                  static_cast<double>((p.heads_local + hg - 1) / hg);
     check_budget(tile_estimate);
-    phase_done(p, PlanPhase::Input);
+    phase_done(PlanPhase::Input);
     const std::vector<double> loads = sequence_flops(p, input_pairs);
     // While the sequences are placed, a second thread finishes the documents' arrays (and
     // hashes them) and computes the placement's lower bounds, which only the metrics need.
@@ -1021,9 +1013,13 @@ StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const M
                      : production_place(loads, p.dp, p.pool, p.slots, options.order,
                                         options.micro_batch);
     side.join();
-    phase_done(p, PlanPhase::Placement);
+    phase_done(PlanPhase::Placement);
     p.seq_replica.assign(placement.replica.begin(), placement.replica.end());
     p.seq_slot.assign(placement.slot.begin(), placement.slot.end());
+    place_tiles(tile_estimate);
+  }
+
+  void place_tiles(double tile_estimate) {
     if (options.system == System::Libra && options.tap) {
       // The worker that places a group also builds its exchange and sums its loads while its
       // tiles are in cache; groups are laid out into the plan in order as they are placed.
@@ -1050,20 +1046,40 @@ StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const M
       owner_tiles(p, opt.block);
     }
   }
-  phase_done(p, PlanPhase::Tiles);
-  p.vrsp_max_group = placement.max_group;
-  p.vrsp_lower_bound = bounds.group;
-  p.vrsp_max_pool = placement.max_pool;
-  p.vrsp_pool_lower_bound = bounds.pool;
-  if (!tap_loads) build_exchange(p, workers);
-  phase_done(p, PlanPhase::Exchange);
-  compute_metrics(p, input_pairs, options.order, options.micro_batch, longest,
-                  tap_loads ? &*tap_loads : nullptr);
-  phase_done(p, PlanPhase::Metrics);
-  p.hash = p.compute_hash(workers, digests);
-  phase_done(p, PlanPhase::Hash);
-  p.plan_ms = std::chrono::duration<double, std::milli>(lap - t0).count();
-  return p;
+
+  // Exchange tables, metrics and the hash, after the tiles.
+  void finish() {
+    phase_done(PlanPhase::Tiles);
+    p.vrsp_max_group = placement.max_group;
+    p.vrsp_lower_bound = bounds.group;
+    p.vrsp_max_pool = placement.max_pool;
+    p.vrsp_pool_lower_bound = bounds.pool;
+    if (!tap_loads) build_exchange(p, workers);
+    phase_done(PlanPhase::Exchange);
+    compute_metrics(p, input_pairs, options.order, options.micro_batch, longest,
+                    tap_loads ? &*tap_loads : nullptr);
+    phase_done(PlanPhase::Metrics);
+    p.hash = p.compute_hash(workers, digests);
+    phase_done(PlanPhase::Hash);
+    p.plan_ms = std::chrono::duration<double, std::milli>(lap - t0).count();
+  }
+};
+
+}  // namespace
+
+StepPlan plan_step(const SequencesView& sequences, const Layout& layout, const ModelDims& model,
+                   const PlanOptions& options, PlannerState* state, bool flush) {
+  const auto t0 = std::chrono::steady_clock::now();
+  check_step(sequences, layout, model, options, state);
+  StepBuilder step(sequences, layout, model, options);
+  step.t0 = step.lap = t0;  // the checks count towards the input phase
+  if (options.system == System::Wlb) {
+    step.plan_wlb(*state, flush);
+  } else {
+    step.plan_placed();
+  }
+  step.finish();
+  return std::move(step.p);
 }
 
 }  // namespace libra

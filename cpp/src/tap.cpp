@@ -433,41 +433,16 @@ struct GroupScratch {
   std::size_t last_count = 0;  // tiles of the previous group
 };
 
-// TAP on one group: the tiles of its members' sequences with their executors set, into `out`
-// (empty on entry). The tiles are built in `out`'s own buffer, reserved a quarter above the
-// previous group's count, so that they are never copied out of the scratch.
-void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
-                 const std::vector<i64>& members, const std::vector<i64>& seq_pairs,
-                 GroupScratch& scratch, std::vector<StepPlan::Tile>& out) {
-  const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
-  const i64 P = static_cast<i64>(members.size());
-  i64 n_docs = 0;
+// Pass 1: owners keep their own tiles while under the soft cap, least work per byte first
+// (early query blocks and short documents stay; late blocks of long documents, the cheapest
+// work to ship, are the ones left over). Only a member's own tiles count against its cap here,
+// so each member's tiles (contiguous, as make_group_tiles emits them) are taken on their own;
+// a member whose tiles all fit keeps them without ordering them. The tiles left over go to
+// scratch.rest.
+void keep_own_tiles(const StepPlan& plan, const TileBytes& bytes, i64 P, double cap,
+                    GroupScratch& scratch, Placer& placer) {
   GroupTiles& gt = scratch.gt;
-  std::vector<i64>& doc_slot = scratch.doc_slot;
-  out.reserve(scratch.last_count + scratch.last_count / 4 + 16);
-  gt.tile.swap(out);
-  struct GiveBack {  // the tiles go to `out` however this returns
-    std::vector<StepPlan::Tile>& a;
-    std::vector<StepPlan::Tile>& b;
-    std::size_t& count;
-    ~GiveBack() {
-      count = b.size();
-      a.swap(b);
-    }
-  } give_back{out, gt.tile, scratch.last_count};
-  make_group_tiles(plan, members, seq_pairs, opt.block, head_group, opt.max_tile_share, gt, n_docs);
-  std::size_t n = gt.size();
-  if (n == 0) return;
-  const double total = gt.total;
-  const double cap = (1.0 + opt.epsilon) * total / static_cast<double>(P);
-  if (static_cast<i64>(doc_slot.size()) < n_docs) doc_slot.resize(static_cast<std::size_t>(n_docs), -1);
-  Placer placer(plan, bytes, gt, P, doc_slot);
   auto& load = placer.load();
-  // Pass 1: owners keep their own tiles while under the soft cap, least work per byte first
-  // (early query blocks and short documents stay; late blocks of long documents, the cheapest
-  // work to ship, are the ones left over). Only a member's own tiles count against its cap
-  // here, so each member's tiles (contiguous, as make_group_tiles emits them) are taken on
-  // their own; a member whose tiles all fit keeps them without ordering them.
   auto& order = scratch.order;  // (work per byte, tile)
   auto& rest = scratch.rest;
   rest.clear();
@@ -495,9 +470,15 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
       }
     }
   }
-  // Pass 2, heaviest first: among members that stay under the cap, the smallest byte increment
-  // (KV prefixes already shipped there are not sent twice), then the lightest; if none stays
-  // under, the lightest member.
+}
+
+// Pass 2, heaviest first: among members that stay under the cap, the smallest byte increment
+// (KV prefixes already shipped there are not sent twice), then the lightest; if none stays
+// under, the lightest member.
+void place_rest(i64 P, double cap, GroupScratch& scratch, Placer& placer) {
+  GroupTiles& gt = scratch.gt;
+  auto& load = placer.load();
+  auto& rest = scratch.rest;
   std::sort(rest.begin(), rest.end(), [&](std::size_t a, std::size_t b) {
     return gt.load[a] != gt.load[b] ? gt.load[a] > gt.load[b] : a < b;
   });
@@ -529,92 +510,113 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
     }
     placer.assign(k, best);
   }
-  // Refinement: move one tile from the most loaded member to the least loaded one while that
-  // lowers the pair's maximum by more than kRefineMinGain of the mean (a move that gains less
-  // is not worth its bytes); among such tiles the lowest new maximum, then fewest bytes.
-  if (opt.refine && P > 1) {
-    const i64 limit = opt.max_refine_moves > 0 ? opt.max_refine_moves : 64 * P;
-    const double min_gain = kRefineMinGain * total / static_cast<double>(P);
-    const i64 min_rows = min_split_rows(plan.context);
-    auto& exec = placer.exec();
-    auto& on = scratch.on;
-    on.resize(static_cast<std::size_t>(P));
-    for (auto& tiles : on) tiles.clear();
-    for (std::size_t k = 0; k < n; ++k) on[exec[k]].push_back(k);  // ascending tile order
-    for (i64 moves = 0; moves < limit; ++moves) {
-      const i64 hi = std::max_element(load.begin(), load.end()) - load.begin();
-      const i64 lo = std::min_element(load.begin(), load.end()) - load.begin();
-      // any move leaves the pair's maximum at least half the gap below load[hi]: when that is
-      // no gain worth a move, nothing (whole tile, cut or isolated document) can help
-      if (hi == lo || !((load[hi] - load[lo]) / 2.0 > min_gain)) break;
-      std::size_t pick = n, pick_pos = 0;
-      double pick_max = 0.0;
-      i64 pick_inc = 0;
-      for (std::size_t pos = 0; pos < on[hi].size(); ++pos) {
-        const std::size_t k = on[hi][pos];
-        const double w = gt.load[k];
-        const double new_max = std::max(load[hi] - w, load[lo] + w);
-        if (!(new_max < load[hi] - min_gain) || (pick != n && new_max > pick_max)) continue;
-        const i64 inc = placer.increment(k, lo);  // only for a new best or a tie
-        if (pick == n || new_max < pick_max || inc < pick_inc) {
-          pick = k;
-          pick_pos = pos;
-          pick_max = new_max;
-          pick_inc = inc;
-        }
+}
+
+// Whole documents are too coarse to move: give the heaviest document of a multi-document tile
+// on hi that is heavier than half the gap (and long enough to cut) a tile of its own, so that
+// the next refinement round can cut its rows. Returns false when there is none.
+bool isolate_heavy_document(const StepPlan& plan, GroupTiles& gt, Placer& placer,
+                            std::vector<std::size_t>& on_hi, i64 hi, double want, i64 min_rows) {
+  const std::size_t n = gt.size();
+  std::size_t pk = n;
+  i64 pi = 0;
+  double pw = 0;
+  for (std::size_t k : on_hi) {
+    const StepPlan::Tile& t = gt.tile[k];
+    if (t.doc_count < 2 || !(gt.load[k] > want)) continue;
+    for (i64 i = 0; i < t.doc_count; ++i) {
+      const i64 l = plan.doc_lengths[t.doc + i];
+      const double w = static_cast<double>(causal_pairs(l)) * static_cast<double>(t.head_count);
+      if (l >= 2 * min_rows && w > want && w > pw) {
+        pk = k;
+        pi = i;
+        pw = w;
       }
-      if (pick != n) {
-        placer.assign(pick, lo);
-        on[hi].erase(on[hi].begin() + static_cast<std::ptrdiff_t>(pick_pos));
-        on[lo].insert(std::upper_bound(on[lo].begin(), on[lo].end(), pick), pick);
-        continue;
-      }
-      // No whole tile lowers the maximum: cut the tail rows [c, b) off a one-document tile on
-      // hi so that about half the gap moves to lo (pieces keep min_rows rows); the lowest new
-      // maximum, then fewest bytes, then the earliest tile.
-      const Cut cut = best_cut(plan, gt, placer, on[hi], hi, lo, load, min_gain, min_rows);
-      if (cut.k == n) {
-        // Whole documents are too coarse: give the heaviest document of a multi-document tile
-        // on hi that is heavier than half the gap (and long enough to cut) a tile of its own,
-        // so that the next round can cut its rows.
-        const double want = (load[hi] - load[lo]) / 2.0;
-        std::size_t pk = n;
-        i64 pi = 0;
-        double pw = 0;
-        for (std::size_t k : on[hi]) {
-          const StepPlan::Tile& t = gt.tile[k];
-          if (t.doc_count < 2 || !(gt.load[k] > want)) continue;
-          for (i64 i = 0; i < t.doc_count; ++i) {
-            const i64 l = plan.doc_lengths[t.doc + i];
-            const double w = static_cast<double>(causal_pairs(l)) * static_cast<double>(t.head_count);
-            if (l >= 2 * min_rows && w > want && w > pw) {
-              pk = k;
-              pi = i;
-              pw = w;
-            }
-          }
-        }
-        if (pk == n) break;
-        // tile pk keeps the documents before pi (or document pi alone when pi == 0); new
-        // tiles take document pi and the documents after it, all still on hi
-        std::vector<std::size_t> fresh;
-        if (pi > 0) fresh.push_back(split_tail(plan, gt, placer, pk, pi));
-        const std::size_t single = pi > 0 ? fresh.back() : pk;
-        if (gt.tile[single].doc_count > 1) fresh.push_back(split_tail(plan, gt, placer, single, 1));
-        for (const std::size_t k : fresh) {
-          placer.assign(k, hi);
-          on[hi].push_back(k);
-        }
-        n = gt.size();
-        continue;
-      }
-      const std::size_t piece = split_tail(plan, gt, placer, cut.k, cut.c);
-      placer.assign(piece, lo);
-      on[lo].push_back(piece);  // the newest tile: the highest index
-      n = gt.size();
     }
   }
-  // Never worse than no moves: if the owners' own loads have a lighter maximum, keep them.
+  if (pk == n) return false;
+  // tile pk keeps the documents before pi (or document pi alone when pi == 0); new tiles take
+  // document pi and the documents after it, all still on hi
+  std::vector<std::size_t> fresh;
+  if (pi > 0) fresh.push_back(split_tail(plan, gt, placer, pk, pi));
+  const std::size_t single = pi > 0 ? fresh.back() : pk;
+  if (gt.tile[single].doc_count > 1) fresh.push_back(split_tail(plan, gt, placer, single, 1));
+  for (const std::size_t k : fresh) {
+    placer.assign(k, hi);
+    on_hi.push_back(k);
+  }
+  return true;
+}
+
+// Refinement: move one tile from the most loaded member to the least loaded one while that
+// lowers the pair's maximum by more than kRefineMinGain of the mean (a move that gains less is
+// not worth its bytes); among such tiles the lowest new maximum, then fewest bytes. When no
+// whole tile helps, cut rows off one (best_cut), or isolate a heavy document for the next
+// round.
+void refine_group(const StepPlan& plan, const PlanOptions& opt, i64 P, double total,
+                  GroupScratch& scratch, Placer& placer) {
+  GroupTiles& gt = scratch.gt;
+  auto& load = placer.load();
+  const i64 limit = opt.max_refine_moves > 0 ? opt.max_refine_moves : 64 * P;
+  const double min_gain = kRefineMinGain * total / static_cast<double>(P);
+  const i64 min_rows = min_split_rows(plan.context);
+  auto& exec = placer.exec();
+  auto& on = scratch.on;
+  std::size_t n = gt.size();
+  on.resize(static_cast<std::size_t>(P));
+  for (auto& tiles : on) tiles.clear();
+  for (std::size_t k = 0; k < n; ++k) on[exec[k]].push_back(k);  // ascending tile order
+  for (i64 moves = 0; moves < limit; ++moves) {
+    const i64 hi = std::max_element(load.begin(), load.end()) - load.begin();
+    const i64 lo = std::min_element(load.begin(), load.end()) - load.begin();
+    // any move leaves the pair's maximum at least half the gap below load[hi]: when that is
+    // no gain worth a move, nothing (whole tile, cut or isolated document) can help
+    if (hi == lo || !((load[hi] - load[lo]) / 2.0 > min_gain)) break;
+    std::size_t pick = n, pick_pos = 0;
+    double pick_max = 0.0;
+    i64 pick_inc = 0;
+    for (std::size_t pos = 0; pos < on[hi].size(); ++pos) {
+      const std::size_t k = on[hi][pos];
+      const double w = gt.load[k];
+      const double new_max = std::max(load[hi] - w, load[lo] + w);
+      if (!(new_max < load[hi] - min_gain) || (pick != n && new_max > pick_max)) continue;
+      const i64 inc = placer.increment(k, lo);  // only for a new best or a tie
+      if (pick == n || new_max < pick_max || inc < pick_inc) {
+        pick = k;
+        pick_pos = pos;
+        pick_max = new_max;
+        pick_inc = inc;
+      }
+    }
+    if (pick != n) {
+      placer.assign(pick, lo);
+      on[hi].erase(on[hi].begin() + static_cast<std::ptrdiff_t>(pick_pos));
+      on[lo].insert(std::upper_bound(on[lo].begin(), on[lo].end(), pick), pick);
+      continue;
+    }
+    // No whole tile lowers the maximum: cut the tail rows [c, b) off a one-document tile on
+    // hi so that about half the gap moves to lo (pieces keep min_rows rows); the lowest new
+    // maximum, then fewest bytes, then the earliest tile.
+    const Cut cut = best_cut(plan, gt, placer, on[hi], hi, lo, load, min_gain, min_rows);
+    if (cut.k == n) {
+      if (!isolate_heavy_document(plan, gt, placer, on[hi], hi, (load[hi] - load[lo]) / 2.0,
+                                  min_rows))
+        break;
+      n = gt.size();
+      continue;
+    }
+    const std::size_t piece = split_tail(plan, gt, placer, cut.k, cut.c);
+    placer.assign(piece, lo);
+    on[lo].push_back(piece);  // the newest tile: the highest index
+    n = gt.size();
+  }
+}
+
+// Each tile's executor, as a replica id: the placement's, or, when the owners' own loads have a
+// lighter maximum (never worse than no moves), every tile on its owner.
+void settle_executors(const StepPlan& plan, const std::vector<i64>& members, i64 P,
+                      GroupTiles& gt, Placer& placer) {
+  const std::size_t n = gt.size();
   std::vector<double> own(static_cast<std::size_t>(P), 0.0);
   for (std::size_t k = 0; k < n;) {  // each owner's loads in tile order (its tiles come in runs)
     const i64 m = gt.owner[k];
@@ -622,12 +624,47 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
     for (; k < n && gt.owner[k] == m; ++k) sum += gt.load[k];
     own[m] = sum;
   }
+  auto& load = placer.load();
   const bool keep_owners = *std::max_element(own.begin(), own.end()) <
                            *std::max_element(load.begin(), load.end());
   for (std::size_t k = 0; k < n; ++k) {
     const i64 member = keep_owners ? gt.owner[k] : placer.exec()[k];
     gt.tile[k].executor = plan.seq_replica[members[member]];
   }
+}
+
+// TAP on one group: the tiles of its members' sequences with their executors set, into `out`
+// (empty on entry). The tiles are built in `out`'s own buffer, reserved a quarter above the
+// previous group's count, so that they are never copied out of the scratch.
+void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
+                 const std::vector<i64>& members, const std::vector<i64>& seq_pairs,
+                 GroupScratch& scratch, std::vector<StepPlan::Tile>& out) {
+  const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
+  const i64 P = static_cast<i64>(members.size());
+  i64 n_docs = 0;
+  GroupTiles& gt = scratch.gt;
+  std::vector<i64>& doc_slot = scratch.doc_slot;
+  out.reserve(scratch.last_count + scratch.last_count / 4 + 16);
+  gt.tile.swap(out);
+  struct GiveBack {  // the tiles go to `out` however this returns
+    std::vector<StepPlan::Tile>& a;
+    std::vector<StepPlan::Tile>& b;
+    std::size_t& count;
+    ~GiveBack() {
+      count = b.size();
+      a.swap(b);
+    }
+  } give_back{out, gt.tile, scratch.last_count};
+  make_group_tiles(plan, members, seq_pairs, opt.block, head_group, opt.max_tile_share, gt, n_docs);
+  if (gt.size() == 0) return;
+  const double total = gt.total;
+  const double cap = (1.0 + opt.epsilon) * total / static_cast<double>(P);
+  if (static_cast<i64>(doc_slot.size()) < n_docs) doc_slot.resize(static_cast<std::size_t>(n_docs), -1);
+  Placer placer(plan, bytes, gt, P, doc_slot);
+  keep_own_tiles(plan, bytes, P, cap, scratch, placer);
+  place_rest(P, cap, scratch, placer);
+  if (opt.refine && P > 1) refine_group(plan, opt, P, total, scratch, placer);
+  settle_executors(plan, members, P, gt, placer);
 }
 
 }  // namespace

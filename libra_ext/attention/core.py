@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,19 +39,10 @@ from libra_ext.attention.comm import ByteCounter, GroupCache
 from libra_ext.attention.counters import RuntimeStats
 from libra_ext.attention.exchange import ExecEnv, PerDocAttention, PlannedAttention
 from libra_ext.attention.kernels import backend_for
+from libra_ext.attention.params import AttentionStep, LibraPackedSeqParams
 from libra_ext.planner import SYSTEMS, StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class AttentionStep:
-    """What the operator needs about the current micro-batch: the step plan, the slot, and the
-    slot's device program when it was prepared ahead (`Runtime.prepare`)."""
-
-    plan: StepPlan
-    slot: int
-    program: object = None
 
 
 def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> list:
@@ -216,10 +208,12 @@ class LibraCoreAttention(torch.nn.Module):
 
     Constructor keywords follow Megatron-Core's (config, layer_number, attn_mask_type,
     attention_type, cp_comm_type, softmax_scale, pg_collection) plus `system` and `runtime`
-    (pass them through the ModuleSpec's params). The current micro-batch's plan and slot arrive
-    as `packed_seq_params.libra` (an AttentionStep); its documents as Megatron's
-    `packed_seq_params.cu_seqlens_q`, or as host `libra_doc_lengths` where the caller has them
-    (the training app does: no device read). Causal masks only (`causal`, `padding_causal`).
+    (pass them through the ModuleSpec's params). The current micro-batch arrives as a
+    `LibraPackedSeqParams` (params.py): its `libra` (the step plan's AttentionStep of the
+    micro-batch's slot, whose plan must be of this module's system) and its host `doc_lengths`.
+    A plain Megatron `PackedSeqParams` serves per-document CP (system wlb) as a drop-in: the
+    documents come from its `cu_seqlens_q`, read on the host once per micro-batch. Causal masks
+    only (`causal`, `padding_causal`).
     """
 
     def __init__(
@@ -271,11 +265,19 @@ class LibraCoreAttention(torch.nn.Module):
         if packed_seq_params is None:
             raise ValueError(
                 "LibraCoreAttention needs THD inputs: packed_seq_params with cu_seqlens_q "
-                "(and `libra`, the step's AttentionStep, for the plan)"
+                "(a LibraPackedSeqParams with the step's AttentionStep, for the plan)"
             )
-        step = getattr(packed_seq_params, "libra", None)
+        ours = isinstance(packed_seq_params, LibraPackedSeqParams)
+        step = packed_seq_params.libra if ours else None
+        doc_lengths = packed_seq_params.doc_lengths if ours else None
         if step is None and self.system == "wlb":  # drop-in use without a step plan
-            step = _drop_in_step(packed_seq_params, self.runtime, query.device)
+            step = _drop_in_step(packed_seq_params, doc_lengths, self.runtime, query.device)
+        elif step is not None and step.plan is not None and step.plan.system != self.system:
+            raise ValueError(
+                f"the micro-batch's step plan is a {step.plan.system} plan; this layer's core "
+                f"attention was built for {self.system} (the layer spec's system and the "
+                "planner's must agree)"
+            )
         squeeze = query.dim() == 4  # [t, 1, h, d] (sbhd with b = 1) or [t, h, d]
         if squeeze:
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
@@ -283,7 +285,7 @@ class LibraCoreAttention(torch.nn.Module):
             query,
             key,
             value,
-            getattr(packed_seq_params, "libra_doc_lengths", None),
+            doc_lengths,
             self.system,
             self.runtime,
             step,
@@ -293,27 +295,37 @@ class LibraCoreAttention(torch.nn.Module):
         return out.unsqueeze(1) if squeeze else out
 
 
-def _drop_in_step(packed_seq_params, runtime: Runtime, device) -> AttentionStep:
+_DROP_IN: dict = {}
+"""id of a drop-in micro-batch's cu_seqlens_q -> (a weak reference to it, device, its
+AttentionStep): the program made at its first layer's call, which every later layer and the
+backward reuse. Keyed by identity; entries whose tensor is gone are dropped."""
+
+
+def _drop_in_step(packed_seq_params, doc_lengths, runtime: Runtime, device) -> AttentionStep:
     """Per-document CP of a micro-batch that comes without a step plan (a caller of the operator
     outside the training app): its program is compiled and uploaded once per micro-batch - the
     first layer's call - and every later layer and the backward reuse it. The documents come
-    from `libra_doc_lengths` (host) or Megatron's `cu_seqlens_q`, read on the host once here
-    (one sync per micro-batch when it is a device tensor; pass libra_doc_lengths to avoid it)."""
-    cached = getattr(packed_seq_params, "_libra_drop_in", None)
-    if cached is not None and cached[0] == torch.device(device):
-        return cached[1]
-    doc_lengths = getattr(packed_seq_params, "libra_doc_lengths", None)
+    from `doc_lengths` (host) or Megatron's `cu_seqlens_q`, read on the host once here (one
+    sync per micro-batch when it is a device tensor; a LibraPackedSeqParams's doc_lengths
+    avoid it)."""
+    cu = getattr(packed_seq_params, "cu_seqlens_q", None)
+    if cu is None and doc_lengths is None:
+        raise ValueError(
+            "LibraCoreAttention needs THD inputs: packed_seq_params.cu_seqlens_q (or a "
+            "LibraPackedSeqParams's doc_lengths)"
+        )
+    cacheable = isinstance(cu, torch.Tensor)
+    cached = _DROP_IN.get(id(cu)) if cacheable else None
+    if cached is not None and cached[0]() is cu and cached[1] == torch.device(device):
+        return cached[2]
     if doc_lengths is None:
-        cu = getattr(packed_seq_params, "cu_seqlens_q", None)
-        if cu is None:
-            raise ValueError(
-                "LibraCoreAttention needs THD inputs: packed_seq_params.cu_seqlens_q (or "
-                "libra_doc_lengths)"
-            )
-        cu = np.asarray(cu.tolist() if hasattr(cu, "tolist") else list(cu), dtype=np.int64)
-        doc_lengths = np.diff(cu)
+        cu_host = np.asarray(cu.tolist() if hasattr(cu, "tolist") else list(cu), dtype=np.int64)
+        doc_lengths = np.diff(cu_host)
     g = runtime.groups
     program = meta.upload(meta.compile_wlb(doc_lengths, g.cp, g.c), device)
     step = AttentionStep(None, 0, program)
-    packed_seq_params._libra_drop_in = (torch.device(device), step)
+    if cacheable:
+        for key in [k for k, v in _DROP_IN.items() if v[0]() is None]:
+            del _DROP_IN[key]
+        _DROP_IN[id(cu)] = (weakref.ref(cu), torch.device(device), step)
     return step

@@ -27,7 +27,7 @@ tiles of one document with adjacent rows, the same heads and the same owner run 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -795,7 +795,6 @@ class Staged:
 def _clone(prog):
     """A copy of a program's structure (programs, chunks, blocks, calls) sharing its arrays, so
     that uploading it leaves the host program as it was."""
-    from dataclasses import replace
 
     def block(b):
         return None if b is None else replace(b, calls=[replace(c) for c in b.calls])

@@ -40,6 +40,7 @@ def balanced_cp_scheduler():
         try:  # megatron-core (and torch) are optional for the simulator
             with warnings.catch_warnings():  # its optional-dependency notices are not ours
                 warnings.simplefilter("ignore")
+                # optional: megatron-core (the simulator runs without it)
                 from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
             _DCP = (BalancedCPScheduler, "")

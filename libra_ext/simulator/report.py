@@ -80,191 +80,213 @@ def render_markdown(results: dict) -> str:
         "",
     ]
     for name, s in results["scenarios"].items():
-        ref = _ref(results, name)
-        top = s["scaling_dp"]
-        lines += [
-            f"## Scenario `{name}`",
-            "",
-            f"Workload: `{s['workload']}`; context {s['context']}, GBS {s['gbs']}, CP {s['cp']}.",
-            "",
-        ]
-        notes = []
-        # DP scaling
-        paper_dp = ref.get("dp_scaling_dp16", {})
-        rows = []
-        for system, by_dp in s["dp_scaling"].items():
-            row = [system] + [_fmt(by_dp[dp], 2) for dp in s["dp_values"]]
-            p = paper_dp.get(system)
-            row += [_fmt(p, 2) if p else "–", _gap(by_dp[top], p) if p else "–"]
-            rows.append(row)
-            if p and abs(by_dp[top] - p) > GAP_NOTE * p:
-                notes.append(explain_efficiency(s, system, p / top))
-        lines += [
-            "### DP scaling (throughput relative to DP1, fixed GBS)",
-            "",
-            _table(
-                ["system"] + [f"DP{d}" for d in s["dp_values"]] + [f"paper DP{top}", "gap"], rows
-            ),
-            "",
-        ]
-        # scaling efficiency
-        paper_eff = ref.get("scaling_efficiency_dp16", {})
-        rows = [
-            [
-                system,
-                _fmt(v),
-                _fmt(paper_eff.get(system)) if system in paper_eff else "–",
-                _gap(v, paper_eff.get(system)) if system in paper_eff else "–",
-            ]
-            for system, v in s["scaling_efficiency_dp16"].items()
-        ]
-        lines += [
-            f"### Scaling efficiency at DP{top}",
-            "",
-            _table(["system", "ours", "paper", "gap"], rows),
-            "",
-        ]
-        # pool sweep
-        imb = ref.get("imbalance_p8", {})
-        exch = ref.get("exchange_cost", {})
-        rows = []
-        for p, v in sorted(s["pool_sweep"].items(), key=lambda kv: int(kv[0])):
-            pi = int(p)
-            pb, pa = (imb.get("before"), imb.get("after")) if pi == 8 else (None, None)
-            pe = exch.get(pi)
-            rows.append(
-                [
-                    str(pi),
-                    _fmt(v["imbalance_before"]),
-                    _fmt(pb) if pb else "–",
-                    _fmt(v["imbalance_after"], 4),
-                    _fmt(pa, 4) if pa else "–",
-                    _fmt(v["exchange_cost"]),
-                    _fmt(pe, 2) if pe else "–",
-                    _gap(v["exchange_cost"], pe) if pe else "–",
-                    _fmt(v["step_time"], 2),
-                ]
-            )
-            if pe and abs(v["exchange_cost"] - pe) > GAP_NOTE * pe:
-                notes.append(
-                    f"exchange cost at P={pi}: ours is the busiest member's pool all-to-all time "
-                    f"(bytes / inter-node bandwidth + per-peer latency) over the mean attention "
-                    f"time; it grows with P because a heavy owner ships its excess to more peers "
-                    f"and the busiest member sets the collective's time ({_fmt(v['exchange_cost'])}"
-                    f" vs the paper's {pe})"
-                )
-            if pb and abs(v["imbalance_before"] - pb) > GAP_NOTE * pb:
-                notes.append(
-                    f"imbalance before VRSP at P=8: {_fmt(v['imbalance_before'])} vs "
-                    f"{pb}: it is a property of the workload preset (see "
-                    f"cpp/src/generators.cpp for what each preset reproduces)"
-                )
-            if pa and v["imbalance_after"] > pa * (1 + GAP_NOTE) and v["imbalance_after"] > 0.01:
-                notes.append(
-                    f"imbalance after VRSP at P=8: {_fmt(v['imbalance_after'], 4)} vs {pa}: some "
-                    f"packed sequences are one long document (up to the context length) heavier "
-                    f"than a group's mean, so no exact-cardinality placement can go lower (the "
-                    f"planner reports its ratio to that lower bound)"
-                )
-        lines += [
-            f"### Pool-size sweep (libra, DP{results['scenarios'][name]['pool_sweep_dp']})",
-            "",
-            _table(
-                [
-                    "P",
-                    "imbalance before",
-                    "paper",
-                    "after VRSP",
-                    "paper",
-                    "exchange cost",
-                    "paper",
-                    "gap",
-                    "step s",
-                ],
-                rows,
-            ),
-            "",
-            f"**Recommended pool size: {s['recommended_pool_size']}** — "
-            f"{s['recommended_pool_reason']}.",
-            "",
-        ]
-        # attention latency, PP, planner, speedup
-        sp_ref = ref.get("speedup_over_ulysses_dp16", {})
-        rows = []
-        for system in s["attention_latency"]:
-            lat = s["attention_latency"][system]
-            sp = s["speedup_over_ulysses"].get(system)
-            p = sp_ref.get(system)
-            rows.append(
-                [
-                    system,
-                    _fmt(lat["mean"], 2),
-                    _fmt(lat["max"], 2),
-                    _fmt(s["pp_worst_over_mean"].get(system), 2),
-                    _bubble(s.get("pp_bubble", {}).get(system)),
-                    _fmt(s["planner_ms"].get(system), 2),
-                    _fmt(sp, 2),
-                    _fmt(p, 2) if p else "–",
-                    _gap(sp, p) if p else "–",
-                ]
-            )
-            if p and sp and abs(sp - p) > GAP_NOTE * p:
-                notes.append(
-                    explain_efficiency(s, "ulysses", None)
-                    + "; "
-                    + explain_efficiency(s, system, None)
-                )
-        lines += [
-            f"### Per system at DP{top}",
-            "",
-            _table(
-                [
-                    "system",
-                    "attention mean s",
-                    "attention max s",
-                    "PP worst/mean",
-                    f"1F1B bubble pp={results.get('pipeline_stages', 4)}: plan → balanced",
-                    "planner ms",
-                    "speedup vs ulysses",
-                    "paper",
-                    "gap",
-                ],
-                rows,
-            ),
-            "",
-            "Attention time includes its communication (Ulysses all-to-all or KV all-gather, "
-            "and the exposed pool exchange); PP worst/mean is the slowest micro-batch slot "
-            "over the mean one (1F1B bubbles scale with it); the 1F1B bubble is the modeled "
-            "share of a pipelined step its slowest replica waits, with the plan's micro-batch "
-            "order and with each exchange pool's balanced order (system.pp_order); planner ms is "
-            "the C++ planner "
-            "per step (megatron-dcp and megatron-dyncp: their Python schedulers; megatron-dcp is "
-            "megatron-core's BalancedCPScheduler, megatron-dyncp Megatron-LM's DefaultDynamicCPScheduler, "
-            "a CP group per document chosen per micro-batch; distca: DistCA's greedy as its "
-            "planner runs it, in Python). `distca` is DistCA as deployed - every GPU an attention "
-            "server, documents cut at GPU boundaries (system.distca_server: gpu); "
-            "`distca-replica` is the planner's DistCA, one server per replica with its heads "
-            "split evenly over its GPUs (replica: the stronger variant, the one the operator "
-            "runs).",
-            "",
-        ]
-        for system, why in s.get("errors", {}).items():
-            lines += [f"- `{system}`: not simulated — {why}"]
-        notes = [n for n in notes if n]
-        if notes:
-            lines += ["### Differences above 20% of the paper's figure", ""]
-            lines += [f"- {n}" for n in dict.fromkeys(notes)]
-            lines += [""]
-        lines += [
-            f"![DP scaling](dp_scaling_{name}.png)",
-            f"![pool sweep](pool_sweep_{name}.png)",
-            f"![per-rank attention](rank_attention_{name}.png)",
-            "",
-        ]
+        lines += _scenario(results, name, s)
     return "\n".join(lines)
 
 
+def _scenario(results: dict, name: str, s: dict) -> list[str]:
+    """One scenario's sections: DP scaling, scaling efficiency, the pool sweep, the per-system
+    table, and the explanation of every gap above GAP_NOTE."""
+    ref = _ref(results, name)
+    lines = [
+        f"## Scenario `{name}`",
+        "",
+        f"Workload: `{s['workload']}`; context {s['context']}, GBS {s['gbs']}, CP {s['cp']}.",
+        "",
+    ]
+    notes: list = []
+    lines += _dp_scaling(s, ref, notes)
+    lines += _efficiency(s, ref)
+    lines += _pool_sweep(results, name, s, ref, notes)
+    lines += _per_system(results, s, ref, notes)
+    for system, why in s.get("errors", {}).items():
+        lines += [f"- `{system}`: not simulated — {why}"]
+    notes = [n for n in notes if n]
+    if notes:
+        lines += ["### Differences above 20% of the paper's figure", ""]
+        lines += [f"- {n}" for n in dict.fromkeys(notes)]
+        lines += [""]
+    lines += [
+        f"![DP scaling](dp_scaling_{name}.png)",
+        f"![pool sweep](pool_sweep_{name}.png)",
+        f"![per-rank attention](rank_attention_{name}.png)",
+        "",
+    ]
+    return lines
+
+
+def _dp_scaling(s: dict, ref: dict, notes: list) -> list[str]:
+    top = s["scaling_dp"]
+    paper_dp = ref.get("dp_scaling_dp16", {})
+    rows = []
+    for system, by_dp in s["dp_scaling"].items():
+        row = [system] + [_fmt(by_dp[dp], 2) for dp in s["dp_values"]]
+        p = paper_dp.get(system)
+        row += [_fmt(p, 2) if p else "–", _gap(by_dp[top], p) if p else "–"]
+        rows.append(row)
+        if p and abs(by_dp[top] - p) > GAP_NOTE * p:
+            notes.append(explain_efficiency(s, system, p / top))
+    return [
+        "### DP scaling (throughput relative to DP1, fixed GBS)",
+        "",
+        _table(
+            ["system"] + [f"DP{d}" for d in s["dp_values"]] + [f"paper DP{top}", "gap"], rows
+        ),
+        "",
+    ]
+
+
+def _efficiency(s: dict, ref: dict) -> list[str]:
+    top = s["scaling_dp"]
+    paper_eff = ref.get("scaling_efficiency_dp16", {})
+    rows = [
+        [
+            system,
+            _fmt(v),
+            _fmt(paper_eff.get(system)) if system in paper_eff else "–",
+            _gap(v, paper_eff.get(system)) if system in paper_eff else "–",
+        ]
+        for system, v in s["scaling_efficiency_dp16"].items()
+    ]
+    return [
+        f"### Scaling efficiency at DP{top}",
+        "",
+        _table(["system", "ours", "paper", "gap"], rows),
+        "",
+    ]
+
+
+def _pool_sweep(results: dict, name: str, s: dict, ref: dict, notes: list) -> list[str]:
+    imb = ref.get("imbalance_p8", {})
+    exch = ref.get("exchange_cost", {})
+    rows = []
+    for p, v in sorted(s["pool_sweep"].items(), key=lambda kv: int(kv[0])):
+        pi = int(p)
+        pb, pa = (imb.get("before"), imb.get("after")) if pi == 8 else (None, None)
+        pe = exch.get(pi)
+        rows.append(
+            [
+                str(pi),
+                _fmt(v["imbalance_before"]),
+                _fmt(pb) if pb else "–",
+                _fmt(v["imbalance_after"], 4),
+                _fmt(pa, 4) if pa else "–",
+                _fmt(v["exchange_cost"]),
+                _fmt(pe, 2) if pe else "–",
+                _gap(v["exchange_cost"], pe) if pe else "–",
+                _fmt(v["step_time"], 2),
+            ]
+        )
+        if pe and abs(v["exchange_cost"] - pe) > GAP_NOTE * pe:
+            notes.append(
+                f"exchange cost at P={pi}: ours is the busiest member's pool all-to-all time "
+                f"(bytes / inter-node bandwidth + per-peer latency) over the mean attention "
+                f"time; it grows with P because a heavy owner ships its excess to more peers "
+                f"and the busiest member sets the collective's time ({_fmt(v['exchange_cost'])}"
+                f" vs the paper's {pe})"
+            )
+        if pb and abs(v["imbalance_before"] - pb) > GAP_NOTE * pb:
+            notes.append(
+                f"imbalance before VRSP at P=8: {_fmt(v['imbalance_before'])} vs "
+                f"{pb}: it is a property of the workload preset (see "
+                f"cpp/src/generators.cpp for what each preset reproduces)"
+            )
+        if pa and v["imbalance_after"] > pa * (1 + GAP_NOTE) and v["imbalance_after"] > 0.01:
+            notes.append(
+                f"imbalance after VRSP at P=8: {_fmt(v['imbalance_after'], 4)} vs {pa}: some "
+                f"packed sequences are one long document (up to the context length) heavier "
+                f"than a group's mean, so no exact-cardinality placement can go lower (the "
+                f"planner reports its ratio to that lower bound)"
+            )
+    return [
+        f"### Pool-size sweep (libra, DP{results['scenarios'][name]['pool_sweep_dp']})",
+        "",
+        _table(
+            [
+                "P",
+                "imbalance before",
+                "paper",
+                "after VRSP",
+                "paper",
+                "exchange cost",
+                "paper",
+                "gap",
+                "step s",
+            ],
+            rows,
+        ),
+        "",
+        f"**Recommended pool size: {s['recommended_pool_size']}** — "
+        f"{s['recommended_pool_reason']}.",
+        "",
+    ]
+
+
+def _per_system(results: dict, s: dict, ref: dict, notes: list) -> list[str]:
+    top = s["scaling_dp"]
+    sp_ref = ref.get("speedup_over_ulysses_dp16", {})
+    rows = []
+    for system in s["attention_latency"]:
+        lat = s["attention_latency"][system]
+        sp = s["speedup_over_ulysses"].get(system)
+        p = sp_ref.get(system)
+        rows.append(
+            [
+                system,
+                _fmt(lat["mean"], 2),
+                _fmt(lat["max"], 2),
+                _fmt(s["pp_worst_over_mean"].get(system), 2),
+                _bubble(s.get("pp_bubble", {}).get(system)),
+                _fmt(s["planner_ms"].get(system), 2),
+                _fmt(sp, 2),
+                _fmt(p, 2) if p else "–",
+                _gap(sp, p) if p else "–",
+            ]
+        )
+        if p and sp and abs(sp - p) > GAP_NOTE * p:
+            notes.append(
+                explain_efficiency(s, "ulysses", None)
+                + "; "
+                + explain_efficiency(s, system, None)
+            )
+    return [
+        f"### Per system at DP{top}",
+        "",
+        _table(
+            [
+                "system",
+                "attention mean s",
+                "attention max s",
+                "PP worst/mean",
+                f"1F1B bubble pp={results.get('pipeline_stages', 4)}: plan → balanced",
+                "planner ms",
+                "speedup vs ulysses",
+                "paper",
+                "gap",
+            ],
+            rows,
+        ),
+        "",
+        "Attention time includes its communication (Ulysses all-to-all or KV all-gather, "
+        "and the exposed pool exchange); PP worst/mean is the slowest micro-batch slot "
+        "over the mean one (1F1B bubbles scale with it); the 1F1B bubble is the modeled "
+        "share of a pipelined step its slowest replica waits, with the plan's micro-batch "
+        "order and with each exchange pool's balanced order (system.pp_order); planner ms is "
+        "the C++ planner "
+        "per step (megatron-dcp and megatron-dyncp: their Python schedulers; megatron-dcp is "
+        "megatron-core's BalancedCPScheduler, megatron-dyncp Megatron-LM's DefaultDynamicCPScheduler, "
+        "a CP group per document chosen per micro-batch; distca: DistCA's greedy as its "
+        "planner runs it, in Python). `distca` is DistCA as deployed - every GPU an attention "
+        "server, documents cut at GPU boundaries (system.distca_server: gpu); "
+        "`distca-replica` is the planner's DistCA, one server per replica with its heads "
+        "split evenly over its GPUs (replica: the stronger variant, the one the operator "
+        "runs).",
+        "",
+    ]
+
+
 def write_figures(results: dict, out: Path) -> list[Path]:
+    # optional: matplotlib draws the figures
     import matplotlib
 
     matplotlib.use("Agg")

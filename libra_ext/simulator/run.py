@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
 from libra_ext.pipeline import order_slots
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
@@ -299,7 +300,6 @@ def simulate(
     total = sum(len(s.dp) * len(cfg.systems) + len(s.sweep_pools) for s in cfg.scenarios)
     bar = None
     if progress:
-        from tqdm import tqdm
 
         bar = tqdm(total=total, desc="simulate", unit="point", leave=False)
     results = {

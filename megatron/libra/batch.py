@@ -1,6 +1,7 @@
 """Per-rank THD micro-batches of a packed sequence: tokens, labels, loss mask, position ids,
-cu_seqlens and PackedSeqParams carrying the step plan, in Megatron's per-document zigzag CP
-layout."""
+cu_seqlens and the LibraPackedSeqParams that carry the step plan to the attention layers, in
+Megatron's per-document zigzag CP layout; each slot's RoPE positions registered for
+`megatron.libra.rope`."""
 
 from __future__ import annotations
 
@@ -10,12 +11,9 @@ import numpy as np
 import torch
 
 from libra_ext.attention import thd
-from libra_ext.attention.core import AttentionStep
-
-try:
-    from megatron.core.packed_seq_params import PackedSeqParams
-except ImportError:  # pragma: no cover - megatron-core is a dependency of the training app
-    PackedSeqParams = None
+from libra_ext.attention.params import AttentionStep, LibraPackedSeqParams
+from megatron.libra import rope
+from megatron.libra.sources import Piece
 
 
 @dataclass
@@ -46,8 +44,8 @@ class MicroBatch:
         """The micro-batch on `device`: one non-blocking copy of `host` (staged if it was not),
         or `buffer`, that copy made already; every tensor a view of it or cast from it (token
         ids and labels widened to int64, the loss mask viewed back from its bits). The host
-        cu_seqlens stay what megatron-core reads on the host; the device ones and the device
-        position ids ride on cu_seqlens_q_padded for Libra's RoPE (`megatron.libra.rope`)."""
+        cu_seqlens stay what megatron-core reads on the host; the device position ids and
+        offsets are registered under them for Libra's RoPE (`megatron.libra.rope`)."""
         device = torch.device(device)
         if device.type == "cpu":
             return self
@@ -57,9 +55,9 @@ class MicroBatch:
             buffer = self.host.to(device, non_blocking=True)
         t = self.tokens.shape[1]
         psp = self.packed_seq_params
-        cu = psp.cu_seqlens_q_padded
-        cu.libra_positions = buffer[2 * t : 3 * t]  # int32: index_select takes it
-        cu.libra_device = buffer[4 * t :]
+        rope.register(psp.cu_seqlens_q_padded, rope.Positions(
+            slots=buffer[2 * t : 3 * t],  # int32: index_select takes it
+            device_offsets=buffer[4 * t :]))
         return MicroBatch(
             tokens=buffer[:t].long()[None],
             labels=buffer[t : 2 * t].long()[None],
@@ -78,8 +76,6 @@ def make_micro_batch(pieces: list, cp: int, cp_rank: int, step: AttentionStep | 
     outliers back) becomes one padding document of 2*cp tokens with no loss, so the model runs
     and every collective of the step still lines up; it adds nothing to the loss."""
     if sum(len(p.tokens) for p in pieces) == 0:
-        from megatron.libra.data import Piece
-
         pad = np.zeros(2 * cp, dtype=np.int64)
         pieces = [Piece(pad, pad, np.zeros(2 * cp, dtype=np.float32))]
     lengths = [len(p.tokens) for p in pieces]
@@ -95,7 +91,7 @@ def make_micro_batch(pieces: list, cp: int, cp_rank: int, step: AttentionStep | 
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     cu_padded = torch.tensor(cu_padded_global, dtype=torch.int32)
     longest = int(max(np.diff(cu_padded_global), default=1))
-    psp = PackedSeqParams(
+    psp = LibraPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
@@ -103,11 +99,11 @@ def make_micro_batch(pieces: list, cp: int, cp_rank: int, step: AttentionStep | 
         cu_seqlens_kv_padded=cu_padded,
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
+        libra=step,
+        doc_lengths=lengths,
     )
-    psp.libra = step
-    psp.libra_doc_lengths = lengths
     # each slot's position inside its (padded) document: RoPE from it (megatron.libra.rope)
-    cu_padded.libra_positions = torch.as_tensor(z.position_ids.astype(np.int64))
+    rope.register(cu_padded, rope.Positions(torch.as_tensor(z.position_ids.astype(np.int64))))
     mask = np.where(real, weights[idx], 0.0).astype(np.float32)
     return MicroBatch(
         tokens=torch.as_tensor(np.where(real, inputs[idx], 0).astype(np.int64))[None],

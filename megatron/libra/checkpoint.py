@@ -19,7 +19,12 @@ directory and says so. The tracker only ever names a complete, summed iteration.
 
 from __future__ import annotations
 
+import errno
+import inspect
+import json
 import logging
+import os
+import shutil
 import time
 import warnings
 import zlib
@@ -28,6 +33,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from torch.distributed.checkpoint import FileSystemReader
+
+from megatron.libra.config import SCHEDULE_FIELDS
 
 logger = logging.getLogger("libra.train")  # the iteration lines' logger (stderr, message only)
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -74,8 +85,6 @@ def check_writable(root, cfg=None, need: int | None = None) -> None:
     """Refuse a checkpoint directory this run could not save into, before any worker starts:
     one that cannot be created, is not writable, or has less free space than one checkpoint
     (`need` bytes, else estimated from `cfg`); each named in one line."""
-    import os
-    import shutil
 
     root = Path(root)
     made = [p for p in [root, *root.parents] if not p.exists()]  # removed again on a refusal
@@ -95,9 +104,6 @@ def check_writable(root, cfg=None, need: int | None = None) -> None:
 
 
 def _check_room(root: Path, cfg, need: int | None) -> None:
-    import os
-    import shutil
-
     probe = root / f".libra_write_probe.{os.getpid()}"
     try:
         with open(probe, "wb") as f:
@@ -136,7 +142,6 @@ def space_needed(root, estimate: int) -> int:
 def _no_space(exc: BaseException) -> bool:
     """Whether a save failed for want of space: ENOSPC anywhere in the exception, its causes or
     the per-rank failures of a distributed checkpoint, or PyTorch's writer's short write."""
-    import errno
 
     seen, todo = set(), [exc]
     while todo:
@@ -181,7 +186,6 @@ def _share(names: list[str]) -> list[str]:
 
 def _write_manifest(path: Path) -> None:
     """Collective: each rank sums its share of the directory's files, rank 0 writes the list."""
-    import json
 
     names = [f.name for f in path.iterdir() if f.is_file() and f.name != MANIFEST]
     mine = {n: [(path / n).stat().st_size, _crc32(path / n)] for n in _share(names)}
@@ -197,7 +201,6 @@ def _write_manifest(path: Path) -> None:
 def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
     """(file -> [size, crc32], None), (None, None) for a checkpoint saved without a manifest,
     or (None, what is wrong)."""
-    import json
 
     f = path / MANIFEST
     if not f.is_file():
@@ -236,7 +239,6 @@ def _async_save_options(dist_checkpointing) -> dict:
     megatron-core 0.19 also offers NVIDIA Resiliency Extension's writer and makes it the default
     (`async_strategy="nvrx"`, which needs nvidia-resiliency-ext); the queue here is megatron-core's,
     so its strategy is asked for by name where there is a choice."""
-    import inspect
 
     options = {"async_sharded_save": True}
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
@@ -257,8 +259,6 @@ class Resumed:
 
 
 def _rng_object(rank: int, world: int):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     return ShardedObject(
         "libra.rng_state",
         {"torch": torch.get_rng_state()},
@@ -316,13 +316,11 @@ class Checkpointer:
         self._pending: int | None = None  # the step of the background save in flight
         self._queue = None
         if async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self._queue = AsyncCallsQueue()
 
     def save(self, step: int, model, opt, sched, batch) -> Path:
         """Save step `step` (collective: every rank calls it with the same step)."""
-        from megatron.core import dist_checkpointing
 
         rank, world = dist.get_rank(), dist.get_world_size()
         path = iteration_dir(self.root, step)
@@ -396,7 +394,6 @@ class Checkpointer:
     def _check_space(self, step: int, path: Path) -> None:
         """Refuse, on every rank alike, a save the directory has no room for: rank 0 compares
         the free space with one checkpoint's size (the last one saved, once there is one)."""
-        import shutil
 
         verdict = [None]
         if dist.get_rank() == 0:
@@ -421,7 +418,6 @@ class Checkpointer:
     def _failed(self, step: int, exc: BaseException) -> CheckpointError:
         """The one-line error of a save that failed part-way; rank 0 removes the partial
         iteration directory (the tracker still names the newest complete one)."""
-        import shutil
 
         path = iteration_dir(self.root, step)
         self._pending = None
@@ -450,7 +446,6 @@ def _load_common(path: Path) -> tuple[dict | None, str | None]:
     missing or empty directory, no .metadata or one that does not load, an empty file, a shard
     file the metadata names that is missing or shorter than the bytes it names in it, a common
     state that does not load. (Bytes changed inside a shard show only when it loads.)"""
-    from megatron.core import dist_checkpointing
 
     if not path.is_dir() or not any(path.iterdir()):
         return None, "the directory is empty" if path.is_dir() else "no such directory"
@@ -476,7 +471,6 @@ def _shard_files_problem(path: Path) -> str | None:
     """What is wrong with the shard files `.metadata` lists (None: each is there and holds at
     least the bytes it names), or that `.metadata` itself does not load."""
     try:
-        from torch.distributed.checkpoint import FileSystemReader
 
         md = FileSystemReader(str(path)).read_metadata()
     except BaseException as e:  # truncated or garbled (pickle errors, EOF)
@@ -562,7 +556,6 @@ def check_resume(
 ) -> None:
     """Refuse a resume whose settings differ from the checkpoint's where that breaks an exact
     continuation, naming the old and new values and the override that allows it."""
-    from megatron.libra.config import SCHEDULE_FIELDS
 
     saved = dict(meta.get("run_config") or {})
     if finetune or not run_config:
@@ -659,7 +652,6 @@ def load(
 ) -> Resumed:
     """Load step `step` into model, optimizer and scheduler; returns the data position. With
     `finetune`, only the model weights: the run starts at step 0 with a fresh optimizer."""
-    from megatron.core import dist_checkpointing
 
     path = iteration_dir(root, step)
     common, meta = _checked_meta(path, model_config)

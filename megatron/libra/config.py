@@ -7,6 +7,8 @@ by `TrainConfig.validate(world_size)`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import os
@@ -18,8 +20,29 @@ import yaml
 
 from libra_ext.attention import BACKENDS, DEFAULT_CHUNKS
 from libra_ext.pipeline import PP_ORDERS
-from libra_ext.planner import DISTCA_SERVERS, ORDERS, SYSTEMS
+from libra_ext.planner import DISTCA_SERVERS, ORDERS, SYSTEMS, PlannerKnobs, PlannerOptions
 from libra_ext.workload import MAX_TOKENS, ModelConfig, check_int, preset_names, read_lengths_file
+
+
+_NAMES: contextvars.ContextVar = contextvars.ContextVar("field_names", default=None)
+
+
+def name(field: str) -> str:
+    """How a check's message names a config field: its path (`parallel.pool_size`), or, inside
+    `field_names(mapping)`, the name the caller's users know it by (a `pretrain_gpt_libra.py`
+    argument, say)."""
+    mapping = _NAMES.get()
+    return mapping.get(field, field) if mapping else field
+
+
+@contextlib.contextmanager
+def field_names(mapping: dict):
+    """Checks inside name the fields of `mapping` (field path -> name) by their names there."""
+    token = _NAMES.set(mapping)
+    try:
+        yield
+    finally:
+        _NAMES.reset(token)
 
 
 @dataclass
@@ -49,19 +72,12 @@ class ParallelConfig:
 
 
 @dataclass
-class SystemConfig:
+class SystemConfig(PlannerKnobs):
+    """Which system runs the step and how: the planner's knobs (`PlannerKnobs`, declared once in
+    libra_ext.planner, defaults from the C++ core) and the runtime's settings."""
+
     name: str = "libra"
     """libra | ulysses | wlb | distca."""
-    block: int | None = None
-    """Query tokens per SH-tile (None: context / 16)."""
-    head_group: int = 0
-    """Heads per SH-tile (0: the whole slice)."""
-    epsilon: float = 0.02
-    """TAP soft-cap slack."""
-    vrsp: bool = True
-    """libra: VRSP placement (false: Megatron's production order)."""
-    tap: bool = True
-    """libra: move tiles inside the pool (false: owners compute their own attention)."""
     pipeline: bool = True
     """Overlap the pool exchange with attention compute (false: each transfer completes before
     the next step; identical results)."""
@@ -71,55 +87,28 @@ class SystemConfig:
     attention_backend: str = "auto"
     """Attention kernel: auto (best available: te > flash > varlen > reference, one log line
     says which and why) or one of te, flash, varlen, reference to force it."""
-    wlb_outlier_len: int = 0
-    """wlb: documents at least this long wait in the delay queue (0: context / 4)."""
-    wlb_max_delay: int = 4
-    """wlb: most steps an outlier may wait."""
-    wlb_release_count: int = 0
-    """wlb: an outlier level is released once it holds this many documents (0: dp)."""
-    max_tile_share: float = 0.25
-    """libra: tiles heavier than this share of a member's mean load are split (0: never)."""
-    refine: bool = True
-    """libra: TAP's refinement pass after the greedy."""
-    distca_tolerance: float = 0.05
-    """distca: a replica stops receiving once its deficit is within this share of the mean."""
-    distca_server: str = "replica"
-    """distca: what an attention server is. replica (one per replica, its heads split evenly
-    over its GPUs by Ulysses: stronger than DistCA's own) or gpu (DistCA as deployed: every GPU
-    a server, its planner's decisions; run where a GPU is a replica, parallel.cp = 1; with
-    cp > 1 it cuts documents at GPU boundaries, which `libra simulate` models as system
-    distca)."""
     pp_order: str = "none"
     """With pipeline parallelism: none (micro-batches in the plan's slot order) or balanced
     (each exchange pool's slots reordered to shorten the modeled 1F1B step; the same samples,
     only their order changes; see `libra plan --pp`)."""
 
-    # the planner's own knobs, named as in PlannerOptions
-    PLANNER_KNOBS = (
-        "block", "head_group", "epsilon", "vrsp", "tap", "max_tile_share", "refine",
-        "distca_tolerance", "distca_server", "wlb_outlier_len", "wlb_max_delay",
-        "wlb_release_count",
-    )
-
     def check(self) -> None:
         """The system section's own checks: the system, the exchange chunks, the kernel."""
         if self.name not in SYSTEMS:
             raise ValueError(
-                f"system.name must be one of {', '.join(SYSTEMS)}, got {self.name!r}")
+                f"{name('system.name')} must be one of {', '.join(SYSTEMS)}, got {self.name!r}")
         if self.chunks < 1:
-            raise ValueError(f"system.chunks must be >= 1, got {self.chunks}")
+            raise ValueError(f"{name('system.chunks')} must be >= 1, got {self.chunks}")
         if self.attention_backend not in ("auto",) + BACKENDS:
             raise ValueError(
-                f"system.attention_backend must be auto or one of {', '.join(BACKENDS)}, "
+                f"{name('system.attention_backend')} must be auto or one of {', '.join(BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
 
-    def planner_options(self, order: str, dtype_bytes: int):
-        """The PlannerOptions these settings stand for (every planner knob, one default each)."""
-        from libra_ext.planner import PlannerOptions
-
-        knobs = {k: getattr(self, k) for k in self.PLANNER_KNOBS}
-        return PlannerOptions(system=self.name, order=order, dtype_bytes=dtype_bytes, **knobs)
+    def planner_options(self, order: str, dtype_bytes: int) -> PlannerOptions:
+        """The PlannerOptions these settings stand for."""
+        return PlannerOptions(system=self.name, order=order, dtype_bytes=dtype_bytes,
+                              **self.knobs())
 
 
 @dataclass
@@ -156,10 +145,11 @@ class DataConfig:
         """The synthetic source's lengths: a known preset, or a lengths file that exists."""
         if self.lengths_file is None and self.workload not in preset_names():
             raise ValueError(
-                f"data.workload must be one of {', '.join(preset_names())}, got {self.workload!r}"
+                f"{name('data.workload')} must be one of {', '.join(preset_names())}, got "
+                f"{self.workload!r}"
             )
         if self.lengths_file is not None and not Path(self.lengths_file).is_file():
-            raise ValueError(f"data.lengths_file {self.lengths_file} does not exist")
+            raise ValueError(f"{name('data.lengths_file')} {self.lengths_file} does not exist")
 
     def split_weights(self) -> tuple[float, float, float]:
         """data.split as three non-negative weights summing to 1."""
@@ -169,7 +159,8 @@ class DataConfig:
             w = []
         if not 1 <= len(w) <= 3 or any(not (x >= 0) or x == float("inf") for x in w) \
                 or sum(w) <= 0:
-            raise ValueError(f"data.split must be up to three comma-separated weights >= 0 "
+            raise ValueError(f"{name('data.split')} must be up to three comma-separated weights >= "
+                             f"0 "
                              f"(train,valid,test) with a positive sum, got {self.split!r}")
         w += [0.0] * (3 - len(w))
         return tuple(x / sum(w) for x in w)
@@ -345,11 +336,13 @@ class TrainModelConfig(ModelConfig):
         super().__post_init__()
         if self.recompute not in RECOMPUTE:
             raise ValueError(
-                f"model.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+                f"{name('model.recompute')} must be one of {', '.join(RECOMPUTE)}, got "
+                f"{self.recompute!r}"
             )
         if self.recompute_method not in RECOMPUTE_METHODS:
             raise ValueError(
-                f"model.recompute_method must be uniform or block, got {self.recompute_method!r}"
+                f"{name('model.recompute_method')} must be uniform or block, got "
+                f"{self.recompute_method!r}"
             )
         check_int(self.recompute_num_layers, "model.recompute_num_layers", 1, self.layers)
 
@@ -439,155 +432,224 @@ class TrainConfig:
         """The parallel layout's checks (what `libra memory` needs; no GPU asked for); returns
         the DP size."""
         p, m, d, s = self.parallel, self.model, self.data, self.system
-        for name in ("tp", "cp", "pool_size", "ep", "pp", "vpp"):
-            if getattr(p, name) < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+        for key in ("tp", "cp", "pool_size", "ep", "pp", "vpp"):
+            if getattr(p, key) < 1:
+                raise ValueError(f"{name('parallel.' + key)} must be >= 1, got {getattr(p, key)}")
         if not p.timeout_minutes > 0:
-            raise ValueError(f"parallel.timeout_minutes must be positive, got {p.timeout_minutes}")
+            raise ValueError(f"{name('parallel.timeout_minutes')} must be positive, got "
+                             f"{p.timeout_minutes}")
         if world_size % (p.tp * p.cp * p.pp):
             raise ValueError(
-                f"world size {world_size} must be a multiple of parallel.tp * parallel.cp * "
-                f"parallel.pp = {p.tp * p.cp * p.pp} (the data-parallel size is what remains)"
+                f"world size {world_size} must be a multiple of {name('parallel.tp')} * "
+                f"{name('parallel.cp')} * "
+                f"{name('parallel.pp')} = {p.tp * p.cp * p.pp} (the data-parallel size is what "
+                f"remains)"
             )
         if p.vpp > 1 and p.pp <= 2:
             raise ValueError(
-                f"parallel.vpp ({p.vpp}) > 1 needs parallel.pp > 2 (got {p.pp}): the interleaved "
+                f"{name('parallel.vpp')} ({p.vpp}) > 1 needs {name('parallel.pp')} > 2 (got "
+                f"{p.pp}): the interleaved "
                 "schedule's sends to the previous and the next stage go to one peer at pp = 2"
                 if p.pp == 2
-                else f"parallel.vpp ({p.vpp}) > 1 needs pipeline parallelism (parallel.pp > 2)"
+                else f"{name('parallel.vpp')} ({p.vpp}) > 1 needs pipeline parallelism "
+                     f"({name('parallel.pp')} > 2)"
             )
         if m.layers % (p.pp * p.vpp):
             raise ValueError(
-                f"parallel.pp * parallel.vpp ({p.pp} * {p.vpp}) must divide model.layers "
+                f"{name('parallel.pp')} * {name('parallel.vpp')} ({p.pp} * {p.vpp}) must divide "
+                f"{name('model.layers')} "
                 f"({m.layers}): every (virtual) stage holds the same number of layers"
             )
         if p.sequence_parallel and p.tp == 1:
             raise ValueError(
-                "parallel.sequence_parallel needs tensor parallelism (parallel.tp > 1)"
+                f"{name('parallel.sequence_parallel')} needs tensor parallelism "
+                f"({name('parallel.tp')} > 1)"
             )
         if m.recompute == "full" and m.recompute_method == "uniform":
             per_stage = m.layers // (p.pp * p.vpp)
             if per_stage % m.recompute_num_layers:
                 raise ValueError(
-                    f"model.recompute_num_layers ({m.recompute_num_layers}) must divide the "
+                    f"{name('model.recompute_num_layers')} ({m.recompute_num_layers}) must divide "
+                    f"the "
                     f"{per_stage} layers of each (virtual) pipeline stage with "
-                    "model.recompute_method = uniform"
+                    f"{name('model.recompute_method')} = uniform"
                 )
         if s.distca_server not in DISTCA_SERVERS:
             raise ValueError(
-                f"system.distca_server must be one of {', '.join(DISTCA_SERVERS)}, "
+                f"{name('system.distca_server')} must be one of {', '.join(DISTCA_SERVERS)}, "
                 f"got {s.distca_server!r}"
             )
         if s.name == "distca" and s.distca_server == "gpu" and p.cp != 1:
             raise ValueError(
-                "system.distca_server: gpu (DistCA as deployed: every GPU an attention server) "
-                f"runs where a GPU is a replica (parallel.cp = 1), got parallel.cp = {p.cp}: "
+                f"{name('system.distca_server')}: gpu (DistCA as deployed: every GPU an attention "
+                f"server) "
+                f"runs where a GPU is a replica ({name('parallel.cp')} = 1), got "
+                f"{name('parallel.cp')} = {p.cp}: "
                 "DistCA then cuts documents at GPU boundaries inside a replica, a layout the "
                 "operator's Ulysses ranks do not hold (`libra simulate` models it at any cp); "
-                "set system.distca_server: replica or parallel.cp: 1"
+                f"set {name('system.distca_server')}: replica or {name('parallel.cp')}: 1"
             )
         if s.pp_order not in PP_ORDERS:
             raise ValueError(
-                f"system.pp_order must be one of {', '.join(PP_ORDERS)}, got {s.pp_order!r}"
+                f"{name('system.pp_order')} must be one of {', '.join(PP_ORDERS)}, got "
+                f"{s.pp_order!r}"
             )
         dp = world_size // (p.tp * p.cp * p.pp)
         if p.vpp > 1 and d.gbs % dp == 0 and (d.gbs // dp) % p.pp:
             raise ValueError(
-                f"parallel.vpp > 1: the micro-batches per replica (data.gbs / dp = "
-                f"{d.gbs // dp}) must be a multiple of parallel.pp ({p.pp}) for the interleaved "
+                f"{name('parallel.vpp')} > 1: the micro-batches per replica ({name('data.gbs')} / "
+                f"dp = "
+                f"{d.gbs // dp}) must be a multiple of {name('parallel.pp')} ({p.pp}) for the "
+                f"interleaved "
                 "schedule"
             )
         if dp % p.pool_size:
             raise ValueError(
-                f"parallel.pool_size (P={p.pool_size}) must divide the data-parallel size (D={dp})"
+                f"{name('parallel.pool_size')} (P={p.pool_size}) must divide the data-parallel "
+                f"size (D={dp})"
             )
         if m.heads % (p.cp * p.tp):
             raise ValueError(
-                f"model.heads ({m.heads}) must be divisible by parallel.cp * "
-                f"parallel.tp ({p.cp * p.tp})"
+                f"{name('model.heads')} ({m.heads}) must be divisible by {name('parallel.cp')} * "
+                f"{name('parallel.tp')} ({p.cp * p.tp})"
             )
         if p.ep > 1:
             if m.moe_topk <= 0:
                 raise ValueError(
-                    f"parallel.ep ({p.ep}) > 1 needs an MoE model (model.moe_topk > 0)"
+                    f"{name('parallel.ep')} ({p.ep}) > 1 needs an MoE model "
+                    f"({name('model.moe_topk')} > 0)"
                 )
             if m.experts % p.ep:
-                raise ValueError(f"parallel.ep ({p.ep}) must divide model.experts ({m.experts})")
+                raise ValueError(f"{name('parallel.ep')} ({p.ep}) must divide "
+                                 f"{name('model.experts')} ({m.experts})")
             if world_size % p.ep:
-                raise ValueError(f"parallel.ep ({p.ep}) must divide the world size {world_size}")
+                raise ValueError(f"{name('parallel.ep')} ({p.ep}) must divide the world size "
+                                 f"{world_size}")
         if d.gbs % dp or d.gbs <= 0:
             raise ValueError(
-                f"data.gbs ({d.gbs}) must be a positive multiple of the data-parallel size ({dp})"
+                f"{name('data.gbs')} ({d.gbs}) must be a positive multiple of the data-parallel "
+                f"size ({dp})"
             )
         return dp
 
     def _check_rest(self, world_size: int, dp: int) -> None:
-        d, s = self.data, self.system
+        self._check_optimizer()
+        self.system.check()
+        self._check_data()
+        self._check_schedule()
+        impl = self._check_dtype_and_layers()
+        self._check_planner_knobs()
+        self._check_checkpoint()
+        lg, d = self.logging, self.data
+        if lg.log_interval < 1:
+            raise ValueError(f"{name('logging.log_interval')} must be >= 1, got {lg.log_interval}")
+        if d.source == "synthetic" and d.lengths_file is not None:
+            read_lengths_file(d.lengths_file)  # names the file and line of a bad entry
+        self._check_moe(impl)
+
+    def _check_optimizer(self) -> None:
+        """The optimizer's settings: what needs a GPU, and every value's range."""
+        o = self.optimizer
         if self.optimizer.distributed and not _cuda():
             raise ValueError(
-                "optimizer.distributed needs a GPU: megatron-core's distributed optimizer "
-                "accepts CUDA tensors only (set optimizer.distributed=false on CPU)"
+                f"{name('optimizer.distributed')} needs a GPU: megatron-core's distributed "
+                f"optimizer accepts CUDA tensors only (set {name('optimizer.distributed')}=false "
+                "on CPU)"
             )
-        for name in ("overlap_grad_reduce", "overlap_param_gather"):
-            if getattr(self.optimizer, name) and not _cuda():
+        for key in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(self.optimizer, key) and not _cuda():
                 raise ValueError(
-                    f"optimizer.{name} needs a GPU (megatron-core overlaps it on CUDA streams); "
-                    f"set optimizer.{name}=false on CPU"
+                    f"{name('optimizer.' + key)} needs a GPU (megatron-core overlaps it on CUDA "
+                    f"streams); set {name('optimizer.' + key)}=false on CPU"
                 )
         if self.optimizer.overlap_param_gather and not self.optimizer.distributed:
             raise ValueError(
-                "optimizer.overlap_param_gather needs the distributed optimizer "
-                "(optimizer.distributed=true)"
+                f"{name('optimizer.overlap_param_gather')} needs the distributed optimizer "
+                f"({name('optimizer.distributed')}=true)"
             )
-        s.check()
+        for key in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
+            if not math.isfinite(getattr(o, key)):
+                raise ValueError(f"{name('optimizer.' + key)} must be a finite number, got "
+                                 f"{getattr(o, key)}")
+        if not o.lr > 0:
+            raise ValueError(f"{name('optimizer.lr')} must be positive, got {o.lr}")
+        if not 0 <= o.min_lr <= o.lr:
+            raise ValueError(f"{name('optimizer.min_lr')} ({o.min_lr}) must be in [0, "
+                             f"{name('optimizer.lr')} = {o.lr}]")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(o, key) < 1:
+                raise ValueError(f"{name('optimizer.' + key)} must be in [0, 1), got "
+                                 f"{getattr(o, key)}")
+        if not o.adam_eps > 0:
+            raise ValueError(f"{name('optimizer.adam_eps')} must be positive, got {o.adam_eps}")
+        if o.weight_decay < 0:
+            raise ValueError(f"{name('optimizer.weight_decay')} must be >= 0, got {o.weight_decay}")
+        if o.clip_grad < 0:
+            raise ValueError(
+                f"{name('optimizer.clip_grad')} must be >= 0 (0: no clipping), got {o.clip_grad}"
+            )
+
+    def _check_data(self) -> None:
+        d = self.data
         if d.context <= 0:
-            raise ValueError(f"data.context must be positive, got {d.context}")
+            raise ValueError(f"{name('data.context')} must be positive, got {d.context}")
         if d.context > MAX_TOKENS:
             raise ValueError(
-                f"data.context = {d.context} exceeds 2^30 tokens, the most one packed sequence "
+                f"{name('data.context')} = {d.context} exceeds 2^30 tokens, the most one packed "
+                f"sequence "
                 "may hold (the planner's and the attention metadata's limit)"
             )
         if d.order not in ORDERS:
-            raise ValueError(f"data.order must be one of {', '.join(ORDERS)}, got {d.order!r}")
+            raise ValueError(f"{name('data.order')} must be one of {', '.join(ORDERS)}, got "
+                             f"{d.order!r}")
         check_int(d.seed, "data.seed", 0, 2**31 - 1)  # megatron-core offsets it per rank
         if d.source == "synthetic":
             d.check_synthetic()
         elif d.source == "indexed":
             if not d.path:
-                raise ValueError("data.path is required for data.source = indexed")
+                raise ValueError(f"{name('data.path')} is required for {name('data.source')} = "
+                                 f"indexed")
             for ext in (".bin", ".idx"):
                 if not Path(d.path + ext).is_file():
-                    raise ValueError(f"data.path: {d.path}{ext} does not exist")
+                    raise ValueError(f"{name('data.path')}: {d.path}{ext} does not exist")
         else:
-            raise ValueError(f"data.source must be synthetic or indexed, got {d.source!r}")
+            raise ValueError(f"{name('data.source')} must be synthetic or indexed, got "
+                             f"{d.source!r}")
+
+    def _check_schedule(self) -> None:
         if self.schedule.train_steps <= 0:
             raise ValueError(
-                f"schedule.train_steps must be positive, got {self.schedule.train_steps}"
+                f"{name('schedule.train_steps')} must be positive, got {self.schedule.train_steps}"
             )
         if not 0 <= self.schedule.warmup_steps < self.schedule.train_steps:
             raise ValueError(
-                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be in "
-                f"[0, schedule.train_steps = {self.schedule.train_steps})"
+                f"{name('schedule.warmup_steps')} ({self.schedule.warmup_steps}) must be in "
+                f"[0, {name('schedule.train_steps')} = {self.schedule.train_steps})"
             )
         if self.schedule.eval_interval < 0:
             raise ValueError(
-                f"schedule.eval_interval must be >= 0 (0: no validation), got "
+                f"{name('schedule.eval_interval')} must be >= 0 (0: no validation), got "
                 f"{self.schedule.eval_interval}"
             )
         if self.schedule.eval_iters < 1:
-            raise ValueError(f"schedule.eval_iters must be >= 1, got {self.schedule.eval_iters}")
-        d.split_weights()  # names the field
+            raise ValueError(f"{name('schedule.eval_iters')} must be >= 1, got "
+                             f"{self.schedule.eval_iters}")
+        self.data.split_weights()  # names the field
         ds = self.schedule.decay_steps
         if ds is not None and not self.schedule.warmup_steps < ds:
             raise ValueError(
-                f"schedule.decay_steps ({ds}) must exceed schedule.warmup_steps "
+                f"{name('schedule.decay_steps')} ({ds}) must exceed "
+                f"{name('schedule.warmup_steps')} "
                 f"({self.schedule.warmup_steps})"
             )
         if self.schedule.decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(
-                f"schedule.decay_style must be constant, linear or cosine, got "
+                f"{name('schedule.decay_style')} must be constant, linear or cosine, got "
                 f"{self.schedule.decay_style!r}"
             )
+
+    def _check_dtype_and_layers(self) -> str:
+        """The dtype against the device, and the layer implementation (returned)."""
         if self.dtype not in ("fp32", "fp64", "bf16"):
             raise ValueError(f"dtype must be fp32, fp64 or bf16, got {self.dtype!r}")
         if self.dtype != "bf16" and _cuda():
@@ -607,115 +669,114 @@ class TrainConfig:
         impl = resolve_impl(self.transformer_impl)  # unknown name, or TE asked for but unusable
         if self.parallel.sequence_parallel and impl != "transformer_engine":
             raise ValueError(
-                "parallel.sequence_parallel needs Transformer Engine layers (megatron-core's "
+                f"{name('parallel.sequence_parallel')} needs Transformer Engine layers "
+                f"(megatron-core's "
                 "local layer norm does not split the sequence); use it on a GPU with TE "
                 "(transformer_impl auto or transformer_engine)"
             )
-        o, c, lg = self.optimizer, self.checkpoint, self.logging
-        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
-            if not math.isfinite(getattr(o, name)):
-                raise ValueError(f"optimizer.{name} must be a finite number, got {getattr(o, name)}")
-        if not o.lr > 0:
-            raise ValueError(f"optimizer.lr must be positive, got {o.lr}")
-        if not 0 <= o.min_lr <= o.lr:
-            raise ValueError(f"optimizer.min_lr ({o.min_lr}) must be in [0, optimizer.lr = {o.lr}]")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(o, name) < 1:
-                raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(o, name)}")
-        if not o.adam_eps > 0:
-            raise ValueError(f"optimizer.adam_eps must be positive, got {o.adam_eps}")
-        if o.weight_decay < 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
-        if o.clip_grad < 0:
-            raise ValueError(
-                f"optimizer.clip_grad must be >= 0 (0: no clipping), got {o.clip_grad}"
-            )
+        return impl
+
+    def _check_planner_knobs(self) -> None:
+        s = self.system
         if s.block is not None and s.block <= 0:
             raise ValueError(
-                f"system.block must be positive (or unset: context / 16), got {s.block}"
+                f"{name('system.block')} must be positive (or unset: context / 16), got {s.block}"
             )
         if s.head_group < 0:
             raise ValueError(
-                f"system.head_group must be >= 0 (0: the whole slice), got {s.head_group}"
+                f"{name('system.head_group')} must be >= 0 (0: the whole slice), got {s.head_group}"
             )
         if not s.epsilon >= 0:
-            raise ValueError(f"system.epsilon must be >= 0, got {s.epsilon}")
+            raise ValueError(f"{name('system.epsilon')} must be >= 0, got {s.epsilon}")
         try:  # every planner knob, as the planner itself checks it
-            s.planner_options(d.order, 2)
+            s.planner_options(self.data.order, 2)
         except ValueError as e:
             raise ValueError(f"system.{e}") from None
         if s.wlb_outlier_len < 0 or s.wlb_max_delay < 0:
             raise ValueError(
-                f"system.wlb_outlier_len and system.wlb_max_delay must be >= 0, got "
+                f"{name('system.wlb_outlier_len')} and {name('system.wlb_max_delay')} must be >= "
+                f"0, got "
                 f"{s.wlb_outlier_len} and {s.wlb_max_delay}"
             )
+
+    def _check_checkpoint(self) -> None:
+        c = self.checkpoint
         if c.load_iteration is not None and c.load_iteration < 0:
-            raise ValueError(f"checkpoint.load_iteration must be >= 0, got {c.load_iteration}")
+            raise ValueError(f"{name('checkpoint.load_iteration')} must be >= 0, got "
+                             f"{c.load_iteration}")
         if c.save_interval < 0:
-            raise ValueError(f"checkpoint.save_interval must be >= 0, got {c.save_interval}")
+            raise ValueError(f"{name('checkpoint.save_interval')} must be >= 0, got "
+                             f"{c.save_interval}")
         if c.dir is not None and Path(c.dir).exists() and not Path(c.dir).is_dir():
-            raise ValueError(f"checkpoint.dir {c.dir} exists and is not a directory")
+            raise ValueError(f"{name('checkpoint.dir')} {c.dir} exists and is not a directory")
         if c.load_dir is not None and not Path(c.load_dir).is_dir():
-            raise ValueError(f"checkpoint.load_dir {c.load_dir} is not a directory")
+            raise ValueError(f"{name('checkpoint.load_dir')} {c.load_dir} is not a directory")
         if c.finetune and c.load_dir is None:
             raise ValueError(
-                "checkpoint.finetune needs checkpoint.load_dir, the run whose weights to load "
-                "(checkpoint.dir is where this run saves: loading from it would overwrite the "
+                f"{name('checkpoint.finetune')} needs {name('checkpoint.load_dir')}, the run whose "
+                f"weights to load "
+                f"({name('checkpoint.dir')} is where this run saves: loading from it would "
+                f"overwrite the "
                 "source run's iterations)"
             )
         if (c.finetune and c.dir is not None
                 and Path(c.dir).resolve() == Path(c.load_dir).resolve()):
             raise ValueError(
-                f"checkpoint.finetune would write into its source: checkpoint.dir and "
-                f"checkpoint.load_dir are both {c.load_dir}; set checkpoint.dir to a new "
+                f"{name('checkpoint.finetune')} would write into its source: "
+                f"{name('checkpoint.dir')} and "
+                f"{name('checkpoint.load_dir')} are both {c.load_dir}; set "
+                f"{name('checkpoint.dir')} to a new "
                 "directory"
             )
         if c.load_dir is not None and c.dir is None:
             raise ValueError(
-                "checkpoint.load_dir needs checkpoint.dir, where this run saves (it may be a "
+                f"{name('checkpoint.load_dir')} needs {name('checkpoint.dir')}, where this run "
+                f"saves (it may be a "
                 "new directory)"
             )
-        if lg.log_interval < 1:
-            raise ValueError(f"logging.log_interval must be >= 1, got {lg.log_interval}")
-        if d.source == "synthetic" and d.lengths_file is not None:
-            read_lengths_file(d.lengths_file)  # names the file and line of a bad entry
-        self._check_moe(impl)
 
     def _check_moe(self, impl: str) -> None:
         mo, m, p = self.moe, self.model, self.parallel
         if mo.balancer not in BALANCERS:
             raise ValueError(
-                f"moe.balancer must be one of {', '.join(BALANCERS)}, got {mo.balancer!r}"
+                f"{name('moe.balancer')} must be one of {', '.join(BALANCERS)}, got {mo.balancer!r}"
             )
         if self.logging.record_routing and mo.balancer != "libra":
-            raise ValueError("logging.record_routing records the balanced layers' routing: it "
-                             "needs moe.balancer = libra")
+            raise ValueError(f"{name('logging.record_routing')} records the balanced layers' "
+                             f"routing: it "
+                             f"needs {name('moe.balancer')} = libra")
         if mo.balancer == "none":
             return
         if m.moe_topk <= 0:
-            raise ValueError("moe.balancer = libra needs an MoE model (model.moe_topk > 0)")
+            raise ValueError(f"{name('moe.balancer')} = libra needs an MoE model "
+                             f"({name('model.moe_topk')} > 0)")
         if p.ep <= 1:
             raise ValueError(
-                f"moe.balancer = libra needs expert parallelism (parallel.ep > 1, got {p.ep}): "
+                f"{name('moe.balancer')} = libra needs expert parallelism ({name('parallel.ep')} > "
+                f"1, got {p.ep}): "
                 "with one EP rank there is no other rank to move work to"
             )
         foreign = m.experts - m.experts // p.ep
         check_int(mo.replica_slots, "moe.replica_slots", 0)
         if mo.replica_slots > foreign:
             raise ValueError(
-                f"moe.replica_slots ({mo.replica_slots}) is larger than the expert slots a rank "
-                f"can fill: it owns {m.experts // p.ep} of model.experts ({m.experts}) and can "
+                f"{name('moe.replica_slots')} ({mo.replica_slots}) is larger than the expert slots "
+                f"a rank "
+                f"can fill: it owns {m.experts // p.ep} of {name('model.experts')} ({m.experts}) "
+                f"and can "
                 f"hold copies of the other {foreign} at most"
             )
         check_int(mo.local_slots, "moe.local_slots", -1, mo.replica_slots)
         if p.tp != 1:
-            raise ValueError(f"moe.balancer = libra needs parallel.tp = 1 (got {p.tp}): the "
+            raise ValueError(f"{name('moe.balancer')} = libra needs {name('parallel.tp')} = 1 (got "
+                             f"{p.tp}): the "
                              "balanced layer runs on the all-gather dispatcher over EP only")
         if impl != "local":
-            raise ValueError("moe.balancer = libra needs megatron-core's local layers "
+            raise ValueError(f"{name('moe.balancer')} = libra needs megatron-core's local layers "
                              "(transformer_impl = local): it runs SequentialMLP experts")
         if m.recompute == "full":
-            raise ValueError("moe.balancer = libra does not support model.recompute = full (a "
+            raise ValueError(f"{name('moe.balancer')} = libra does not support "
+                             f"{name('model.recompute')} = full (a "
                              "recomputed layer would plan again from other inputs)")
 
 
@@ -748,6 +809,7 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 def _cuda() -> bool:
     """Whether a GPU is usable (torch imported here only: loading a config needs no torch)."""
+    # deferred: a config loads without torch (the CLI)
     import torch
 
     return torch.cuda.is_available()
@@ -758,7 +820,8 @@ def te_available() -> tuple[bool, str]:
     if not _cuda():
         return False, "no GPU"
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        # optional: Transformer Engine
+        import transformer_engine.pytorch
     except Exception as e:  # ImportError, or a build that fails to load its CUDA library
         return False, f"transformer_engine does not import ({type(e).__name__}: {e})"
     return True, ""

@@ -11,21 +11,32 @@ import dataclasses
 import inspect
 import textwrap
 
-from libra_ext.workload import ModelConfig
 from megatron.libra import config
 
 
 def field_docs(cls) -> dict[str, str]:
-    """Field name -> the string literal that follows its annotation in the class body."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    """Field name -> the string literal that follows its annotation in the body of the class
+    that declares it (the class itself or a dataclass it derives from)."""
     out = {}
-    for stmt, nxt in zip(body, body[1:] + [None]):
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-                if isinstance(nxt.value.value, str):
-                    out[stmt.target.id] = " ".join(nxt.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None),
+                                                            ast.Constant):
+                    if isinstance(nxt.value.value, str):
+                        out[stmt.target.id] = " ".join(nxt.value.value.split())
     return out
+
+
+def _own_fields_first(cls) -> list:
+    """A section's fields, those its class declares before those it derives (the system
+    section's name and runtime settings before the planner's knobs)."""
+    own = set(getattr(cls, "__annotations__", {}))
+    return sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)
 
 
 def _default(f: dataclasses.Field, instance) -> str:
@@ -53,10 +64,8 @@ def render() -> str:
         if dataclasses.is_dataclass(value):
             cls = type(value)
             docs = field_docs(cls)
-            if issubclass(cls, ModelConfig):
-                docs = {**field_docs(ModelConfig), **docs}
             lines += [f"## `{f.name}`", "", "| key | default | meaning |", "|---|---|---|"]
-            for sub in dataclasses.fields(cls):
+            for sub in _own_fields_first(cls):
                 text = docs.get(sub.name, "").replace("|", "\\|")
                 lines.append(f"| `{f.name}.{sub.name}` | `{_default(sub, value)}` | {text} |")
             lines.append("")

@@ -50,9 +50,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
+import time
 import types
 
+import megatron.core
 import torch
+from megatron.core import parallel_state as ps
 
 _APPLIED: set[str] = set()
 
@@ -104,7 +108,6 @@ def _shim_rng_tracker() -> None:
 
     def manual_seed(seed: int, *args, **kwargs) -> None:
         """CPU stand-in for model_parallel_cuda_manual_seed: same offsets, CPU generator."""
-        from megatron.core import parallel_state as ps
 
         offset = seed + 2718
         tp_seed = offset + ps.get_tensor_model_parallel_rank()
@@ -319,8 +322,6 @@ class _HostEvent:
         self._t = None
 
     def record(self, stream=None) -> None:
-        import time
-
         self._t = time.perf_counter()
 
     def elapsed_time(self, end: "_HostEvent") -> float:
@@ -401,8 +402,6 @@ def _shim_grad_sync_stream() -> None:
 
 
 def _source_mentions(module: str, text: str) -> bool:
-    import inspect
-
     return text in inspect.getsource(importlib.import_module(module))
 
 
@@ -424,7 +423,6 @@ to patch, `apply` leaves it out (and its test says why)."""
 
 def applies(name: str) -> tuple[bool, str]:
     """Whether the installed megatron-core has what shim `name` patches, and if not, why not."""
-    import megatron.core
 
     if name not in APPLIES:
         return True, ""

@@ -13,7 +13,9 @@ import torch
 
 from libra_ext.attention.core import LibraCoreAttention, Runtime
 from libra_ext.workload import ModelConfig
+from megatron.libra import rope
 from megatron.libra.config import resolve_impl
+from megatron.libra.moe_layer import LibraMoELayer, VarlenMoELayer, link_moe_layers
 
 with warnings.catch_warnings():  # megatron-core's notices about optional TE / apex
     warnings.simplefilter("ignore")
@@ -154,7 +156,6 @@ def build_model_chunks(
     `record_routing`, keeping each step's routing)."""
     if moe is not None and moe.balancer == "libra":
         config_overrides.setdefault("moe_token_dispatcher_type", "allgather")
-    from megatron.libra import rope
 
     rope.install()  # THD RoPE from each slot's position: a fixed number of kernels
     impl = resolve_impl(transformer_impl)
@@ -201,7 +202,6 @@ def build_model_chunks(
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
     if moe is not None and moe.balancer == "libra":
-        from megatron.libra.moe_layer import link_moe_layers
 
         for chunk in chunks:
             link_moe_layers(chunk)
@@ -255,7 +255,6 @@ def layer_spec(model: ModelConfig, system: str, runtime: Runtime, impl: str,
         module=LibraCoreAttention, params={"system": system, "runtime": runtime}
     )
     if experts is not None and moe is not None:
-        from megatron.libra.moe_layer import LibraMoELayer, VarlenMoELayer
 
         if moe.balancer == "libra":
             spec.submodules.mlp = _mlp_as(

@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import os
-import sys
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -19,68 +19,42 @@ import torch
 import torch.distributed as dist
 
 from libra_ext import hostmem
+from libra_ext import moe as moe_plan
+from libra_ext.attention import thd
+from libra_ext.attention.comm import LAST_COLLECTIVE
+from libra_ext.attention.kernels import KernelParams, choose_backend
+from libra_ext.distributed import free_port
+from megatron.libra import checkpoint, cpu_shims
 from megatron.libra.config import TrainConfig
+from megatron.libra.logs import config_lines, log_line, progress_log, since_launch, step_flops
+from megatron.libra.model import build_model_chunks
+from megatron.libra.moe_layer import STATS, PaddedAllGatherDispatcher, set_step_rows
 from megatron.libra.notices import quiet_megatron_notices
+from megatron.libra.sources import describe_data
+from megatron.libra.steps import (
+    AttentionTimer,
+    StepSampler,
+    StepStats,
+    check_plan,
+    device_micro_batches,
+    new_planner,
+    new_runtime,
+)
+
+with warnings.catch_warnings():  # megatron-core's notices on import (no GPU, no TE, ...)
+    warnings.simplefilter("ignore")
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
 logger = logging.getLogger("libra.train")
-
-
-# megatron-core's notices that hold on every CPU run and say nothing a user can act on: filtered
-# once, deliberately, in each training process (every other warning still shows).
-LAUNCH_ENV = "LIBRA_LAUNCH_TIME"
-"""Set by the local launcher (`--nproc`): when it started, so workers can say how long
-start-up took."""
-
-
-PROGRESS_ENV = "LIBRA_PROGRESS_STREAM"
-"""stderr: the run's lines go to stderr (set by `libra ab --json`, whose stdout is the JSON)."""
-
-
-def progress_stream():
-    """Where the run's lines go: stdout, as Megatron-LM prints them, unless PROGRESS_ENV says
-    stderr."""
-    return sys.stderr if os.environ.get(PROGRESS_ENV) == "stderr" else sys.stdout
-
-
-def _since_launch() -> str:
-    """'N.N s after launch' (the local launcher's start, else this process's)."""
-    start = os.environ.get(LAUNCH_ENV)
-    if start is None:
-        try:
-            import psutil
-
-            start = psutil.Process().create_time()
-        except Exception:  # no psutil: say nothing about when
-            return ""
-    return f"{time.time() - float(start):.1f} s after launch"
-
-
-def config_lines(cfg: TrainConfig) -> list[str]:
-    """The resolved config one key per line, as Megatron-LM prints its arguments."""
-    flat = {}
-    for section, value in cfg.to_dict().items():
-        if isinstance(value, dict):
-            flat.update({f"{section}.{k}": v for k, v in value.items()})
-        else:
-            flat[section] = value
-    lines = ["------------------------ libra train: config ------------------------"]
-    for key in sorted(flat):
-        lines.append(f"  {key} {'.' * max(48 - len(key), 2)} {json.dumps(flat[key])}")
-    lines.append("-------------------- libra train: end of config --------------------")
-    return lines
-
-
-def _progress_log() -> None:
-    """Iteration lines on stdout as Megatron prints them (message only), under torchrun, Slurm
-    or `--nproc` alike; errors stay on stderr; `libra --log-level` still governs everything
-    else."""
-    if not any(getattr(h, "_libra_progress", False) for h in logger.handlers):
-        handler = logging.StreamHandler(progress_stream())
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler._libra_progress = True
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 
 def _init_distributed(
@@ -92,8 +66,6 @@ def _init_distributed(
             rank = int(os.environ.get("RANK", 0))
             world = int(os.environ.get("WORLD_SIZE", 1))
             if world == 1 and "MASTER_ADDR" not in os.environ:
-                from libra_ext.attention.verify import free_port
-
                 init_method = f"tcp://127.0.0.1:{free_port()}"
             else:
                 init_method = "env://"
@@ -121,30 +93,6 @@ def run(
     return Trainer(cfg, rank, world, init_method).train()
 
 
-def _megatron():
-    """megatron-core's training pieces (imported once the shims hold, its notices quiet)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-    return dict(
-        ps=ps, tensor_parallel=tensor_parallel, DistributedDataParallel=DistributedDataParallel,
-        DistributedDataParallelConfig=DistributedDataParallelConfig,
-        finalize_model_grads=finalize_model_grads, OptimizerConfig=OptimizerConfig,
-        get_megatron_optimizer=get_megatron_optimizer,
-        OptimizerParamScheduler=OptimizerParamScheduler,
-        get_forward_backward_func=get_forward_backward_func,
-    )
-
-
 class Trainer:
     """One training run in small steps: `__init__` builds (process groups, runtime, model
     chunks, DDP, optimizer, schedule, planner, resume, data, checkpointer, log sinks);
@@ -155,15 +103,12 @@ class Trainer:
         self.rank, self.world = _init_distributed(
             rank, world, init_method, cfg.parallel.timeout_minutes
         )
-        _progress_log()
+        progress_log()
         self.cfg = cfg
         self.dp = cfg.validate(self.world)
         if not torch.cuda.is_available():
-            from megatron.libra import cpu_shims
-
             cpu_shims.apply()
             hostmem.retain_freed_memory()  # attention pieces reuse freed host memory
-        self.mc = _megatron()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -174,7 +119,7 @@ class Trainer:
         ]
         if self.rank == 0:
             logger.info("libra train: %d rank(s) joined the process group (%s) %s", self.world,
-                        dist.get_backend(), _since_launch())
+                        dist.get_backend(), since_launch())
         self._build_parallel()
         t0 = time.perf_counter()
         self._build_model()
@@ -184,15 +129,12 @@ class Trainer:
         self._open_sinks()
         if self.rank == 0:
             logger.info("libra train: model and optimizer built in %.1f s; training starts %s",
-                        built, _since_launch())
+                        built, since_launch())
 
     # ------------------------------------------------------------------ build
     def _build_parallel(self) -> None:
-        from libra_ext.attention.comm import GroupCache
-        from libra_ext.attention.core import Runtime
-
         cfg, p = self.cfg, self.cfg.parallel
-        self.mc["ps"].initialize_model_parallel(
+        ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tp,
             pipeline_model_parallel_size=p.pp,
             virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
@@ -201,19 +143,9 @@ class Trainer:
             distributed_timeout_minutes=p.timeout_minutes,
             order="tp-cp-ep-dp-pp",
         )
-        self.mc["tensor_parallel"].model_parallel_cuda_manual_seed(cfg.data.seed)
-        self.runtime = Runtime(
-            groups=GroupCache(
-                tp=p.tp, cp=p.cp, dp=self.dp, timeout_s=p.timeout_minutes * 60, pp=p.pp,
-                # the operator's Ulysses all-to-all runs on megatron-core's own CP group
-                cp_group=self.mc["ps"].get_context_parallel_group(),
-            ),
-            chunks=cfg.system.chunks,
-            pipelined=cfg.system.pipeline,
-            backend=None
-            if cfg.system.attention_backend == "auto"
-            else cfg.system.attention_backend,
-        )
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.data.seed)
+        # the operator's Ulysses all-to-all runs on megatron-core's own CP group
+        self.runtime = new_runtime(cfg, self.dp, ps.get_context_parallel_group())
         self.r, self.c = self.runtime.groups.r, self.runtime.groups.c
         if self.rank == 0:
             for line in config_lines(cfg):
@@ -228,8 +160,6 @@ class Trainer:
             logger.info("libra train: building the model with megatron-core ...")
 
     def _build_model(self) -> None:
-        from megatron.libra.model import build_model_chunks
-
         cfg, p = self.cfg, self.cfg.parallel
         self.chunks = build_model_chunks(
             cfg.model,
@@ -255,8 +185,6 @@ class Trainer:
         if torch.cuda.is_available():
             for chunk in self.chunks:
                 chunk.cuda()
-        from megatron.libra.moe_layer import PaddedAllGatherDispatcher
-
         self._moe_all_gather = any(isinstance(m, PaddedAllGatherDispatcher)
                                    for chunk in self.chunks for m in _dispatchers(chunk))
         self.timer = AttentionTimer(self.chunks, cfg.logging.attention_time)
@@ -266,8 +194,6 @@ class Trainer:
             if p.pp > 1:
                 shard += f" (pipeline stage 0 of {p.pp})"
             logger.info("libra train: %s parameters on this rank%s", f"{n_params:,}", shard)
-            from libra_ext.attention.kernels import KernelParams, choose_backend
-
             name, why = choose_backend(
                 KernelParams(self.device.type, self.dtype, cfg.model.head_dim,
                              self.runtime.backend)
@@ -275,8 +201,8 @@ class Trainer:
             logger.info("libra train: attention backend: %s%s", name, f" ({why})" if why else "")
 
     def _build_optimizer(self) -> None:
-        mc, o, s = self.mc, self.cfg.optimizer, self.cfg.schedule
-        ddp_config = mc["DistributedDataParallelConfig"](
+        o, s = self.cfg.optimizer, self.cfg.schedule
+        ddp_config = DistributedDataParallelConfig(
             # bf16 runs keep fp32 gradient buffers (Megatron's accumulate-allreduce-grads-in-fp32)
             grad_reduce_in_fp32=self.dtype == torch.bfloat16,
             use_distributed_optimizer=o.distributed,
@@ -284,7 +210,7 @@ class Trainer:
             overlap_param_gather=o.overlap_param_gather,
         )
         self.model = [
-            mc["DistributedDataParallel"](
+            DistributedDataParallel(
                 chunk.config, ddp_config, chunk,
                 # as Megatron-LM: only the first chunk's buffers use buckets
                 disable_bucketing=i > 0,
@@ -293,7 +219,7 @@ class Trainer:
         ]
         model = self.model
         config = self.chunks[0].config
-        config.finalize_model_grads_func = mc["finalize_model_grads"]
+        config.finalize_model_grads_func = finalize_model_grads
 
         def per_chunk(name):
             return [getattr(m, name) for m in model] if len(model) > 1 else getattr(model[0], name)
@@ -301,8 +227,8 @@ class Trainer:
         if o.overlap_grad_reduce:  # the schedule starts each chunk's reduction as grads are done
             config.no_sync_func = per_chunk("no_sync")
             config.grad_sync_func = per_chunk("start_grad_sync")
-        self.opt = mc["get_megatron_optimizer"](
-            mc["OptimizerConfig"](
+        self.opt = get_megatron_optimizer(
+            OptimizerConfig(
                 optimizer="adam",
                 lr=o.lr,
                 min_lr=o.min_lr,
@@ -319,7 +245,7 @@ class Trainer:
         )
         if o.overlap_param_gather:  # each chunk's parameters gathered as its forward needs them
             config.param_sync_func = per_chunk("start_param_sync")
-        self.sched = mc["OptimizerParamScheduler"](
+        self.sched = OptimizerParamScheduler(
             self.opt,
             init_lr=0.0,
             max_lr=o.lr,
@@ -336,15 +262,12 @@ class Trainer:
             override_opt_param_scheduler=self.cfg.checkpoint.override_scheduler,
             use_checkpoint_opt_param_scheduler=not self.cfg.checkpoint.override_scheduler,
         )
-        self.fb = mc["get_forward_backward_func"]()
+        self.fb = get_forward_backward_func()
 
     def _new_planner(self):
         return new_planner(self.cfg, self.dp, torch.tensor([], dtype=self.dtype).element_size())
 
     def _build_data(self) -> None:
-        from megatron.libra import checkpoint
-        from megatron.libra.data import StepSampler, describe_data
-
         cfg, ck = self.cfg, self.cfg.checkpoint
         planner = self._new_planner()
         self.start, doc_base, recent = 0, 0, {}
@@ -382,6 +305,7 @@ class Trainer:
         self.log_file, self.tb = None, None
         if self.rank == 0 and cfg.logging.tensorboard_dir:
             try:
+                # optional: tensorboard
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(cfg.logging.tensorboard_dir)
@@ -402,9 +326,6 @@ class Trainer:
         device: the attention metadata of every slot and the micro-batch's tokens, labels,
         positions and loss mask, each one non-blocking copy from the pinned buffers the
         sampler's thread staged."""
-        from libra_ext.attention import thd
-        from megatron.libra.moe_layer import set_step_rows
-
         plan, C = batch.plan, self.cfg.parallel.cp
         if self._moe_all_gather:
             # every EP rank pads its tokens to the step's longest micro-batch for the MoE
@@ -479,9 +400,6 @@ class Trainer:
         of the validation data (the same ones each time), planned by the run's system with a
         planner of their own (the last batch flushes what WLB-LLM holds, so every document of
         them is computed) and run forward only; the per-token loss over all of them."""
-        from libra_ext.attention.core import check_plan_hash
-        from megatron.libra.data import StepSampler
-
         cfg = self.cfg
         n = cfg.schedule.eval_iters
         sampler = StepSampler(cfg, self._new_planner(), replica=self.r, cp_rank=self.c,
@@ -494,7 +412,7 @@ class Trainer:
                 for _ in range(n):
                     batch = sampler.next()
                     self.phase = "validation: the plan-hash check (group of all ranks, gloo)"
-                    check_plan_hash(batch.plan, group=self.runtime.groups.check_group)
+                    check_plan(batch.plan, self.runtime)
                     self.phase = "validation forward (the attention operator's groups)"
                     outs = self.forward_backward(self.micro_batches(batch),
                                                  float(batch.label_tokens), forward_only=True)
@@ -528,22 +446,17 @@ class Trainer:
     def train_step(self, step: int, stop: "_StopRequest") -> tuple[dict, object, bool]:
         """One optimizer step: (metrics record, the step's batch, whether a rank asked to
         stop)."""
-        from libra_ext.attention.comm import LAST_COLLECTIVE
-        from libra_ext.attention.core import check_plan_hash
-
         t0 = time.perf_counter()
         batch = self.sampler.next()
         plan = batch.plan
         LAST_COLLECTIVE[0] = None
         self.phase = "the plan-hash check (group of all ranks, gloo)"
-        check_plan_hash(plan, group=self.runtime.groups.check_group)
+        check_plan(plan, self.runtime)
         micro = self.micro_batches(batch)
         global_tokens = float(batch.label_tokens)
         self.runtime.counter.reset()
         self.timer.reset()
         if self.cfg.moe.balancer == "libra":
-            from megatron.libra.moe_layer import STATS
-
             STATS.reset()
         self.phase = (
             "forward/backward (the attention operator's CP and pool groups, megatron-core's "
@@ -558,54 +471,30 @@ class Trainer:
         local = 0.0
         if outs:
             local = float(torch.stack([x["local_sum"] for x in outs]).sum(dtype=torch.float64))
-        # step statistics over host tensors on the gloo group (no device sync under NCCL)
-        group = self.runtime.groups.check_group
-        self.phase = "the step statistics' all-reduce (group of all ranks, gloo)"
-        stats = torch.tensor(
-            [local, float(self.runtime.counter.total()), float(stop.requested)],
-            dtype=torch.float64,
-        )
-        dist.all_reduce(stats, group=group)
-        attn_t = None
-        if self.timer.enabled:
-            attn = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
-            dist.all_gather(
-                attn, torch.tensor([self.timer.seconds()], dtype=torch.float64), group=group
-            )
-            attn_t = torch.cat(attn)
+        self.phase = "the step statistics' all-gather (group of all ranks, gloo)"
+        stats = StepStats.gather(self.runtime, self.timer.seconds() if self.timer.enabled
+                                 else 0.0, loss_sum=local, stop=stop.requested)
         dt = time.perf_counter() - t0
         T = self.cfg.parallel.tp
-        rec = {
-            "step": step + 1,
-            # every tensor-parallel rank holds the same loss sum: count it once
-            "loss": float(stats[0]) / T / max(global_tokens, 1.0),
+        # every tensor-parallel rank holds the same loss sum: count it once
+        rec = stats.record(step + 1, plan, dt, self.timer.enabled, T,
+                           loss_sum=float(stats.column("loss_sum").sum()) / T,
+                           tokens=global_tokens)
+        rec.update({
             "lr": self.opt.param_groups[0]["lr"],
             "grad_norm": float(grad_norm or 0.0),
-            "tokens": global_tokens,
-            "step_time": dt,
-            "tokens_per_s": global_tokens / dt,
-            "attn_work_max_over_mean": plan.max_over_mean,
-            "inter_pool_imbalance": plan.inter_pool_imbalance,
-            "attn_time_max_over_mean": (
-                float(attn_t.max() / max(attn_t.mean(), 1e-12)) if attn_t is not None else None
-            ),
-            "attn_time_per_rank": attn_t.tolist() if attn_t is not None else None,
-            "bytes_exchanged": float(stats[1]),
             "skipped": not updated,
             # model FLOPs of the step (forward + backward), per GPU per second
             "tflops_per_gpu": step_flops(self.cfg.model, global_tokens, plan, T)
             / self.world / dt / 1e12,
-        }
+        })
         if self.cfg.moe.balancer == "libra":
             rec.update(self._moe_stats(step + 1))
-        return rec, batch, bool(stats[2] > 0)
+        return rec, batch, stats.stop_requested
 
     def _moe_stats(self, step: int) -> dict:
         """The balanced MoE layers' expert-token balance of the step (this rank's EP group; the
         means over micro-batches per layer and over layers), and the routing record."""
-        from libra_ext import moe as moe_plan
-        from megatron.libra.moe_layer import STATS
-
         per = STATS.summary()
         out = {"moe_layers": per}
         for key in ("expert_tokens_max_over_mean_before", "expert_tokens_max_over_mean_after",
@@ -633,7 +522,7 @@ class Trainer:
         cfg, step = self.cfg, rec["step"]
         if step % cfg.logging.log_interval == 0:
             window = self.history[-cfg.logging.log_interval :]
-            logger.info(_log_line(window, cfg.schedule.train_steps, cfg.data.gbs, self.world))
+            logger.info(log_line(window, cfg.schedule.train_steps, cfg.data.gbs, self.world))
         if self.log_file:
             self.log_file.write(json.dumps(rec) + "\n")
             self.log_file.flush()
@@ -706,8 +595,6 @@ class Trainer:
     def where(self) -> str:
         """The phase of the step this rank is in, and the group of the attention operator's last
         collective in it (for a timeout's message)."""
-        from libra_ext.attention.comm import LAST_COLLECTIVE
-
         text = getattr(self, "phase", "start-up")
         if LAST_COLLECTIVE[0] is not None and text.startswith("forward"):
             kind, group = LAST_COLLECTIVE[0]
@@ -738,48 +625,7 @@ class Trainer:
             self.tb.close()
         # megatron-core's parallel state is process-global: release it so that another run can
         # follow in this process (`libra ab` under torchrun trains every system in turn)
-        self.mc["ps"].destroy_model_parallel()
-
-
-def new_planner(cfg: TrainConfig, dp: int, dtype_bytes: int):
-    """The step planner of `cfg`'s layout, model and system at data-parallel size dp."""
-    from libra_ext.planner import LayoutConfig, Planner
-
-    p = cfg.parallel
-    return Planner(
-        LayoutConfig(dp=dp, cp=p.cp, tp=p.tp, pool_size=p.pool_size, context=cfg.data.context),
-        cfg.model,
-        cfg.system.planner_options(cfg.data.order, dtype_bytes),
-    )
-
-
-def device_micro_batches(batch, runtime, device, cp: int, cp_rank: int, replica: int) -> list:
-    """Micro-batches of rank (replica, cp_rank) for a sampled step, in the order the schedule
-    runs them, on `device`: every slot's attention metadata and the micro-batch's tokens,
-    labels, positions and loss mask, each one non-blocking copy from the pinned buffers the
-    sampler's thread staged."""
-    from megatron.libra.batch import make_micro_batch
-
-    plan = batch.plan
-    on_device = None
-    if batch.uploads and device.type != "cpu":  # one copy per slot
-        on_device = [joint.to(device, non_blocking=True) for joint, _ in batch.uploads]
-    steps = runtime.prepare(
-        plan, device, batch.programs,
-        [buf[:n] for buf, (_, n) in zip(on_device, batch.uploads)] if on_device else None,
-    )
-    micro = []
-    for slot in batch.slot_order:
-        mb = batch.micro.get(slot) if batch.micro else None
-        if mb is None:  # not staged ahead (a sampler without this rank's cp index)
-            seq = plan.sequence_at(replica, slot)
-            docs = range(plan.seq_doc_offsets[seq], plan.seq_doc_offsets[seq + 1])
-            mb = make_micro_batch([batch.pieces[i] for i in docs], cp, cp_rank, None)
-        buf = on_device[slot][batch.uploads[slot][1]:] if on_device else None
-        mb = mb.to(device, buf)
-        mb.packed_seq_params.libra = steps[slot]
-        micro.append(mb)
-    return micro
+        ps.destroy_model_parallel()
 
 
 class _StopRequest:
@@ -789,8 +635,6 @@ class _StopRequest:
     (the process ends at once)."""
 
     def __init__(self, enabled: bool):
-        import signal
-
         self.requested = False
         self._previous = {}
         if enabled:
@@ -801,8 +645,6 @@ class _StopRequest:
         self.requested = True
 
     def restore(self) -> None:
-        import signal
-
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -818,99 +660,3 @@ def _timed_out(e: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def step_flops(model, tokens: float, plan, tp: int) -> float:
-    """Forward + backward FLOPs of one step from the cost model: the linear layers and LM head
-    per token, and the attention pairs the plan executes (every layer, every head)."""
-    from libra_ext.workload import LINEAR_BWD_FACTOR, linear_fwd_flops_per_token
-
-    linear = linear_fwd_flops_per_token(model) * model.layers + 2.0 * model.hidden * model.vocab
-    # rank_load: one layer's attention FLOPs (forward + backward) of each rank's head slice
-    attention = float(plan.rank_load.sum()) * tp * model.layers
-    return linear * tokens * (1.0 + LINEAR_BWD_FACTOR) + attention
-
-
-def _log_line(window: list, total: int, gbs: int, world: int) -> str:
-    """Megatron-LM's iteration line (averages over the log interval) and Libra's fields."""
-    import datetime as _dt
-
-    rec, n = window[-1], len(window)
-    loss = sum(w["loss"] for w in window) / n
-    attn = [w["attn_time_max_over_mean"] for w in window if w["attn_time_max_over_mean"]]
-    nan = sum(1 for w in window if w["loss"] != w["loss"])
-    return (
-        f" [{_dt.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {rec['step']:8d}/"
-        f"{total:8d} | consumed samples: {rec['step'] * gbs:12d} | elapsed time per iteration "
-        f"(ms): {1e3 * sum(w['step_time'] for w in window) / n:.1f} | throughput per GPU "
-        f"(TFLOP/s/GPU): {sum(w['tflops_per_gpu'] for w in window) / n:.3f} | learning rate: "
-        f"{rec['lr']:.6E} | global batch size: {gbs:5d} | lm loss: {loss:.6E} | grad norm: "
-        f"{rec['grad_norm']:.3f} | number of skipped iterations: "
-        f"{sum(1 for w in window if w['skipped']):3d} | number of nan iterations: {nan:3d} | "
-        f"attn work max/mean: {sum(w['attn_work_max_over_mean'] for w in window) / n:.3f} | "
-        f"attn time max/mean: {f'{sum(attn) / len(attn):.3f}' if attn else 'off'} | "
-        f"inter-pool imbalance: {rec['inter_pool_imbalance']:.3f} | "
-        f"exchange MB/rank: {sum(w['bytes_exchanged'] for w in window) / n / world / 1e6:.2f} | "
-        f"tokens/s: {sum(w['tokens'] for w in window) / sum(w['step_time'] for w in window):.1f} |"
-    )
-
-
-class AttentionTimer:
-    """Each rank's core-attention time of a step, forward and backward (module hooks: from a
-    layer's inputs arriving to its output leaving, and from its output gradient arriving to its
-    input gradients leaving). On GPU the hooks record CUDA events (no synchronization); the
-    events are read once per step, after the optimizer step. Disabled: no hooks at all."""
-
-    def __init__(self, model, enabled: bool = True):
-        from libra_ext.attention.core import LibraCoreAttention
-
-        self.enabled, self.cuda = enabled, torch.cuda.is_available()
-        self._open: dict = {}
-        self._pairs: list = []
-        self._host = 0.0
-        if not enabled:
-            return
-        chunks = model if isinstance(model, (list, tuple)) else [model]
-        for mod in (x for chunk in chunks for x in chunk.modules()):
-            if isinstance(mod, LibraCoreAttention):
-                mod.register_forward_pre_hook(self._start("fwd"))
-                mod.register_forward_hook(self._stop("fwd"))
-                mod.register_full_backward_pre_hook(self._start("bwd"))
-                mod.register_full_backward_hook(self._stop("bwd"))
-
-    def _mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def _start(self, key):
-        def hook(*_args):
-            self._open[key] = self._mark()
-
-        return hook
-
-    def _stop(self, key):
-        def hook(*_args):
-            start, end = self._open.pop(key, None), self._mark()
-            if start is None:
-                return
-            if self.cuda:
-                self._pairs.append((start, end))
-            else:
-                self._host += end - start
-
-        return hook
-
-    def reset(self) -> None:
-        self._pairs.clear()
-        self._open.clear()
-        self._host = 0.0
-
-    def seconds(self) -> float:
-        """The step's attention time so far (waits for the last recorded event on GPU)."""
-        if not self.cuda:
-            return self._host
-        if not self._pairs:
-            return 0.0
-        self._pairs[-1][1].synchronize()
-        return sum(a.elapsed_time(b) for a, b in self._pairs) / 1e3

@@ -1,4 +1,4 @@
-"""The GPU-readiness gate on fake CUDA (libra_ext.gpu_ready), run in a process of its own: the
+"""The GPU-readiness gate on fake CUDA (megatron.libra.gpu_ready), run in a process of its own: the
 operator of every system through every kernel entry point's stand-in, at one rank and at a
 multi-rank layout, with no device mismatch, host read or blocking transfer, one pinned upload
 per slot, device ops that do not grow with documents, and bounded activation memory; and the
@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from libra_ext.gpu_ready.gate import GROWTH_BOUND, KEPT_BOUND, PEAK_BOUND, PEAK_BOUND_EXCHANGE
-from libra_ext.gpu_ready.standins import BACKEND_STANDINS, NATIVE_GQA
+from megatron.libra.gpu_ready.gate import GROWTH_BOUND, KEPT_BOUND, PEAK_BOUND, PEAK_BOUND_EXCHANGE
+from megatron.libra.gpu_ready.standins import BACKEND_STANDINS, NATIVE_GQA
 from libra_ext.planner import SYSTEMS
 
 
 def _gate(*args):
-    p = subprocess.run([sys.executable, "-m", "libra_ext.gpu_ready", "--json", *args],
+    p = subprocess.run([sys.executable, "-m", "megatron.libra.gpu_ready", "--json", *args],
                        capture_output=True, text=True, timeout=900)
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
     assert lines, f"the gate printed no report (rc {p.returncode}):\n{p.stderr[-3000:]}"
@@ -54,7 +54,7 @@ def test_activation_memory_of_a_layer_call_is_bounded(report):
 
 
 def test_a_drop_in_call_without_a_plan_uploads_once_per_micro_batch(report):
-    # Megatron's cu_seqlens only (no step plan, no libra_doc_lengths): per-document CP
+    # Megatron's cu_seqlens only (a plain PackedSeqParams, no step plan): per-document CP
     # compiles and uploads its program at the first layer and every later layer reuses it
     assert set(report["drop_in"]) == {"wlb/single", "wlb/cp2-pool2"}
     for key, ranks in report["drop_in"].items():

@@ -1,4 +1,4 @@
-"""Device checks of the kernels and the operator (libra_ext.attention.selfcheck): every usable
+"""Device checks of the kernels and the operator (libra_ext.measure.selfcheck): every usable
 GPU backend against the float64 reference in bf16, bottom-right alignment, and the operator with
 the CUDA sync debug mode set to error. The CUDA tests are skipped without a GPU (scripts/
 gpu_check.sh runs them there and writes their numbers); the CPU tests keep the same checks and
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from libra_ext.attention import selfcheck
+from libra_ext.measure import selfcheck
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 

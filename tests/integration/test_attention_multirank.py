@@ -4,7 +4,7 @@ rank sends in the pool exchange equal the plan's promise."""
 
 import pytest
 
-from libra_ext.attention.verify import VerifyConfig, run
+from libra_ext.measure.verify import VerifyConfig, run
 from libra_ext.workload import LengthSource
 
 pytestmark = pytest.mark.slow  # spawns training or multi-rank processes

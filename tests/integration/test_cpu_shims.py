@@ -166,7 +166,7 @@ assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5), p.grad
 
 
 def _run(shims: list[str], body: str) -> subprocess.CompletedProcess:
-    from libra_ext.attention.verify import free_port
+    from libra_ext.distributed import free_port
 
     code = PRELUDE.replace('("none",)', "()") + textwrap.dedent(body)
     return subprocess.run(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.libra.train_commands import _below, _process_tree
+from megatron.libra.launch import _below, _process_tree
 
 pytestmark = pytest.mark.slow  # spawns training or multi-rank processes
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.libra.config import TrainConfig
-from megatron.libra.train_commands import launch
+from megatron.libra.launch import launch
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path"),

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from libra_ext.attention.verify import free_port
+from libra_ext.distributed import free_port
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path"),
@@ -105,8 +105,10 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from libra_ext.workload import PackedBatch
-    from megatron.libra import data as data_mod
+    from megatron.libra import sources as data_mod
     from megatron.libra.config import TrainConfig
+    from megatron.core import parallel_state
+
     from megatron.libra.train import Trainer
 
     # synthetic data: the step's packed sequences, fixed (every system plans these)
@@ -129,7 +131,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
             grads = {n: p.main_grad.detach().clone() for n, p in params.items()}
             # every executed document once: the CP rank 0 of each replica sends its pieces
             pieces = ([_document(trainer, batch, i, p) for i, p in sorted(batch.pieces.items())]
-                      if trainer.c == 0 and trainer.mc["ps"].is_pipeline_first_stage() else [])
+                      if trainer.c == 0 and parallel_state.is_pipeline_first_stage() else [])
             mine = {"weights": weights, "grads": grads, "local": local, "pieces": pieces,
                     "dtypes": dtypes, "label_tokens": int(batch.label_tokens),
                     "executed": int(len(batch.plan.doc_lengths)),
@@ -140,7 +142,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
             trainer.close()
         # the reference: one stock model, no parallelism (parallel_state made again, on every
         # rank: its groups are collective), computed on rank 0
-        ps = trainer.mc["ps"]
+        ps = parallel_state
         ps.initialize_model_parallel()
         if rank == 0:
             weights, grads, pieces = {}, {}, []

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from libra_ext.attention.core import LibraCoreAttention
-from libra_ext.attention.verify import free_port
+from libra_ext.distributed import free_port
 
 pytestmark = pytest.mark.slow  # spawns gloo processes
 

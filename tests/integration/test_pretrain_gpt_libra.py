@@ -38,7 +38,7 @@ MOCK = ["--mock-data", "--vocab-size", "512", "--tokenizer-type", "NullTokenizer
 
 def _torchrun(nproc: int, args: list[str], timeout: int = 600, tiny: bool = True,
               env: dict | None = None) -> subprocess.CompletedProcess:
-    from libra_ext.attention.verify import free_port
+    from libra_ext.distributed import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_libra.py"),
@@ -248,7 +248,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_losses_and_weights(tmp_p
     # last step are the same bits.
     import signal
 
-    from libra_ext.attention.verify import free_port
+    from libra_ext.distributed import free_port
 
     common = ["--yaml-cfg", "configs/megatron/cpu_tiny.yaml", "--train-iters", "4",
               "--libra-system", "wlb", "--save-interval", "2", "--ckpt-format", "torch"]
@@ -267,7 +267,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_losses_and_weights(tmp_p
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     killed = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    from megatron.libra.train_commands import _below, _process_tree
+    from megatron.libra.launch import _below, _process_tree
 
     def kill_job():  # as a scheduler ends a job: torchrun and every worker (own sessions)
         for pid in [killed.pid, *_below([killed.pid], _process_tree())]:

@@ -6,7 +6,7 @@ import pytest
 
 from megatron.libra.cli import main
 from megatron.libra.config import TrainConfig
-from megatron.libra.train_commands import launch
+from megatron.libra.launch import launch
 
 pytestmark = pytest.mark.slow  # spawns training or multi-rank processes
 

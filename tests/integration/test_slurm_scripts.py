@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from libra_ext.attention.verify import free_port
+from libra_ext.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [

@@ -15,7 +15,7 @@ import torch
 from megatron.libra.checkpoint import latest_step
 from megatron.libra.cli import main
 from megatron.libra.config import TrainConfig
-from megatron.libra.train_commands import launch
+from megatron.libra.launch import launch
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path"),
@@ -290,7 +290,7 @@ def test_moe_all_gather_padded_to_the_step_equals_counting_per_layer(tmp_path, b
     counts. Same loss and gradients either way, megatron-core's layer and the balanced one."""
     import torch.multiprocessing as mp
 
-    from libra_ext.attention.verify import free_port
+    from libra_ext.distributed import free_port
 
     overrides = [
         "model.moe_topk=2", "model.experts=8", "model.moe_ffn=32", "model.layers=2",

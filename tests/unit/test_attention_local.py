@@ -10,8 +10,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from libra_ext.attention import kernels, thd
-from libra_ext.attention.kernels import KernelParams, reference_attention, select_backend, why_not
-from libra_ext.attention.verify import free_port, share_cores
+from libra_ext.attention import reference_kernel
+from libra_ext.attention.kernels import KernelParams, select_backend, why_not
+from libra_ext.attention.reference_kernel import reference_attention
+from libra_ext.distributed import free_port, share_cores
 
 
 def _naive(q, k, v, scale):
@@ -56,7 +58,7 @@ def test_batched_reference_matches_per_segment_math(monkeypatch, hq, hk):
     """The reference backend's work decomposition (long segments by row pieces, short ones
     batched by length with causal row blocks) against each segment alone, forward and
     backward: query tiles shorter than their key prefix, empty and one-row segments, GQA."""
-    monkeypatch.setattr(kernels, "_PIECE_ELEMS", 600)  # some segments long, several batches
+    monkeypatch.setattr(reference_kernel, "_PIECE_ELEMS", 600)  # some segments long, several batches
     rng = np.random.default_rng(3)
     ql = np.array([5, 1, 0, 17, 40, 3, 9, 9, 30, 2, 12, 1])
     kl = ql + np.array([0, 4, 3, 0, 10, 0, 2, 0, 0, 5, 0, 0])
@@ -66,7 +68,7 @@ def test_batched_reference_matches_per_segment_math(monkeypatch, hq, hk):
     k = torch.randn(int(hk_off[-1]), hk, 8, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(int(hk_off[-1]), hk, 8, generator=g, dtype=torch.float64, requires_grad=True)
     seg = kernels.segments_on(hq_off, hk_off, "cpu")
-    assert {type(w).__name__ for w in kernels._work(seg, "cpu")} == {"_Rows", "_Batch"}
+    assert {type(w).__name__ for w in reference_kernel.work_items(seg, "cpu")} == {"_Rows", "_Batch"}
     out = kernels.ReferenceBackend().attend(q, k, v, seg, 0.4)
     dout = torch.as_tensor(rng.standard_normal(out.shape))
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -156,7 +158,8 @@ def test_forced_backend_that_cannot_run_names_the_package(monkeypatch):
 def _bad_input_worker(rank, world, port, out_dir):
     share_cores(world)
     from libra_ext.attention.comm import GroupCache
-    from libra_ext.attention.core import AttentionStep, LibraCoreAttention, Runtime, check_plan_hash
+    from libra_ext.attention.core import LibraCoreAttention, Runtime, check_plan_hash
+    from libra_ext.attention.params import AttentionStep, LibraPackedSeqParams
     from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
     from libra_ext.workload import ModelConfig
 
@@ -177,9 +180,8 @@ def _bad_input_worker(rank, world, port, out_dir):
         errors.append(str(e))
     op = LibraCoreAttention(system="libra", runtime=Runtime(groups=groups))
 
-    class Params:
-        libra = AttentionStep(plan, 0)
-        libra_doc_lengths = seqs[rank]
+    def Params():
+        return LibraPackedSeqParams(libra=AttentionStep(plan, 0), doc_lengths=seqs[rank])
 
     n = len(thd.zigzag_split(seqs[rank], 1, 0).token_index)  # local slots
     try:
@@ -286,7 +288,7 @@ def test_core_attention_reads_megatrons_packed_seq_params_and_refuses_other_mask
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from libra_ext.attention.bench import ensure_single_process_group
+    from libra_ext.distributed import ensure_single_process_group
     from libra_ext.attention.comm import GroupCache
     from libra_ext.attention.core import LibraCoreAttention, Runtime
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from libra_ext.attention import kernels, meta, thd
+from libra_ext.attention import kernels, meta, reference_kernel, thd
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import LengthSource, ModelConfig
 from tests.strategies import layouts, step_inputs
@@ -120,7 +120,7 @@ def run_group(plan, replica, slot, chunks, seed=0):
 def _expected(L, q, k, v):
     outs, s = [], 0
     for l in L:
-        o, _ = kernels.reference_attention(q[s : s + l], k[s : s + l], v[s : s + l], 0.5)
+        o, _ = reference_kernel.reference_attention(q[s : s + l], k[s : s + l], v[s : s + l], 0.5)
         outs.append(o)
         s += l
     return torch.cat(outs) if outs else q

@@ -204,8 +204,9 @@ def test_config_reference_page_is_current_and_help_shows_defaults(capsys):
 
 @pytest.mark.parametrize(
     "module",
-    ["megatron.libra.cli", "libra_ext.cli.commands", "libra_ext.cli.sim_commands",
-     "libra_ext.cli.verify_commands", "megatron.libra.memory_commands"],
+    ["megatron.libra.cli", "megatron.libra.cli.plan", "megatron.libra.cli.bench",
+     "megatron.libra.cli.sim", "megatron.libra.cli.verify", "megatron.libra.cli.memory",
+     "megatron.libra.cli.train"],
 )
 def test_planner_cli_starts_without_torch_or_megatron_core(module):
     import subprocess

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron.libra.config import TrainConfig
-from megatron.libra.data import IndexedSource
+from megatron.libra.sources import IndexedSource
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bid", ROOT / "tools" / "build_indexed_dataset.py")
@@ -45,7 +45,7 @@ def _corpus(tmp_path, lines: int = 400):
 def test_the_default_bpe_tokenizer_round_trips_and_fits_the_tiny_config(tmp_path):
     from tokenizers import Tokenizer
 
-    from megatron.libra.data import check_data, tokenizer_size
+    from megatron.libra.sources import check_data, tokenizer_size
 
     root = _corpus(tmp_path)
     prefix = str(tmp_path / "bpe")
@@ -102,7 +102,7 @@ def test_builder_refuses_bad_outputs_and_tokenizers_in_one_line(tmp_path, capsys
 
 def test_splits_are_disjoint_parts_in_index_order(tmp_path):
     from megatron.libra.config import split_bounds
-    from megatron.libra.data import check_data
+    from megatron.libra.sources import check_data
 
     prefix = str(tmp_path / "bpe")
     n = bid.build(_corpus(tmp_path), prefix, per_line=True)
@@ -236,7 +236,7 @@ def test_training_on_a_bpe_dataset_validates_every_eval_interval(tmp_path, capfd
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path")
 @pytest.mark.slow
 def test_training_runs_on_an_indexed_dataset_and_says_when_an_epoch_ends(tmp_path, capfd):
-    from megatron.libra.train_commands import launch
+    from megatron.libra.launch import launch
 
     prefix, texts = _dataset(tmp_path)
     cfg = TrainConfig.load("configs/train/cpu_tiny.yaml", _train_overrides(prefix, 4))
@@ -257,7 +257,7 @@ def test_wlb_on_indexed_data_resumes_with_its_held_back_documents(tmp_path):
     repeat the same losses."""
     import shutil
 
-    from megatron.libra.train_commands import launch
+    from megatron.libra.launch import launch
 
     prefix, _ = _dataset(tmp_path)
     ck = tmp_path / "ck"
@@ -274,7 +274,7 @@ def test_wlb_on_indexed_data_resumes_with_its_held_back_documents(tmp_path):
 
 
 def test_damaged_or_out_of_vocabulary_datasets_are_refused_before_launch(tmp_path):
-    from megatron.libra.data import check_indexed_dataset
+    from megatron.libra.sources import check_indexed_dataset
 
     prefix, _ = _dataset(tmp_path)
     check_indexed_dataset(prefix, 257)  # the builder's byte vocabulary (+1)

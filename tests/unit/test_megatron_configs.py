@@ -32,7 +32,8 @@ quiet_megatron_notices()
 cpu_shims.apply()
 import megatron.training.arguments as arguments
 arguments.torch.cuda.get_device_capability = lambda device=None: (9, 0)
-from megatron.libra.megatron_lm import add_libra_args, expand_yaml_cfg, train_config
+from megatron.libra.megatron_lm.args import add_libra_args, train_config
+from megatron.libra.megatron_lm.yaml_cfg import expand_yaml_cfg
 argv, _ = expand_yaml_cfg(["--yaml-cfg", sys.argv[1]])
 sys.argv = ["pretrain_gpt_libra.py", *argv, "--tokenizer-type", "NullTokenizer",
             "--vocab-size", sys.argv[2]]

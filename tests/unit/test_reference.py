@@ -22,20 +22,8 @@ def test_core_matches_reference_planner(data):
     plan = Planner(
         layout, model, PlannerOptions(block=block, head_group=head_group, max_tile_share=share)
     ).plan(seqs)
-    ref = plan_libra(
-        seqs,
-        layout.dp,
-        layout.cp,
-        layout.tp,
-        layout.pool_size,
-        layout.context,
-        model.heads,
-        model.kv_heads,
-        model.head_dim,
-        block=block or 0,
-        head_group=head_group,
-        max_tile_share=share,
-    )
+    ref = plan_libra(seqs, layout, model,
+                     PlannerOptions(block=block, head_group=head_group, max_tile_share=share))
     assert ref.seq_replica == plan.seq_replica.tolist()
     assert ref.seq_slot == plan.seq_slot.tolist()
     got = list(
@@ -90,7 +78,7 @@ def test_core_matches_reference_when_refinement_cuts_tiles():
         layout, model, PlannerOptions(block=512, max_tile_share=0.1, refine=False)
     ).plan(seqs)
     assert plan.n_tiles > uncut.n_tiles  # the refinement cut tiles
-    ref = plan_libra(seqs, 4, 1, 1, 4, 2048, 4, 2, 8, block=512, max_tile_share=0.1)
+    ref = plan_libra(seqs, layout, model, PlannerOptions(block=512, max_tile_share=0.1))
     assert ref.seq_replica == plan.seq_replica.tolist()
     got = list(zip(*(getattr(plan, "tile_" + k).tolist() for k in (
         "seq", "doc", "doc_count", "q_start", "q_len", "head_start", "head_count", "kv_start",

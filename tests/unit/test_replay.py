@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from libra_ext.attention import replay
+from libra_ext.measure import replay
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import ModelConfig
 from megatron.libra.cli import main

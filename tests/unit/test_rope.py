@@ -40,7 +40,7 @@ def test_positions_rope_equals_megatron_thd_rope(cp):
         want = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu,
                                                cp_group=_Cp(cp, rank))
         tagged = cu.clone()
-        tagged.libra_positions = torch.as_tensor(z.position_ids)
+        rope.register(tagged, rope.Positions(torch.as_tensor(z.position_ids)))
         got = ours(t, freqs, config, cu_seqlens=tagged, cp_group=_Cp(cp, rank))
         assert torch.equal(got, want)
         # without the positions, the call is megatron-core's own

@@ -4,7 +4,7 @@ micro-batches of empty sequences."""
 import numpy as np
 
 from megatron.libra.config import TrainConfig
-from megatron.libra.data import SyntheticSource
+from megatron.libra.sources import SyntheticSource
 
 
 def _loop_tokens(seed: int, vocab: int, doc_id: int, length: int) -> np.ndarray:
@@ -37,7 +37,7 @@ def test_an_empty_sequence_becomes_one_padding_document_without_loss():
             mb = make_micro_batch([], cp, rank, None)
             assert mb.tokens.shape == (1, 2) and mb.num_tokens == 0
             assert float(mb.loss_mask.sum()) == 0.0
-            assert mb.packed_seq_params.libra_doc_lengths == [2 * cp]
+            assert mb.packed_seq_params.doc_lengths == [2 * cp]
 
 
 def test_micro_batch_cu_seqlens_follow_megatron_real_and_padded():
@@ -46,7 +46,7 @@ def test_micro_batch_cu_seqlens_follow_megatron_real_and_padded():
     import numpy as np
 
     from megatron.libra.batch import make_micro_batch
-    from megatron.libra.data import Piece
+    from megatron.libra.sources import Piece
 
     def piece(n):
         return Piece(np.arange(n), np.arange(n), np.ones(n, dtype=np.float32))
@@ -55,4 +55,4 @@ def test_micro_batch_cu_seqlens_follow_megatron_real_and_padded():
     psp = mb.packed_seq_params
     assert psp.cu_seqlens_q.tolist() == psp.cu_seqlens_kv.tolist() == [0, 5, 8]
     assert psp.cu_seqlens_q_padded.tolist() == psp.cu_seqlens_kv_padded.tolist() == [0, 8, 12]
-    assert psp.libra_doc_lengths == [5, 3] and mb.tokens.shape == (1, 6)
+    assert psp.doc_lengths == [5, 3] and mb.tokens.shape == (1, 6)

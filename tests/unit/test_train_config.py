@@ -21,8 +21,15 @@ def test_every_planner_knob_is_reachable_from_the_config():
     assert (opts.max_tile_share, opts.refine, opts.distca_tolerance, opts.wlb_release_count) == (
         0.2, False, 0.1, 3)
     assert opts.order == "contiguous" and opts.dtype_bytes == 4
-    derived = {"system", "order", "dtype_bytes", "threads", "micro_batch_size"}
-    assert {f.name for f in fields(PlannerOptions)} - derived == set(cfg.system.PLANNER_KNOBS)
+    # every planner knob is a system key, declared once (PlannerKnobs), with the core's default
+    from libra_ext import _planner
+    from libra_ext.planner import PlannerKnobs
+
+    knobs = {f.name for f in fields(PlannerKnobs)}
+    assert knobs <= {f.name for f in fields(type(cfg.system))}
+    core = _planner.PlanOptions()
+    for name in knobs - {"block"}:
+        assert getattr(PlannerKnobs(), name) == getattr(core, name), name
 
 
 def test_cpu_tiny_loads_and_overrides_apply():

@@ -1,5 +1,5 @@
 """pretrain_gpt_libra.py's --yaml-cfg: a YAML file of Megatron-LM's and Libra's arguments, read
-as the command-line arguments it stands for (megatron/libra/megatron_lm.py: yaml_argv), checked
+as the command-line arguments it stands for (megatron/libra/megatron_lm/yaml_cfg.py: yaml_argv), checked
 against the parser. A parser with a few of Megatron-LM's arguments stands in for its own here
 (the script's tests read configs/megatron/cpu_tiny.yaml with the real one)."""
 
@@ -9,7 +9,8 @@ import argparse
 
 import pytest
 
-from megatron.libra.megatron_lm import add_libra_args, expand_yaml_cfg, yaml_argv
+from megatron.libra.megatron_lm.args import add_libra_args
+from megatron.libra.megatron_lm.yaml_cfg import expand_yaml_cfg, yaml_argv
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,7 +64,7 @@ libra:
 
 def test_the_command_line_wins_over_the_file(tmp_path, monkeypatch):
     path = _write(tmp_path, "num_layers: 2\nlibra:\n  name: wlb\n  chunks: 3\n")
-    import megatron.libra.megatron_lm as mlm
+    import megatron.libra.megatron_lm.yaml_cfg as mlm
 
     monkeypatch.setattr(mlm, "_megatron_parser", _parser)
     argv, got = expand_yaml_cfg(["--libra-system", "libra", "--yaml-cfg", path,
@@ -127,7 +128,7 @@ def test_a_missing_file_and_an_empty_one(tmp_path):
 
 
 def test_a_resume_names_each_changed_setting_and_reads_older_checkpoints():
-    from megatron.libra.megatron_lm import changed_settings
+    from megatron.libra.megatron_lm.args import changed_settings
 
     now = {"--libra-system": "wlb", "--libra-chunks": 2, "--libra-data": "megatron"}
     assert changed_settings(dict(now), now) == []

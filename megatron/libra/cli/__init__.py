@@ -6,6 +6,7 @@ Every bad input ends with exit code 2 and a one-line message naming the field or
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -13,8 +14,8 @@ import re
 import sys
 from typing import Sequence
 
-from libra_ext.cli import commands, sim_commands, verify_commands
-from megatron.libra import memory_commands, train_commands
+from megatron.libra.cli import bench, memory, plan, sim, train, verify
+from megatron.libra.notices import quiet_megatron_notices
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -27,6 +28,7 @@ class _Help(argparse.RawDescriptionHelpFormatter):
             not action.option_strings
             or "default" in text.lower()
             or action.default in (None, False, argparse.SUPPRESS)
+            or isinstance(action, argparse._StoreFalseAction)  # a --no-X flag turns X off
         ):
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
@@ -45,15 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="libra", description="Libra for Megatron-Core")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    commands.add_plan_parser(sub)
-    commands.add_bench_parser(sub)
-    sim_commands.add_simulate_parser(sub)
-    sim_commands.add_recommend_parser(sub)
-    sim_commands.add_calibrate_parser(sub)
-    verify_commands.add_verify_parser(sub)
-    train_commands.add_train_parser(sub)
-    train_commands.add_ab_parser(sub)
-    memory_commands.add_memory_parser(sub)
+    plan.add_plan_parser(sub)
+    bench.add_bench_parser(sub)
+    sim.add_simulate_parser(sub)
+    sim.add_recommend_parser(sub)
+    sim.add_calibrate_parser(sub)
+    verify.add_verify_parser(sub)
+    train.add_train_parser(sub)
+    train.add_ab_parser(sub)
+    memory.add_memory_parser(sub)
     return parser
 
 
@@ -88,7 +90,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     os.environ["LIBRA_LOG_LEVEL"] = args.log_level.upper()  # spawned training workers read it
-    from megatron.libra.notices import quiet_megatron_notices
 
     quiet_megatron_notices()  # e.g. megatron-core imported to read a checkpoint
     try:
@@ -106,13 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> int:
     """The `libra` command: main(), then the process ends without Python's final garbage
-    collection (seconds over torch's and megatron-core's objects; see train_commands)."""
+    collection (seconds over torch's and megatron-core's objects, as `launch.end_quickly`)."""
     code = main()
-    from megatron.libra.train_commands import _end_quickly
-
-    _end_quickly()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.freeze()
     return code
 
-
-if __name__ == "__main__":
-    sys.exit(entry())

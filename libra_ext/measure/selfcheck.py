@@ -15,7 +15,14 @@ import numpy as np
 import torch
 
 from libra_ext.attention import kernels
-from libra_ext.attention.kernels import KernelParams, reference_attention, segments_on, why_not
+from libra_ext.attention.comm import GroupCache
+from libra_ext.attention.core import Runtime, core_attention
+from libra_ext.attention.kernels import KernelParams, segments_on, why_not
+from libra_ext.attention.reference_kernel import reference_attention
+from libra_ext.distributed import ensure_single_process_group
+from libra_ext.measure.bench import DTYPES, sequence
+from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+from libra_ext.workload import ModelConfig
 
 CASES = (
     # (query rows per segment, key rows per segment, query heads, KV heads)
@@ -121,11 +128,6 @@ def alignment(device, dtype=torch.bfloat16, backend: str = "reference", head_dim
 def sync_free(device, systems=("libra", "ulysses", "wlb"), context=32_768, dtype="bf16") -> dict:
     """Each system's single-rank operator (metadata upload, forward, backward) with the CUDA
     sync debug mode set to error: {system: "ok" | the error}."""
-    from libra_ext.attention.bench import DTYPES, ensure_single_process_group, sequence
-    from libra_ext.attention.comm import GroupCache
-    from libra_ext.attention.core import Runtime, core_attention
-    from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
-    from libra_ext.workload import ModelConfig
 
     device = torch.device(device)
     if device.type != "cuda":

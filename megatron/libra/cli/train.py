@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
 import os
+import re
+import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
+from libra_ext.planner import system_label
 from megatron.libra.config import TrainConfig
+from megatron.libra.logs import PROGRESS_ENV
 
 
 def add_train_parser(sub) -> None:
@@ -34,221 +38,18 @@ def _world(args) -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None) -> None:
-    # the launcher's --log-level reaches its workers
-    level = os.environ.get("LIBRA_LOG_LEVEL", "WARNING")
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    from megatron.libra.notices import quiet_megatron_notices
-
-    quiet_megatron_notices()  # before megatron-core is imported
-    from libra_ext.attention.verify import share_cores
-
-    share_cores(world)
-    from megatron.libra.train import run
-
-    try:
-        history = run(cfg, rank, world, f"tcp://127.0.0.1:{port}")
-    except (Exception, KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # e.g. torch's CheckpointException: reported as a failure
-        raise RuntimeError(_first_line(e)) from e
-    if out and rank == 0:
-        Path(out).write_text(json.dumps(history))
-    _end_quickly()
-
-
-def _end_quickly() -> None:
-    """The process ends now: leave its objects to the operating system. Python's final garbage
-    collection over the ~400,000 objects torch and megatron-core hold took 3 s per worker on a
-    2-core host, between the run's last line and the launcher's return."""
-    import gc
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    gc.freeze()
-
-
-STOP_GRACE_S = 10.0
-"""Seconds workers get to end after SIGTERM before they are killed."""
-SAVE_GRACE_S = 600.0
-"""The same with checkpoint.save_on_signal: time to finish the iteration and save."""
-
-
-_PLAIN_ERRORS = ("ValueError", "megatron.libra.checkpoint.CheckpointError")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
-def _become_subreaper() -> None:
-    """Orphans of our workers (megatron-core's async checkpoint writers, when a worker dies)
-    reparent to this process instead of init, so they can be found and ended (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
-
-
-def _process_tree() -> dict[int, list[int]]:
-    """parent pid -> child pids, from /proc (empty where there is none)."""
-    parents: dict[int, list[int]] = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (d / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        parents.setdefault(ppid, []).append(int(d.name))
-    return parents
-
-
-def _below(roots, tree: dict[int, list[int]]) -> list[int]:
-    out, todo = [], list(roots)
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _ours(before: set[int], workers: list[int]) -> list[int]:
-    """What the run started and is still alive: the workers, everything below them, and orphans
-    reparented to this process since the run began (not the multiprocessing resource tracker)."""
-    from multiprocessing import resource_tracker
-
-    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    tree = _process_tree()
-    new = [p for p in tree.get(os.getpid(), []) if p not in before and p != tracker]
-    roots = set(new) | {w for w in workers if w in new or w in tree.get(os.getpid(), [])}
-    return sorted(roots | set(_below(roots, tree)))
-
-
-def _end(before: set[int], workers: list[int], grace_s: float) -> None:
-    """SIGTERM what the run started (see `_ours`), SIGKILL what is left after `grace_s`."""
-    import signal
-    import time
-
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
-        pids = _ours(before, workers)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            for pid in pids:  # reap our exited children so they do not stay zombies
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-            if not set(_ours(before, workers)) & set(pids):
-                return
-            time.sleep(0.1)
-
-
-def _run_workers(mp, args: tuple, nproc: int, grace_s: float = STOP_GRACE_S) -> None:
-    """Spawn the workers and wait for them. SIGINT or SIGTERM to this process ends every worker
-    (SIGTERM, then SIGKILL after STOP_GRACE_S) and exits 130 or 143; on every way out, nothing
-    the run started (workers, checkpoint writers) outlives it."""
-    import signal
-
-    from torch.multiprocessing.spawn import ProcessException
-
-    _become_subreaper()
-    # torch's "Terminating process N via signal SIGTERM" per worker once one failed: the line
-    # below says which worker failed and why
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    stop: dict = {}
-
-    def on_signal(signum, _frame):
-        stop.setdefault("signal", signum)
-
-    before = set(_process_tree().get(os.getpid(), []))
-    workers: list[int] = []
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        ctx = mp.start_processes(_worker, args=args, nprocs=nproc, join=False,
-                                 start_method="spawn")
-        workers = [p.pid for p in ctx.processes]
-        while not ctx.join(timeout=0.5):
-            if "signal" in stop:
-                if grace_s > STOP_GRACE_S:  # the workers save, then end on their own
-                    import time
-
-                    for p in ctx.processes:
-                        if p.is_alive():
-                            os.kill(p.pid, signal.SIGTERM)
-                    deadline = time.monotonic() + grace_s
-                    while any(p.is_alive() for p in ctx.processes):
-                        if time.monotonic() > deadline:
-                            break
-                        time.sleep(0.2)
-                break
-    except ProcessException as e:  # a worker failed: its own last error line, not a dump
-        text = str(e).strip().splitlines()
-        last = next((t.strip() for t in reversed(text) if t.strip()), type(e).__name__)
-        for name in _PLAIN_ERRORS:  # errors written for the user read without their type
-            if last.startswith(name + ": "):
-                last = last[len(name) + 2:]
-        print(f"libra train: worker {e.error_index} failed: {last}", file=sys.stderr)
-        failed = e
-    else:
-        failed = None
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        _end(before, workers, STOP_GRACE_S)
-    if "signal" in stop:
-        name = signal.Signals(stop["signal"]).name
-        print(f"libra train: stopped by {name}: every worker ended", file=sys.stderr)
-        raise SystemExit(128 + stop["signal"])
-    if failed is not None:
-        raise failed
-
-
-def launch(cfg: TrainConfig, world: int, nproc: int | None, out: str | None = None) -> list[dict]:
-    """Run training with `world` ranks: spawned locally when nproc is given, else in this process
-    (torchrun / Slurm / single process)."""
-    if nproc is not None:
-        import tempfile
-
-        import torch.multiprocessing as mp
-
-        from libra_ext.attention.verify import free_port
-
-        from megatron.libra.train import LAUNCH_ENV, progress_stream
-
-        os.environ[LAUNCH_ENV] = str(time.time())  # the workers say how long start-up took
-        port = free_port()
-        print(f"libra train: starting {nproc} local worker process(es) (gloo rendezvous on "
-              f"127.0.0.1:{port}) ...", file=progress_stream(), flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            target = out or os.path.join(tmp, "history.json")
-            grace = SAVE_GRACE_S if cfg.checkpoint.save_on_signal else STOP_GRACE_S
-            _run_workers(mp, (world, port, cfg, target), nproc, grace)
-            return json.loads(Path(target).read_text())
-    from megatron.libra.train import run
-
-    return run(cfg)
-
-
 def run_train(args):
     cfg = TrainConfig.load(args.config, args.overrides)
     world = _world(args)
     cfg.validate(world)  # before any process group exists
     if cfg.data.source == "indexed":  # damaged files, ids beyond the vocabulary, empty splits
-        from megatron.libra.data import check_data
+        # deferred: megatron-core, once its notices are quiet
+        from megatron.libra.sources import check_data
 
         check_data(cfg)
     ck = cfg.checkpoint
     if ck.dir or ck.load_dir:  # damaged, another model, changed settings, overwrites: refused
+        # deferred: megatron-core, once its notices are quiet
         from megatron.libra.checkpoint import check_writable, load_plan
 
         src = load_plan(ck, cfg.model.weight_fields(), cfg.resume_fields())
@@ -271,7 +72,10 @@ def run_train(args):
 
 def _cli_launch(cfg: TrainConfig, world: int, nproc: int | None) -> list[dict]:
     """launch() for the command line: a failed worker was reported in one line; exit 1."""
+    # deferred: the CLI starts without torch
     from torch.multiprocessing.spawn import ProcessException
+
+    from megatron.libra.launch import launch
 
     try:
         return launch(cfg, world, nproc)
@@ -335,8 +139,6 @@ def _run_figures(hist: list[dict]) -> dict:
 
 
 def run_ab(args):
-    from megatron.libra.train import PROGRESS_ENV
-
     before = os.environ.get(PROGRESS_ENV)
     if args.json:  # stdout is the JSON: the runs' own lines go to stderr
         os.environ[PROGRESS_ENV] = "stderr"
@@ -350,8 +152,6 @@ def run_ab(args):
 
 
 def _run_ab(args):
-    import dataclasses
-
     systems = [s for s in args.systems.split(",") if s]
     if not systems:
         raise ValueError("systems: give at least one system")
@@ -414,6 +214,7 @@ def _run_ab(args):
                         "moe_layers"):
                 entry[key] = [h.get(key) for h in hist]
         result["systems"][name] = entry
+    # deferred: the CLI starts without torch
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun: rank 0 reports
@@ -444,7 +245,6 @@ def _megatron_ab(args, systems: list[str]):
     (pretrain_gpt_libra.py under torchrun, --nproc local processes), interleaved; the curves
     from its --libra-metrics-file and the grad norm from Megatron-LM's iteration line; the same
     report and figures as `libra ab`."""
-    import tempfile
 
     if args.moe_balancers:
         raise ValueError("--moe-balancers: the MoE balancer A/B runs through libra train "
@@ -455,7 +255,8 @@ def _megatron_ab(args, systems: list[str]):
     if not Path(args.config).is_file():
         raise ValueError(f"--config {args.config}: no such file (a --yaml-cfg file of "
                          "pretrain_gpt_libra.py)")
-    from megatron.libra.megatron_lm import expand_yaml_cfg
+    # deferred: the CLI starts without torch
+    from megatron.libra.megatron_lm.yaml_cfg import expand_yaml_cfg
 
     extra = list(args.overrides)
     for flag in ("--libra-system", "--train-iters", "--libra-metrics-file", "--log-interval"):
@@ -508,12 +309,11 @@ def _megatron_run(config: str, extra: list[str], system: str, steps: int, nproc:
     """One run of pretrain_gpt_libra.py under torchrun: its per-iteration records (the metrics
     file, with Megatron-LM's grad norm added). Its output goes to stderr as it comes; a failed
     run exits 1 after its error line."""
-    import re
-    import subprocess
 
-    from libra_ext.attention.verify import free_port
+    # deferred: the CLI starts without torch
+    from libra_ext.distributed import free_port
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     metrics = tmp / f"{system}.jsonl"
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -596,6 +396,7 @@ def _ab_report(args, result: dict, figures: dict, ref_name: str):
 
 
 def _cuda() -> bool:
+    # deferred: the CLI starts without torch
     import torch
 
     return torch.cuda.is_available()
@@ -606,8 +407,6 @@ def _fmt_spread(x: dict, digits: int = 3) -> str:
 
 
 def _ab_markdown(r: dict) -> str:
-    from libra_ext.planner import system_label  # (a run's name, with the DistCA variant it ran)
-
     ref = r.get("reference", "ulysses")
     speed_note = (
         "" if r.get("speed_meaningful") else
@@ -675,6 +474,7 @@ def _ab_markdown(r: dict) -> str:
 
 
 def _ab_figures(r: dict, out: Path) -> None:
+    # optional: matplotlib draws the figures
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,4 +1,4 @@
-"""Defects planted on purpose (`python -m libra_ext.gpu_ready --mutate NAME`), so that the tests
+"""Defects planted on purpose (`python -m megatron.libra.gpu_ready --mutate NAME`), so that the tests
 can show the gate failing on each: a host index tensor in a device op, a host read in the
 forward, a device op per document, a micro-batch copied to the device field by field with
 blocking copies, and MoE layers that exchange and read their token counts in every layer."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from libra_ext.attention import core, exchange
+from megatron.libra import batch, moe_layer
 
 
 def _host_index() -> None:
@@ -46,8 +47,6 @@ def _per_document_loop() -> None:
 
 
 def _blocking_batch_copies() -> None:
-    from megatron.libra import batch
-
     def to(self, device, buffer=None):  # each field copied on its own, blocking
         return batch.MicroBatch(
             tokens=self.tokens.to(device), labels=self.labels.to(device),
@@ -58,8 +57,6 @@ def _blocking_batch_copies() -> None:
 
 
 def _moe_counts_per_layer() -> None:
-    from megatron.libra import moe_layer
-
     original = moe_layer.set_step_rows
     # the step's row count never set: every MoE layer all-gathers and reads the token counts
     moe_layer.set_step_rows = lambda rows: original(None)

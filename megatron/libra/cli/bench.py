@@ -1,111 +1,43 @@
-"""Implementations of the `libra` subcommands that need no torch: `plan` and `bench planner`."""
+"""`libra bench`: the planner against its Python reference and at scale (`planner`), the sampler
+thread's host work (`host`), balance over a sweep of length distributions (`balance`), the
+operator against one plain kernel call (`attention`), every rank's kernel calls under a plan
+(`replay`) and MoE expert balancing (`moe`, `bench_moe`). Torch is imported by the commands that
+run kernels, not at module load."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from libra_ext import checks
+from libra_ext import sweep
 from libra_ext.planner import (
-    DISTCA_SERVERS,
     ORDERS,
     PLAN_PHASES,
-    SYSTEMS,
     LayoutConfig,
     Planner,
     PlannerOptions,
-    system_label,
 )
 from libra_ext.reference import plan_libra
-from libra_ext.workload import (
-    MODEL_PRESETS,
-    LengthSource,
-    ModelConfig,
-    check_seed,
-    preset_names,
+from libra_ext.simulator.cost import simulate_plan
+from libra_ext.simulator.hardware import HardwareProfile
+from libra_ext.workload import LengthSource, ModelConfig, check_seed
+from megatron.libra.cli import bench_moe
+from megatron.libra.cli.args import (
+    add_model_args,
+    add_workload_args,
+    default_dtype,
+    int_list_arg,
+    model_of,
+    positive,
+    source_of,
+    systems_arg,
 )
-
-
-class _DocView:
-    """The two arrays of a plan that `checks.documents_preserved` reads."""
-
-    def __init__(self, doc_ids, doc_lengths):
-        self.doc_ids, self.doc_lengths = doc_ids, doc_lengths
-
-
-
-
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--workload",
-        default="libra-256k",
-        choices=preset_names(),
-        help="document-length preset (default libra-256k)",
-    )
-    src.add_argument("--lengths-file", help="file of document lengths, one positive integer a line")
-    p.add_argument("--context", type=int, help="tokens per packed sequence (default: the preset's)")
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODEL_PRESETS))
-    p.add_argument("--heads", type=int, help="query heads (default: the model's)")
-    p.add_argument("--kv-heads", type=int, help="KV heads (default: the model's)")
-    p.add_argument("--head-dim", type=int, help="head dimension (default: the model's)")
-
-
-def add_plan_parser(sub) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="plan steps and report balance, traffic and exactness",
-        description="Plan N steps of a workload and report the plan's metrics.",
-    )
-    p.add_argument("--system", default="libra", choices=SYSTEMS)
-    _add_workload_args(p)
-    p.add_argument("--gbs", type=int, default=128, help="packed sequences per step (B)")
-    p.add_argument("--dp", type=int, default=16, help="data-parallel replicas (D)")
-    p.add_argument("--cp", type=int, default=8, help="context-parallel ranks per replica (C)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (T)")
-    p.add_argument("--pool-size", type=int, default=8, help="replicas per pool (P)")
-    _add_model_args(p)
-    p.add_argument("--block", type=int, help="query tokens per tile (default: context/16)")
-    p.add_argument("--head-group", type=int, default=0, help="heads per tile (0: whole slice)")
-    p.add_argument("--epsilon", type=float, default=0.02, help="TAP soft-cap slack")
-    p.add_argument("--no-vrsp", action="store_true", help="libra: keep production placement")
-    p.add_argument("--no-tap", action="store_true", help="libra: no tile moves")
-    p.add_argument(
-        "--distca-server", choices=tuple(DISTCA_SERVERS), default="replica",
-        help="distca: one attention server per replica (its heads split over its GPUs) or "
-        "every GPU a server as DistCA deploys it (needs --cp 1)",
-    )
-    p.add_argument(
-        "--order", choices=ORDERS, default="megatron",
-        help="production order of each step's sequences: megatron (Megatron-LM's pretraining "
-        "sampler, the default) or contiguous (replica q // m)",
-    )
-    p.add_argument(
-        "--micro-batch-size", type=int, default=1,
-        help="sequences per micro-batch and replica in Megatron order (divides gbs / dp)",
-    )
-    p.add_argument(
-        "--pp", type=int, default=1,
-        help="pipeline stages: with pp > 1, also model each replica's 1F1B schedule and report its "
-        "bubble with the plan's micro-batch order and with the balanced order (system.pp_order)",
-    )
-    p.add_argument(
-        "--hardware", default="h200-sxm",
-        help="hardware profile (name or file) of the --pp step model (default h200-sxm)",
-    )
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run_plan)
 
 
 def add_bench_parser(sub) -> None:
@@ -187,12 +119,12 @@ def add_bench_parser(sub) -> None:
         help="comma-separated systems among ulysses, libra, libra-no-vrsp, libra-no-tap, wlb, "
         "distca (default ulysses,libra,distca,wlb)",
     )
-    _add_workload_args(r)
+    add_workload_args(r)
     r.add_argument("--gbs", type=int, default=16, help="packed sequences per step (B)")
     r.add_argument("--dp", type=int, default=8, help="data-parallel replicas (D)")
     r.add_argument("--cp", type=int, default=2, help="context-parallel ranks per replica (C)")
     r.add_argument("--pool-size", type=int, default=4, help="replicas per pool (P)")
-    _add_model_args(r)
+    add_model_args(r)
     r.add_argument("--order", choices=ORDERS, default="megatron", help="production order")
     r.add_argument("--steps", type=int, default=1)
     r.add_argument("--seed", type=int, default=0)
@@ -209,46 +141,18 @@ def add_bench_parser(sub) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=run_bench_replay)
-    from libra_ext.cli import moe_commands  # it takes its list parsing from this module
 
-    moe_commands.add_parser(bsub)
-
-
-def _list_arg(text: str, field: str, kind=int, minimum=1) -> list:
-    """A non-empty comma-separated list of `kind` values, each at least `minimum`."""
-    noun = "integers" if kind is int else "numbers"
-    try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{field} must be comma-separated {noun}, got {text!r}") from None
-    if not values or any(v < minimum for v in values):
-        what = "positive integers" if kind is int and minimum == 1 else f"{noun} >= {minimum}"
-        raise ValueError(f"{field} must be {what}, got {text!r}")
-    return values
-
-
-def _int_list_arg(text: str, field: str) -> list[int]:
-    return _list_arg(text, field)
-
-
-def _systems_arg(text: str) -> tuple:
-    systems = tuple(s for s in text.split(",") if s)
-    for s in systems:
-        if s not in SYSTEMS:
-            raise ValueError(f"systems: unknown system {s!r}")
-    return systems
+    bench_moe.add_parser(bsub)
 
 
 def run_bench_balance(args) -> dict | None:
-    from libra_ext import sweep
-
     layouts = [x for x in args.layouts.split(",") if x]
     for name in layouts:
         if name not in sweep.LAYOUTS:
             raise ValueError(f"layouts: unknown layout {name!r} (256k, 1m)")
-    pools = _int_list_arg(args.pools, "pools")
-    systems = _systems_arg(args.systems)
-    _positive(args.steps, "steps")
+    pools = int_list_arg(args.pools, "pools")
+    systems = systems_arg(args.systems)
+    positive(args.steps, "steps")
     check_seed(args.seed)
     rows = sweep.run(
         layouts=layouts, pools=pools, systems=systems, steps=args.steps, seed=args.seed
@@ -297,16 +201,17 @@ def _add_bench_attention_args(a: argparse.ArgumentParser) -> None:
 
 
 def run_bench_replay(args) -> dict | None:
-    from libra_ext.attention import replay
+    # deferred: the CLI starts without torch
+    from libra_ext.measure import replay
 
     systems = [x for x in args.system.split(",") if x]
-    _positive(args.steps, "steps")
-    _positive(args.rounds, "rounds")
-    source, context = _source(args)
+    positive(args.steps, "steps")
+    positive(args.rounds, "rounds")
+    source, context = source_of(args)
     if args.gbs <= 0 or args.gbs % args.dp:
         raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
     layout = LayoutConfig(dp=args.dp, cp=args.cp, pool_size=args.pool_size, context=context)
-    model = _model(args)
+    model = model_of(args)
     steps = [source.step(args.gbs, context, args.seed, s) for s in range(args.steps)]
     r = replay.run(
         steps, layout, model, systems, device=args.device, dtype=default_dtype(args),
@@ -334,11 +239,12 @@ def run_bench_replay(args) -> dict | None:
 
 
 def run_bench_attention(args) -> dict | None:
-    from libra_ext.attention import bench
+    # deferred: the CLI starts without torch
+    from libra_ext.measure import bench
 
-    systems = _systems_arg(args.systems)
+    systems = systems_arg(args.systems)
     for field in ("context", "heads", "kv_heads", "head_dim", "reps"):
-        _positive(getattr(args, field), field)
+        positive(getattr(args, field), field)
     if args.heads % args.kv_heads:
         raise ValueError(f"heads ({args.heads}) must be a multiple of kv_heads ({args.kv_heads})")
     r = bench.run(
@@ -385,221 +291,6 @@ def bench_attention_main(argv) -> int:
     return 0
 
 
-def default_dtype(args) -> str:
-    """--dtype, or the device's default: bf16 on cuda, fp32 on cpu (where bf16 matmuls are
-    slow)."""
-    return args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-
-
-def _positive(value: int, field: str, least: int = 1) -> int:
-    if value < least:
-        raise ValueError(f"{field} must be {'positive' if least == 1 else f'>= {least}'}, got {value}")
-    return value
-
-
-def _model(args) -> ModelConfig:
-    base = MODEL_PRESETS[args.model]
-    kw = {k: getattr(base, k) for k in base.__dataclass_fields__}
-    for arg, key in (("heads", "heads"), ("kv_heads", "kv_heads"), ("head_dim", "head_dim")):
-        if getattr(args, arg) is not None:
-            kw[key] = getattr(args, arg)
-    return ModelConfig(**kw)
-
-
-def _source(args) -> tuple[LengthSource, int]:
-    source = LengthSource(preset=args.workload, lengths_file=args.lengths_file)
-    context = args.context if args.context is not None else source.default_context()
-    if context is None:
-        raise ValueError("context: --context is required with --lengths-file")
-    _positive(context, "context")
-    cut = source.longer_than(context)
-    if cut:
-        print(
-            f"libra {args.command}: note: {cut} document length(s) in {args.lengths_file} exceed "
-            f"the context ({context}); packing cuts them into context-length pieces",
-            file=sys.stderr,
-        )
-    return source, context
-
-
-def run_plan(args) -> dict | None:
-    _positive(args.steps, "steps")
-    source, context = _source(args)
-    layout = LayoutConfig(
-        dp=args.dp, cp=args.cp, tp=args.tp, pool_size=args.pool_size, context=context
-    )
-    model = _model(args)
-    options = PlannerOptions(
-        system=args.system,
-        block=args.block,
-        head_group=args.head_group,
-        epsilon=args.epsilon,
-        vrsp=not args.no_vrsp,
-        tap=not args.no_tap,
-        distca_server=args.distca_server,
-        order=args.order,
-        micro_batch_size=args.micro_batch_size,
-    )
-    if args.gbs <= 0 or args.gbs % args.dp:
-        raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
-    _positive(args.pp, "pp")
-    planner = Planner(layout, model, options)
-    pipeline = []  # with --pp > 1: each step's PipelineOrder
-    if args.pp > 1:
-        from libra_ext.attention import DEFAULT_CHUNKS
-        from libra_ext.pipeline import order_slots
-        from libra_ext.simulator.cost import simulate_plan
-        from libra_ext.simulator.hardware import HardwareProfile
-
-        hardware = HardwareProfile.load(args.hardware)
-    # Check every plan as it comes and keep only its metrics, so memory stays flat over steps.
-    metrics, hashes, tiles = [], [], []
-    inexact, unpreserved = [], []  # why pairs_exact / samples_preserved failed, if they did
-    inputs_docs, executed = [], []  # wlb: documents over the whole run
-    arrival: list[int] = []  # wlb: the step that brought each document (ids in input order)
-    wlb_backlog: list[int] = []  # wlb: documents held back after each step
-    wlb_delay = 0  # wlb: most steps a document waited before it trained
-
-    def check(plan, seqs=None):
-        ok, why = checks.pairs_exact(plan)
-        if not ok:
-            inexact.append(why)
-        if seqs is not None and args.system != "wlb":
-            ok, why = checks.samples_preserved(seqs, plan)
-            if not ok:
-                unpreserved.append(why)
-        if args.system == "wlb":
-            executed.append(_DocView(plan.doc_ids.copy(), plan.doc_lengths.copy()))
-
-    for step in range(args.steps):
-        seqs = source.step(args.gbs, context, args.seed, step)
-        plan = planner.plan(seqs)
-        metrics.append(plan.metrics())
-        hashes.append(f"{plan.hash:016x}")
-        tiles.append(plan.n_tiles)
-        check(plan, seqs)
-        if args.pp > 1:
-            times = simulate_plan(plan, model, hardware, chunks=DEFAULT_CHUNKS)
-            pipeline.append(order_slots(times.slot, plan.exchange_pool, args.pp, "balanced"))
-        if args.system == "wlb":
-            inputs_docs.extend(l for q in seqs for l in q)
-            arrival.extend([step] * sum(len(q) for q in seqs))
-            waited = step - np.asarray(arrival, dtype=np.int64)[plan.doc_ids]
-            wlb_delay = max(wlb_delay, int(waited.max(initial=0)))
-            wlb_backlog.append(planner.pending_documents)
-        del plan
-    if args.system == "wlb":  # release what the delay queue still holds
-        empty = [[] for _ in range(args.gbs)]
-        for _ in range(10_000):
-            if planner.pending_documents == 0:
-                break
-            check(planner.plan(empty, flush=True))
-        ok, why = checks.documents_preserved(inputs_docs, executed)
-        if not ok:
-            unpreserved.append(why)
-
-    def mean(key):
-        return float(np.mean([m[key] for m in metrics]))
-
-    def worst(key):
-        return float(np.max([m[key] for m in metrics]))
-
-    result = {
-        "system": args.system,
-        "distca_server": args.distca_server,
-        "workload": source.name,
-        "steps": args.steps,
-        "layout": {
-            "gbs": args.gbs,
-            "dp": args.dp,
-            "cp": args.cp,
-            "tp": args.tp,
-            "pool_size": args.pool_size,
-            "context": context,
-        },
-        "inter_pool_imbalance": mean("inter_pool_imbalance"),
-        "inter_pool_imbalance_before": mean("inter_pool_imbalance_before"),
-        "pool_total_imbalance": mean("pool_total_imbalance"),
-        "pool_total_imbalance_before": mean("pool_total_imbalance_before"),
-        "vrsp_lower_bound_ratio": worst("vrsp_lower_bound_ratio"),
-        "vrsp_pool_bound_ratio": worst("vrsp_pool_bound_ratio"),
-        "achievable_max_over_mean": mean("achievable_max_over_mean"),
-        "max_over_mean": mean("max_over_mean"),
-        "max_over_mean_worst": worst("max_over_mean"),
-        "max_over_mean_before": mean("max_over_mean_before"),
-        "moved_token_fraction": mean("moved_token_fraction"),
-        "bytes_moved_per_rank": mean("bytes_moved_per_rank"),
-        "bytes_moved_max_rank": worst("bytes_moved_max_rank"),
-        "plan_ms": float(statistics.median(m["plan_ms"] for m in metrics)),
-        "tiles_per_step": float(np.mean(tiles)),
-        "pairs_exact": not inexact,
-        "samples_preserved": not unpreserved,
-        "hashes": hashes,
-    }
-    if pipeline:
-        result["pp"] = args.pp
-        result["pp_bubble_before"] = float(np.mean([o.bubble_before for o in pipeline]))
-        result["pp_bubble_after"] = float(np.mean([o.bubble_after for o in pipeline]))
-        result["pp_step_after_over_before"] = float(
-            np.mean([o.step_after / o.step_before for o in pipeline])
-        )
-        result["samples_preserved"] = result["samples_preserved"] and all(
-            o.samples_preserved for o in pipeline
-        )
-    if args.system == "wlb":
-        # over the planned steps (the final flush that drains the queue is not counted)
-        result["wlb_backlog_max"] = max(wlb_backlog)
-        result["wlb_backlog_final"] = wlb_backlog[-1]
-        result["wlb_max_delay_steps"] = wlb_delay
-    if inexact or unpreserved:
-        result["problems"] = sorted(set(inexact + unpreserved))
-    if args.json:
-        return result
-    _print_plan_table(result)
-    return None
-
-
-def _print_plan_table(r: dict) -> None:
-    lay = r["layout"]
-    print(
-        f"libra plan: system={system_label(r['system'], r.get('distca_server', 'replica'))} "
-        f"workload={r['workload']} steps={r['steps']} "
-        f"S={lay['context']} B={lay['gbs']} D={lay['dp']} C={lay['cp']} T={lay['tp']} "
-        f"P={lay['pool_size']}"
-    )
-    rows = [
-        (
-            "inter-pool imbalance (max/mean-1, (pool,slot) groups)",
-            r["inter_pool_imbalance_before"],
-            r["inter_pool_imbalance"],
-        ),
-        (
-            "pool-total imbalance (max/mean-1)",
-            r["pool_total_imbalance_before"],
-            r["pool_total_imbalance"],
-        ),
-        ("per-rank attention max/mean", r["max_over_mean_before"], r["max_over_mean"]),
-    ]
-    print(f"  {'metric':58s} {'production':>11s} {'planned':>9s}")
-    for name, before, after in rows:
-        print(f"  {name:58s} {before:11.4f} {after:9.4f}")
-    print(f"  worst-step max/mean                    {r['max_over_mean_worst']:.4f}")
-    print(f"  achievable max/mean (tiles in pools)   {r['achievable_max_over_mean']:.4f}")
-    print(f"  VRSP max pool / lower bound (worst)    {r['vrsp_pool_bound_ratio']:.4f}")
-    print(f"  VRSP max group / lower bound (worst)   {r['vrsp_lower_bound_ratio']:.4f}")
-    print(f"  moved query-token fraction             {r['moved_token_fraction']:.4f}")
-    print(f"  pool bytes sent per rank (fwd+bwd)     {r['bytes_moved_per_rank'] / 2**20:.1f} MiB")
-    print(f"  plan time per step (median)            {r['plan_ms']:.3f} ms")
-    print(f"  pairs exact / samples preserved        {r['pairs_exact']} / {r['samples_preserved']}")
-    if "pp" in r:
-        print(f"  1F1B bubble, pp={r['pp']}: plan order / balanced  {r['pp_bubble_before']:.4f} / "
-              f"{r['pp_bubble_after']:.4f} (step x{r['pp_step_after_over_before']:.4f})")
-    if "wlb_backlog_max" in r:
-        print(f"  wlb held documents max / final         {r['wlb_backlog_max']} / "
-              f"{r['wlb_backlog_final']}")
-        print(f"  wlb most steps a document waited       {r['wlb_max_delay_steps']}")
-
-
 BENCH_CASES = {
     # name: (preset, context, gbs, dp, cp, pool)
     "256k": ("libra-256k", 262_144, 128, 16, 8, 8),
@@ -617,8 +308,6 @@ class BusyLoops:
     holds, as a training host's are."""
 
     def __init__(self, n: int):
-        import multiprocessing as mp
-
         self.n, self._ctx = n, mp.get_context("spawn")
         self._stop, self._procs = self._ctx.Event(), []
 
@@ -663,8 +352,8 @@ def run_bench_scaling(args) -> dict | None:
     plan's own time; a PackedBatch goes in flat, lists for comparison) and the plan (median over
     `steps` steps, timed in a second pass after an untimed first one); with `busy` busy-loop
     processes running, automatic threads against one thread, interleaved step by step."""
-    dps = _int_list_arg(args.dp, "dp")
-    busy = _positive(args.busy, "busy", 0)
+    dps = int_list_arg(args.dp, "dp")
+    busy = positive(args.busy, "busy", 0)
     model = ModelConfig()
     rows = []
     with BusyLoops(busy):
@@ -749,12 +438,11 @@ def run_bench_scaling(args) -> dict | None:
 
 def run_bench_host(args) -> dict | None:
     """See the `bench host` parser."""
+    # deferred: the CLI starts without torch
     from libra_ext.attention import meta
     from libra_ext.attention.core import compile_rank
-    from libra_ext.simulator.cost import simulate_plan
-    from libra_ext.simulator.hardware import HardwareProfile
 
-    _positive(args.steps, "steps")
+    positive(args.steps, "steps")
     check_seed(args.seed)
     model, hw = ModelConfig(), HardwareProfile.load("h200-sxm")
     out = {"model": "qwen3-30b-a3b", "hardware": "h200-sxm", "layouts": {}}
@@ -797,11 +485,11 @@ def run_bench_host(args) -> dict | None:
 
 
 def run_bench_planner(args) -> dict | None:
-    _positive(args.steps, "steps")
+    positive(args.steps, "steps")
     if args.dp:
         check_seed(args.seed)
         return run_bench_scaling(args)
-    _positive(args.python_steps, "python_steps")
+    positive(args.python_steps, "python_steps")
     model = ModelConfig()
     out = {"model": "qwen3-30b-a3b", "cases": {}}
     for name, (preset, context, gbs, dp, cp, pool) in BENCH_CASES.items():
@@ -822,9 +510,7 @@ def run_bench_planner(args) -> dict | None:
         py_ms, identical = [], True
         for seqs, plan in zip(steps, kept):
             t0 = time.perf_counter()
-            ref = plan_libra(
-                seqs, dp, cp, 1, pool, context, model.heads, model.kv_heads, model.head_dim
-            )
+            ref = plan_libra(seqs, layout, model, PlannerOptions(system="libra"))
             py_ms.append((time.perf_counter() - t0) * 1e3)
             identical &= ref.seq_replica == plan.seq_replica.tolist()
             identical &= ref.seq_slot == plan.seq_slot.tolist()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from libra_ext import hostmem
 from libra_ext.attention import meta
@@ -173,7 +174,6 @@ def replay_plan(
     check_memory(name, calls_of, timer.d, elem, timer.device)
     bar = None
     if progress:
-        from tqdm import tqdm
 
         bar = tqdm(total=rounds * (len(ranks) + 1), desc=f"replay {name}", unit="rank",
                    file=sys.stderr, leave=False)

@@ -4,7 +4,11 @@ without its activation recompute, against the hardware profile's memory. Needs n
 from __future__ import annotations
 
 from libra_ext.memory import Layout, estimate, exchange_bytes_per_layer
-from libra_ext.workload import PRESET_CONTEXT
+from libra_ext.planner import LayoutConfig, Planner
+from libra_ext.simulator.hardware import HardwareProfile
+from libra_ext.workload import PRESET_CONTEXT, LengthSource, check_seed
+from megatron.libra.cli.args import positive
+from megatron.libra.config import TrainConfig
 
 
 def add_memory_parser(sub) -> None:
@@ -39,14 +43,8 @@ def _workload(cfg, name: str | None) -> str:
 
 
 def run_memory(args) -> dict | None:
-    from libra_ext.cli.commands import _positive
-    from libra_ext.planner import LayoutConfig, Planner
-    from libra_ext.simulator.hardware import HardwareProfile
-    from libra_ext.workload import LengthSource, check_seed
-    from megatron.libra.config import TrainConfig
-
-    _positive(args.world, "world")
-    _positive(args.steps, "steps")
+    positive(args.world, "world")
+    positive(args.steps, "steps")
     cfg = TrainConfig.load(args.config, args.overrides)
     dp = cfg.check_layout(args.world)
     hw = HardwareProfile.load(args.hardware)

@@ -1,9 +1,10 @@
 """`libra verify attention`: the multi-process exactness check of the attention runtime;
-`libra verify gpu-ready`: the GPU-readiness gate on fake CUDA (libra_ext.gpu_ready)."""
+`libra verify gpu-ready`: the GPU-readiness gate on fake CUDA (megatron.libra.gpu_ready)."""
 
 from __future__ import annotations
 
 from libra_ext.planner import SYSTEMS
+from libra_ext.workload import check_int, read_lengths_file
 
 
 def add_verify_parser(sub) -> None:
@@ -45,7 +46,8 @@ def add_verify_parser(sub) -> None:
 
 
 def run_verify_gpu_ready(args):
-    from libra_ext.gpu_ready.__main__ import main
+    # deferred: the CLI starts without torch
+    from megatron.libra.gpu_ready.__main__ import main
 
     argv = ["--systems", args.systems] + (["--json"] if args.json else [])
     rc = main(argv)
@@ -55,8 +57,8 @@ def run_verify_gpu_ready(args):
 
 
 def run_verify_attention(args):
-    from libra_ext.attention.verify import COUNTERS, VerifyConfig, run
-    from libra_ext.workload import check_int, read_lengths_file
+    # deferred: the CLI starts without torch
+    from libra_ext.measure.verify import COUNTERS, VerifyConfig, run
 
     if args.nproc <= 0:
         raise ValueError(f"nproc must be positive, got {args.nproc}")

@@ -16,25 +16,15 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from libra_ext.attention.comm import GroupCache
 from libra_ext.attention.core import Runtime, compile_rank, core_attention
 from libra_ext.attention.kernels import backend_for, segments_on
+from libra_ext.distributed import ensure_single_process_group
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import LengthSource, ModelConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def ensure_single_process_group() -> None:
-    """A world-1 gloo group (the runtime's groups need one; nothing is communicated)."""
-    if not dist.is_initialized():
-        from libra_ext.attention.verify import free_port
-
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-        )
 
 
 def timed_ms(fn, reps: int, device: torch.device) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from dataclasses import asdict, dataclass
 
@@ -23,7 +22,8 @@ import torch.multiprocessing as mp
 from libra_ext.attention import DEFAULT_CHUNKS, thd
 from libra_ext.attention.comm import GroupCache
 from libra_ext.attention.core import Runtime, check_plan_hash, core_attention
-from libra_ext.attention.kernels import reference_attention
+from libra_ext.attention.reference_kernel import reference_attention
+from libra_ext.distributed import free_port, share_cores
 from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import ModelConfig
 
@@ -58,21 +58,6 @@ class VerifyConfig:
     lengths: tuple = ()  # document lengths to draw from; empty: built-in edge cases
     fill: bool = False  # with lengths: fill every sequence to the context (no early stop)
     dtype: str = "float32"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def share_cores(local_workers: int) -> int:
-    """Give this worker process its share of the machine's cores as torch intra-op threads.
-    Local workers that each keep a full OpenMP pool oversubscribe the cores; their spinning
-    threads then starve each other's collectives (10x slower steps on 2 cores, 4 workers)."""
-    n = max(1, (os.cpu_count() or 1) // max(1, local_workers))
-    torch.set_num_threads(n)
-    return n
 
 
 def make_batch(cfg: VerifyConfig, dp: int, batch: int) -> list[list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from libra_ext import moe
-from libra_ext.cli.commands import _list_arg
+from megatron.libra.cli.args import list_arg
 
 
 def add_parser(bsub) -> None:
@@ -39,7 +39,7 @@ def add_parser(bsub) -> None:
 
 
 def run_bench_moe(args) -> dict | None:
-    slots = _list_arg(args.slots, "slots", int, 0)
+    slots = list_arg(args.slots, "slots", int, 0)
     cases = []
     if args.routing:
         rec = moe.load_routing(args.routing, args.experts, args.ep, args.topk)
@@ -60,7 +60,7 @@ def run_bench_moe(args) -> dict | None:
     else:
         experts, topk, ep = args.experts or 128, args.topk or 8, args.ep or 8
         ebytes = moe.expert_bytes(args.hidden, args.moe_ffn)
-        for s in _list_arg(args.zipf, "zipf", float, 0.0):
+        for s in list_arg(args.zipf, "zipf", float, 0.0):
             sr = moe.SyntheticRouting(experts=experts, topk=topk, ep=ep, layers=args.layers,
                                       tokens=args.tokens, zipf_s=s, seed=args.seed)
             act = [sr.counts(layer) for layer in range(sr.layers)]

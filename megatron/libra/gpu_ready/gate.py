@@ -30,19 +30,33 @@ ALLOWED_UPLOADS bound them. `run(...)` returns the report; `check(report)` lists
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.models.common.embeddings import rope_utils
 
-from libra_ext.gpu_ready import harness, standins
+from libra_ext.attention import kernels, thd
+from libra_ext.attention.core import LibraCoreAttention, Runtime, compile_rank
+from libra_ext.attention.meta import sequence_lengths, stage
+from libra_ext.attention.params import LibraPackedSeqParams
+from libra_ext.distributed import free_port
 from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import ModelConfig
+from megatron.libra import cpu_shims, rope
+from megatron.libra.config import TrainConfig
+from megatron.libra.gpu_ready import harness, standins
+from megatron.libra.train import Trainer
 
 KEPT_BOUND = 3.0
 """Bytes a layer call keeps for backward, at most this many times its Q/K/V bytes."""
@@ -125,8 +139,6 @@ def _failure(e: BaseException) -> dict:
 
 def _rank_call(probe, plan, system: str, backend: str, groups, shape: Shape, chunks: int = 2):
     """One layer call (forward + backward) of rank (groups.r, groups.c) for slot 0."""
-    from libra_ext.attention.core import LibraCoreAttention, Runtime, compile_rank
-    from libra_ext.attention.meta import sequence_lengths, stage
 
     runtime = Runtime(groups=groups, chunks=chunks, backend=backend)
     # the sampler's thread compiles and stages the step's programs (outside the training
@@ -139,14 +151,14 @@ def _rank_call(probe, plan, system: str, backend: str, groups, shape: Shape, chu
     steps = runtime.prepare(plan, "cuda", staged)
     probe.start("inputs")
     prog = steps[0].program
-    t, C = prog.t, plan.cp
+    t = prog.t
     h, hkv, d = shape.heads, shape.kv_heads, shape.head_dim
     q0 = torch.empty(t, h, d, device="cuda", dtype=shape.dtype, requires_grad=True)
     k0 = torch.empty(t, hkv, d, device="cuda", dtype=shape.dtype, requires_grad=True)
     v0 = torch.empty(t, hkv, d, device="cuda", dtype=shape.dtype, requires_grad=True)
     qkv_bytes = sum(x.numel() * x.element_size() for x in (q0, k0, v0))
-    psp = SimpleNamespace(libra=steps[0],
-                          libra_doc_lengths=sequence_lengths(plan, groups.r, 0).tolist())
+    psp = LibraPackedSeqParams(libra=steps[0],
+                               doc_lengths=sequence_lengths(plan, groups.r, 0).tolist())
     module = LibraCoreAttention(system=system, runtime=runtime, layer_number=1)
     fwd = probe.start("fwd")
     q, k, v = q0.clone(), k0.clone(), v0.clone()  # the layer's Q/K/V, made by its projection
@@ -183,7 +195,6 @@ def _rank_call(probe, plan, system: str, backend: str, groups, shape: Shape, chu
 
 def _plain_call(probe, shape: Shape, backend: str, docs: int = 500) -> dict:
     """One plain varlen call over a whole packed sequence (the reference for memory)."""
-    from libra_ext.attention import kernels
 
     L = np.asarray(_sequences(1, shape.tokens, docs, seed=docs)[0], dtype=np.int64)
     cu = np.r_[0, np.cumsum(L)]
@@ -218,7 +229,6 @@ def _plain_call(probe, shape: Shape, backend: str, docs: int = 500) -> dict:
 def _drop_in_calls(probe, backend: str, layout: tuple, shape: Shape, layers: int = 3) -> dict:
     """Per-document CP used as a drop-in operator (no step plan: Megatron's cu_seqlens_q only),
     `layers` layer calls on one micro-batch per rank: its program is made and uploaded once."""
-    from libra_ext.attention.core import LibraCoreAttention, Runtime
 
     dp, cp, _ = layout
     L = np.asarray(_sequences(1, shape.tokens, 500, seed=7)[0], dtype=np.int64)
@@ -264,10 +274,6 @@ class _CpGroup:
 def _rope_calls(probe, shape: Shape, docs: int, cp: int = 2) -> dict:
     """Device ops of one THD RoPE call (a rank's queries at cp 2): megatron-core's unfused THD
     path, and the training app's (megatron.libra.rope) on the same micro-batch."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    from libra_ext.attention import thd
-    from megatron.libra import rope
 
     L = np.asarray(_sequences(1, shape.tokens, docs, seed=docs)[0], dtype=np.int64)
     z = thd.zigzag_split(L, cp, 0)
@@ -286,7 +292,7 @@ def _rope_calls(probe, shape: Shape, docs: int, cp: int = 2) -> dict:
         q = torch.empty(t, shape.heads, shape.head_dim, device="cuda", dtype=shape.dtype)
         freqs = torch.empty(int(L.max()) + 2 * cp, 1, 1, shape.head_dim, device="cuda")
         if name == "libra":
-            cu.libra_positions = positions.to("cuda", non_blocking=True)
+            rope.register(cu, rope.Positions(positions.to("cuda", non_blocking=True)))
         call = probe.start("rope")
         try:
             fn(q, freqs, config, cu_seqlens=cu, cp_group=_CpGroup(cp, 0))
@@ -349,12 +355,6 @@ def _trainer_calls(probe, systems, backend: str, overrides=(), rank: int = 0, wo
     of `world` processes: the step's uploads (`Trainer.micro_batches`), then megatron-core's
     forward-backward schedule over the micro-batches (`Trainer.forward_backward`) with Libra's
     attention (and, in MoE scenarios, its MoE layers) in its GPTModel."""
-    import torch.distributed as dist
-
-    from libra_ext.attention.verify import free_port
-    from megatron.libra import cpu_shims
-    from megatron.libra.config import TrainConfig
-    from megatron.libra.train import Trainer
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or free_port()}",
@@ -365,7 +365,6 @@ def _trainer_calls(probe, systems, backend: str, overrides=(), rank: int = 0, wo
                     force=True)
     out = {}
     for system in systems:
-        from megatron.core import parallel_state as ps
 
         trainer = None
         try:
@@ -414,16 +413,11 @@ def trainer_rank(scenario: str, rank: int, port: int, standin: str) -> dict:
 def _multi_rank(scenario: str, standin: str) -> dict:
     """A MULTI_RANK scenario's ranks, each a process of the gate's own kind: system -> rank ->
     its report."""
-    import json
-    import subprocess
-    import sys
-
-    from libra_ext.attention.verify import free_port
 
     world, _, systems = MULTI_RANK[scenario]
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "libra_ext.gpu_ready", "--rank-of", f"{scenario},{r},{port}",
+        [sys.executable, "-m", "megatron.libra.gpu_ready", "--rank-of", f"{scenario},{r},{port}",
          "--standins", standin], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(world)]
     out = {s: {} for s in systems}

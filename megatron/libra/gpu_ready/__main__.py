@@ -1,4 +1,4 @@
-"""python -m libra_ext.gpu_ready [--json] [--systems ...] [--standins ...] [--layouts ...]
+"""python -m megatron.libra.gpu_ready [--json] [--systems ...] [--standins ...] [--layouts ...]
 
 Builds the fake-CUDA library (once), then runs the gate in a process started with it preloaded
 and prints the report (`--json`: one JSON object) and what fails; exit status 1 on a failure.
@@ -14,11 +14,12 @@ import sys
 
 
 def _args(argv):
-    from libra_ext.gpu_ready.standins import BACKEND_STANDINS
-    from libra_ext.gpu_ready.gate import LAYOUTS
     from libra_ext.planner import SYSTEMS
+    from megatron.libra.gpu_ready.gate import LAYOUTS
+    # deferred: the scenarios are imported in the gate's own process (fake CUDA preloaded)
+    from megatron.libra.gpu_ready.standins import BACKEND_STANDINS
 
-    p = argparse.ArgumentParser(prog="python -m libra_ext.gpu_ready", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m megatron.libra.gpu_ready", description=__doc__)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--standins", default=",".join(BACKEND_STANDINS),
@@ -35,18 +36,21 @@ def _args(argv):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from libra_ext.gpu_ready import harness
+    # deferred: the scenarios are imported in the gate's own process (fake CUDA preloaded)
+    from megatron.libra.gpu_ready import harness
 
     if not os.environ.get(harness.PRELOAD_ENV):
         lib = harness.build_library()
-        cmd = [sys.executable, "-m", "libra_ext.gpu_ready", *argv]
+        cmd = [sys.executable, "-m", "megatron.libra.gpu_ready", *argv]
         return subprocess.run(cmd, env=harness.preload_env(lib)).returncode
     args = _args(argv)
-    from libra_ext.gpu_ready import gate
+    # deferred: the scenarios are imported in the gate's own process (fake CUDA preloaded)
+    from megatron.libra.gpu_ready import gate
 
     mutate = args.mutate or os.environ.get("LIBRA_GATE_MUTATION", "")
     if mutate:  # (the ranks of multi-rank scenarios inherit it)
-        from libra_ext.gpu_ready import mutations
+        # deferred: the scenarios are imported in the gate's own process (fake CUDA preloaded)
+        from megatron.libra.gpu_ready import mutations
 
         os.environ["LIBRA_GATE_MUTATION"] = mutate
         mutations.apply(mutate)

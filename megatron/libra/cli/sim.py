@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import sys
 
-from libra_ext.cli.commands import _int_list_arg, _positive, default_dtype
 from libra_ext.planner import ORDERS
 from libra_ext.simulator.config import SimConfig
 from libra_ext.simulator.hardware import HardwareProfile
 from libra_ext.simulator.report import write_report
 from libra_ext.simulator.run import pool_sweep, recommend_pool, simulate, source_for
 from libra_ext.workload import preset_names
+from megatron.libra.cli.args import default_dtype, int_list_arg, positive
 
 
 def _add_common(p) -> None:
@@ -79,11 +79,12 @@ def add_calibrate_parser(sub) -> None:
 
 
 def run_calibrate(args):
-    from libra_ext.attention.calibrate import calibrate, write_profile
+    # deferred: the CLI starts without torch
+    from libra_ext.measure.calibrate import calibrate, write_profile
 
-    lengths = tuple(_int_list_arg(args.lengths, "lengths"))
+    lengths = tuple(int_list_arg(args.lengths, "lengths"))
     for field in ("tokens", "reps"):
-        _positive(getattr(args, field), field)
+        positive(getattr(args, field), field)
     result = calibrate(
         device=args.device,
         dtype=default_dtype(args),

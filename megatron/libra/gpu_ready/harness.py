@@ -16,14 +16,16 @@ bare allocation), host-to-device copies (blocking, or from memory that is not pi
 device-to-host copies, host reads of device values, and the live bytes of device tensors (each
 non-view output counted until it is freed), with their peak.
 
-Only the gate's process loads any of this (`libra_ext.gpu_ready.__main__` re-executes itself
+Only the gate's process loads any of this (`megatron.libra.gpu_ready.__main__` re-executes itself
 with the library preloaded); it refuses to run where a real GPU is present.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import subprocess
 import sys
 import traceback
 import weakref
@@ -32,14 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
 LIB_NAME = "libra_fake_cuda"
 PRELOAD_ENV = "LIBRA_FAKE_CUDA_LIB"
 """Set (to the library's path) in the gate's process, which was started with it preloaded."""
 
-_ROOT = Path(__file__).resolve().parents[2]
+_ROOT = Path(__file__).resolve().parents[3]
 
 
 def build_dir() -> Path:
@@ -52,7 +55,6 @@ def build_dir() -> Path:
 def build_library(verbose: bool = False) -> Path:
     """Build the library (only what changed is rebuilt) in a process of its own, so that this
     one never loads it; returns its path."""
-    import subprocess
 
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -95,10 +97,9 @@ def activate() -> None:
     lib = os.environ.get(PRELOAD_ENV)
     if not lib:
         raise RuntimeError("the fake-CUDA library is not preloaded (run python -m "
-                           "libra_ext.gpu_ready)")
+                           "megatron.libra.gpu_ready)")
     if real_gpus() > 0:
         raise RuntimeError("the gate fakes CUDA where no GPU is present; this machine has one")
-    import importlib.util
 
     spec = importlib.util.spec_from_file_location(LIB_NAME, lib)
     mod = importlib.util.module_from_spec(spec)
@@ -143,7 +144,6 @@ def _is_cuda(x) -> bool:
 def _touches_device(args, kwargs) -> bool:
     """Whether an op involves the fake device: a fake tensor among its arguments, or a CUDA
     device asked for."""
-    from torch._subclasses.fake_tensor import FakeTensor
 
     def hit(a) -> bool:
         if isinstance(a, FakeTensor):
@@ -233,7 +233,6 @@ class Probe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not _touches_device(args, kwargs):  # host math on host tensors runs for real
-            from torch.utils._python_dispatch import _disable_current_modes
 
             with _disable_current_modes():
                 return func(*args, **kwargs)
@@ -281,8 +280,6 @@ class Probe(TorchDispatchMode):
         return out
 
     def _fake(self, t: torch.Tensor) -> torch.Tensor:
-        from torch._subclasses.fake_tensor import FakeTensor
-
         return t if isinstance(t, FakeTensor) else self.mode.from_tensor(t)
 
     def _transfer(self, ph: Phase, src: str, dst: str, t: torch.Tensor, non_blocking,
@@ -355,9 +352,6 @@ class FakeEvent:
 def fake_cuda():
     """Fake CUDA tensors and the probe (yielded) for the block; pin_memory marks host tensors
     and torch.cuda reports one device."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from torch.utils._python_dispatch import _disable_current_modes
 
     activate()
     saved = (torch.Tensor.pin_memory, torch.Tensor.is_pinned, torch.cuda.is_available,

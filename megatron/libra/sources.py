@@ -1,23 +1,27 @@
-"""Document streams for training: a synthetic long-tail source and Megatron indexed datasets,
-packed into S-token sequences per step; and the sampler that plans each step one step ahead in a
-background thread and hands every rank its THD micro-batches and the plan."""
+"""Where a step's documents come from: a synthetic long-tail source, a Megatron indexed dataset
+(`libra train`), and Megatron's GPTDataset (`pretrain_gpt_libra.py`), each packed into the
+step's S-token sequences. Every source answers the same three questions: `step(k)` (the
+document lengths of step k's packed sequences, from the lengths or indices alone), `piece(id,
+length)` (one document's tokens, labels and loss mask, read only by the replica that executes
+it) and `epochs(k)`; the per-step pipeline (`steps.StepSampler`) plans from the first and reads
+the second."""
 
 from __future__ import annotations
 
-import queue
-import threading
+import json
+import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from libra_ext.attention.core import compile_rank
-from libra_ext.attention.meta import stage
-from libra_ext.planner import Planner, StepPlan
-from libra_ext.workload import LengthSource, PackedBatch, document_count, pack_production
-from megatron.libra.batch import make_micro_batch
-from megatron.libra.config import TrainConfig
+from libra_ext.workload import LengthSource, PackedBatch, pack_production
+from megatron.libra.config import TrainConfig, split_bounds
+
+with warnings.catch_warnings():  # megatron-core's notices on import (no GPU, no TE, ...)
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 
 @dataclass
@@ -92,7 +96,6 @@ class SyntheticSource:
 def check_indexed_dataset(path: str, vocab: int, chunk: int = 1 << 26) -> None:
     """Refuse, before any worker starts, an indexed dataset whose files are damaged or whose
     token ids do not fit the model's vocabulary, naming the file and what is wrong."""
-    import struct
 
     idx, bin_ = Path(path + ".idx"), Path(path + ".bin")
     try:
@@ -140,8 +143,6 @@ SPLITS = ("train", "valid", "test")
 
 def split_documents(cfg: TrainConfig, n: int) -> dict[str, range]:
     """The document index ranges of data.split's train / valid / test parts of n documents."""
-    from megatron.libra.config import split_bounds
-
     b = split_bounds(cfg.data.split_weights(), n)
     return {name: range(b[i], b[i + 1]) for i, name in enumerate(SPLITS)}
 
@@ -156,8 +157,6 @@ def check_data(cfg: TrainConfig) -> None:
     if tok.is_file() and tokenizer_size(tok) > cfg.model.vocab:
         raise ValueError(f"model.vocab ({cfg.model.vocab}) is smaller than the dataset's "
                          f"tokenizer ({tokenizer_size(tok)} ids, {tok})")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     ds = IndexedDataset(d.path)
     n = len(ds.sequence_lengths)
     del ds
@@ -181,11 +180,6 @@ class IndexedSource:
     one read."""
 
     def __init__(self, cfg: TrainConfig, split: str = "train"):
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets.indexed_dataset import IndexedDataset
         self.ds = IndexedDataset(cfg.data.path)
         every = np.asarray(self.ds.sequence_lengths, dtype=np.int64)
         part = split_documents(cfg, len(every))[split]
@@ -307,8 +301,6 @@ def describe_data(cfg: TrainConfig) -> list[str]:
         src = d.lengths_file or f"the {d.workload} preset"
         return [f"data: synthetic documents (lengths from {src}), {per_step}; validation reads "
                 f"seed {(d.seed + 1) % 2**31}"]
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     ds = IndexedDataset(d.path)  # kept while its memory-mapped lengths are read
     lengths = np.array(ds.sequence_lengths, dtype=np.int64)
     del ds
@@ -331,8 +323,6 @@ def describe_data(cfg: TrainConfig) -> list[str]:
 
 def tokenizer_size(path: Path) -> int:
     """The vocabulary size of a HuggingFace tokenizers file (read as JSON: no import needed)."""
-    import json
-
     try:
         spec = json.loads(path.read_text())
         vocab = spec["model"]["vocab"]
@@ -343,169 +333,87 @@ def tokenizer_size(path: Path) -> int:
                          f"({type(e).__name__}: {e})") from None
 
 
-@dataclass
-class StepBatch:
-    step: int
-    plan: StepPlan
-    pieces: dict  # executed document index in the plan -> Piece (this replica's documents only)
-    label_tokens: int | None  # tokens with a label in the whole global batch (the loss
-    # denominator; None from a source without label_count)
-    planner_state: dict  # planner state after planning this step (checkpointed with it)
-    doc_base: int  # global id of this step's first input document
-    n_inputs: int  # input documents this step consumed
-    recent_bases: dict  # step -> doc_base of the steps whose documents may still run (WLB-LLM)
-    programs: list | None = None  # this rank's attention programs per slot, staged for upload
-    slot_order: list | None = None  # the order this replica runs its slots in (micro_batch_order)
-    micro: dict | None = None  # slot -> this rank's MicroBatch, staged for upload (batch.py)
-    uploads: list | None = None  # per slot (pinned joint buffer, program length): one copy each
-    epochs: tuple = (0, 0)  # the pass over the data it starts in, and the one the next starts in
+class GPTDatasetSource:
+    """Megatron's GPTDataset (or a blend of them) as the sampler's document source: step k is
+    the samples [k * gbs, (k + 1) * gbs), each a packed sequence whose documents' lengths come
+    from the dataset's sample and document indices (never from the tokens). A document of a
+    sample is a piece of it with the tokens, labels and loss mask GPTDataset gives (its EOD
+    handling, `--eod-mask-loss`, `--reset-*` as Megatron-LM sets them). It has no label_count:
+    Megatron-LM's loop counts the loss tokens itself, so no rank reads the samples of replicas
+    other than its own."""
 
+    def __init__(self, dataset, gbs: int, keep_steps: int):
+        self.ds, self.gbs, self.keep_steps = dataset, gbs, keep_steps
+        self._pieces: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
+        self._samples: dict[int, dict] = {}
 
-def micro_batch_order(cfg: TrainConfig):
-    """plan -> [D, m] the order each replica runs its slots in: the plan's, or with pipeline
-    parallelism and system.pp_order = balanced, each exchange pool's order from the modeled
-    1F1B schedule (libra_ext.pipeline). Every rank computes the same order from the same plan."""
-    stages = cfg.parallel.pp
-    if stages == 1 or cfg.system.pp_order == "none":
-        return lambda plan: np.tile(np.arange(plan.slots), (plan.dp, 1))
-    from libra_ext.pipeline import order_slots
-    from libra_ext.simulator.cost import simulate_plan
-    from libra_ext.simulator.hardware import HardwareProfile
+    def _leaf(self, i: int):
+        """(GPTDataset, its sample index) of sample i of the (possibly blended) dataset."""
+        ds = self.ds
+        while hasattr(ds, "dataset_index"):  # a BlendedDataset
+            ds, i = ds.datasets[int(ds.dataset_index[i])], int(ds.dataset_sample_index[i])
+        return ds, i
 
-    hardware = HardwareProfile.load("h200-sxm")  # only the slots' relative times matter
-
-    def order(plan):
-        times = simulate_plan(plan, cfg.model, hardware, chunks=cfg.system.chunks)
-        return order_slots(times.slot, plan.exchange_pool, stages, "balanced").order
-
-    return order
-
-
-class StepSampler:
-    """Plans step k+1 in a background thread while step k trains. Every rank plans the whole
-    global batch (the plan is the same everywhere and checked by hash) but reads only the
-    documents of its own replica's sequences. With `cp_rank` given, the same thread also
-    compiles this rank's attention programs (index arrays, cu_seqlens, split sizes) for every
-    slot and stages them in one (pinned, on CUDA) host buffer each, ready for one copy, and
-    orders the replica's slots for the pipeline schedule (micro_batch_order). `source`: the
-    document source (default: data.source's, make_source)."""
-
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        planner: Planner,
-        replica: int,
-        start_step: int = 0,
-        doc_base: int = 0,
-        recent_bases: dict | None = None,
-        cp_rank: int | None = None,
-        split: str = "train",
-        stop_step: int | None = None,
-        source=None,
-    ):
-        self.cfg, self.planner, self.replica, self.cp_rank = cfg, planner, replica, cp_rank
-        self._pin = torch.cuda.is_available()  # staged programs in pinned memory on a GPU
-        self._order = micro_batch_order(cfg)
-        self.source = make_source(cfg, split) if source is None else source
-        # plans steps [start_step, stop_step); the last one flushes what WLB-LLM holds when
-        # the stream ends there (validation: every document of its batches is computed)
-        self.stop_step = cfg.schedule.train_steps if stop_step is None else stop_step
-        self._flush_last = stop_step is not None
-        self.keep_steps = held_steps(cfg)
-        self._bases = dict(recent_bases or {})
-        if not isinstance(self.source, SyntheticSource):
-            # a resumed run: documents WLB-LLM holds back from before the checkpoint stay
-            # addressable (a step's layout is a function of the step alone)
-            for s, base in sorted(self._bases.items()):
-                self.source.step(int(s), int(base))
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._next, self._doc_base = start_step, doc_base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _plan(self, step: int) -> StepBatch:
-        seqs = self.source.step(step, self._doc_base)
-        plan = self.planner.plan(seqs, flush=self._flush_last and step + 1 == self.stop_step)
-        n_in = document_count(seqs)
-        if self.cfg.system.name == "wlb":  # ids are global already (the planner's counter)
-            ids = plan.doc_ids
+    def lengths(self, i: int) -> list[int]:
+        """Document lengths of sample i inside its seq_length tokens, from the indices."""
+        ds, j = self._leaf(i)
+        j = int(ds.shuffle_index[j])
+        (p0, o0), (p1, o1) = ds.sample_index[j], ds.sample_index[j + 1]
+        docs = np.asarray(ds.document_index[p0:p1 + 1])
+        full = np.asarray(ds.dataset.sequence_lengths)[docs].astype(np.int64)
+        extra = int(getattr(ds.config, "add_extra_token_to_sequence", True))
+        if p0 == p1:
+            seg = [int(o1 - o0 + extra)]
         else:
-            ids = plan.doc_ids + self._doc_base
-        lengths = plan.doc_lengths
-        # the loss denominator, where the loop needs it from the sampler (a source without
-        # label_count serves a loop that counts its tokens itself, as Megatron-LM's does)
-        label_tokens = sum(
-            self.source.label_count(int(i), int(n)) for i, n in zip(ids, lengths, strict=True)
-        ) if hasattr(self.source, "label_count") else None
-        pieces = {}
-        off = plan.seq_doc_offsets
-        for seq in np.flatnonzero(plan.seq_replica == self.replica):
-            for i in range(off[seq], off[seq + 1]):
-                pieces[i] = self.source.piece(int(ids[i]), int(lengths[i]))
-        self._bases[step] = self._doc_base
-        for gone in [k for k in self._bases if k <= step - self.keep_steps]:
-            del self._bases[gone]
-        programs = micro = uploads = None
-        if self.cp_rank is not None:
-            # per slot, this rank's attention program and THD micro-batch staged side by side
-            # in one (pinned, on a GPU) int32 buffer: one non-blocking copy each (Trainer)
-            programs = [
-                stage(p) for p in compile_rank(plan, self.replica, self.cp_rank,
-                                               self.cfg.system.chunks)
-            ]
-            micro, uploads = {}, []
-            for slot in range(plan.slots):
-                seq = plan.sequence_at(self.replica, slot)
-                docs = range(off[seq], off[seq + 1])
-                mb = make_micro_batch([pieces[i] for i in docs], self.cfg.parallel.cp,
-                                      self.cp_rank, None).stage(pin=False)
-                joint = torch.cat([programs[slot].host, mb.host])
-                if self._pin:
-                    joint = joint.pin_memory()
-                n = len(programs[slot].host)
-                programs[slot].host, mb.host = joint[:n], joint[n:]
-                micro[slot] = mb
-                uploads.append((joint, n))
-        batch = StepBatch(
-            step,
-            plan,
-            pieces,
-            label_tokens,
-            self.planner.state_dict(),
-            self._doc_base,
-            n_in,
-            dict(self._bases),
-            programs,
-            [int(x) for x in self._order(plan)[self.replica]],
-            micro,
-            uploads,
-            self.source.epochs(step),
-        )
-        self._doc_base += n_in
-        return batch
+            seg = [int(full[0] - o0)] + [int(x) for x in full[1:-1]] + [int(o1 + extra)]
+        # the sample's tokens are its first seq_length; the extra one is only a label
+        n = ds.config.sequence_length
+        out, used = [], 0
+        for x in seg:
+            take = min(x, n - used)
+            if take > 0:
+                out.append(take)
+                used += take
+        if used < n:  # a short last sample is padded by GPTDataset: one more piece
+            out.append(n - used)
+        return out
 
-    def _run(self) -> None:
-        step = self._next
-        try:
-            while not self._stop.is_set() and step < self.stop_step:
-                self._queue.put(self._plan(step))
-                step += 1
-        except BaseException as e:  # surfaced to the training loop on the next get()
-            self._queue.put(e)
+    def step(self, step: int, doc_base: int = 0) -> list[list[int]]:
+        seqs, flat = [], []
+        for i in range(step * self.gbs, (step + 1) * self.gbs):
+            lengths = self.lengths(i % len(self.ds))
+            off = 0
+            for n in lengths:
+                flat.append((i % len(self.ds), off, n))
+                off += n
+            seqs.append(lengths)
+        self._pieces[step] = (doc_base, flat)
+        for gone in [k for k in self._pieces if k <= step - self.keep_steps]:
+            del self._pieces[gone]
+        return seqs
 
-    def next(self) -> StepBatch:
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+    def epochs(self, step: int) -> tuple[int, int]:
+        return 0, 0
 
-    def close(self) -> None:
-        """Stop the planning thread and wait for it (it may be inside a plan or a put)."""
-        self._stop.set()
-        while self._thread.is_alive():
-            try:
-                self._queue.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        self._thread.join()
+    def _lookup(self, doc_id: int) -> tuple[int, int, int]:
+        for base, flat in self._pieces.values():
+            if base <= doc_id < base + len(flat):
+                return flat[doc_id - base]
+        raise KeyError(f"document {doc_id} is not among the last {self.keep_steps} steps' inputs")
+
+    def _sample(self, i: int) -> dict:
+        if i not in self._samples:
+            if len(self._samples) >= 4 * self.gbs:
+                self._samples.pop(next(iter(self._samples)))
+            self._samples[i] = self.ds[i]
+        return self._samples[i]
+
+    def piece(self, doc_id: int, length: int) -> Piece:
+        i, off, n = self._lookup(doc_id)
+        if n != length:
+            raise ValueError(f"document {doc_id} has {n} tokens here, the plan says {length}")
+        s = self._sample(i)
+        sl = slice(off, off + n)
+        return Piece(np.asarray(s["tokens"][sl], dtype=np.int64),
+                     np.asarray(s["labels"][sl], dtype=np.int64),
+                     np.asarray(s["loss_mask"][sl], dtype=np.float32))

@@ -21,9 +21,15 @@ import contextlib
 import inspect
 import math
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from libra_ext.attention import exchange, kernels
+from megatron.libra import moe_layer
+from megatron.libra.gpu_ready.harness import _where
 
 Tensor = torch.Tensor
 
@@ -364,9 +370,6 @@ def fake_distributed():
     over fake (device) tensors move nothing (their counts are logged), those over host tensors
     and picklable objects run for real on the gloo group, outside the fake mode. Yields the log
     of faked calls."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._python_dispatch import _disable_current_modes
 
     log: list = []
 
@@ -433,10 +436,6 @@ def moe_counts(probe):
     "moe-counts") made on the fake device: logged on the probe, and counts returned that a
     routing could give (each source's padded rows x top-k pairs, half of them on expert 0, so
     the planner replicates it and the copies' path runs)."""
-    import numpy as np
-
-    from libra_ext.gpu_ready.harness import _where
-    from megatron.libra import moe_layer
 
     def host_counts(self, copied):
         probe.current().allowed.append(("moe-counts", _where()))
