@@ -24,11 +24,10 @@ from libra_ext.attention import thd
 from libra_ext.attention.comm import LAST_COLLECTIVE
 from libra_ext.attention.kernels import KernelParams, choose_backend
 from libra_ext.distributed import free_port
-from megatron.libra import checkpoint, cpu_shims
+from megatron.libra import checkpoint, cpu_shims, moe_layer
 from megatron.libra.config import TrainConfig
 from megatron.libra.logs import config_lines, log_line, progress_log, since_launch, step_flops
 from megatron.libra.model import build_model_chunks
-from megatron.libra.moe_layer import STATS, PaddedAllGatherDispatcher, set_step_rows
 from megatron.libra.notices import quiet_megatron_notices
 from megatron.libra.sources import describe_data
 from megatron.libra.steps import (
@@ -185,7 +184,7 @@ class Trainer:
         if torch.cuda.is_available():
             for chunk in self.chunks:
                 chunk.cuda()
-        self._moe_all_gather = any(isinstance(m, PaddedAllGatherDispatcher)
+        self._moe_all_gather = any(isinstance(m, moe_layer.PaddedAllGatherDispatcher)
                                    for chunk in self.chunks for m in _dispatchers(chunk))
         self.timer = AttentionTimer(self.chunks, cfg.logging.attention_time)
         if self.rank == 0:
@@ -332,7 +331,7 @@ class Trainer:
             # layers' all-gather (no layer exchanges or reads token counts)
             p = self.cfg.parallel
             rows = int(thd.local_tokens(plan.doc_lengths, plan.seq_doc_offsets, C).max())
-            set_step_rows(-(-rows // p.tp) if p.sequence_parallel else rows)
+            moe_layer.set_step_rows(-(-rows // p.tp) if p.sequence_parallel else rows)
         return device_micro_batches(batch, self.runtime, self.device, C, self.c, self.r)
 
     def forward_backward(self, micro: list, global_tokens: float,
@@ -457,7 +456,7 @@ class Trainer:
         self.runtime.counter.reset()
         self.timer.reset()
         if self.cfg.moe.balancer == "libra":
-            STATS.reset()
+            moe_layer.STATS.reset()
         self.phase = (
             "forward/backward (the attention operator's CP and pool groups, megatron-core's "
             "tensor/pipeline groups, then the gradient reduction over the data-parallel group)"
@@ -495,22 +494,23 @@ class Trainer:
     def _moe_stats(self, step: int) -> dict:
         """The balanced MoE layers' expert-token balance of the step (this rank's EP group; the
         means over micro-batches per layer and over layers), and the routing record."""
-        per = STATS.summary()
+        per = moe_layer.STATS.summary()
         out = {"moe_layers": per}
         for key in ("expert_tokens_max_over_mean_before", "expert_tokens_max_over_mean_after",
                     "lookahead_topk_overlap", "lookahead_load_error"):
             if key in per:
                 out[key] = sum(per[key].values()) / len(per[key])
         lg = self.cfg.logging
-        if lg.record_routing and self.rank == 0 and STATS.routing:
-            layers = sorted(STATS.routing)
+        routing = moe_layer.STATS.routing
+        if lg.record_routing and self.rank == 0 and routing:
+            layers = sorted(routing)
             m = self.cfg.model
             Path(lg.routing_dir).mkdir(parents=True, exist_ok=True)
             moe_plan.save_routing(
                 Path(lg.routing_dir) / f"routing_step{step}.npz",
-                [STATS.routing[k][0] for k in layers], [STATS.routing[k][1] for k in layers],
+                [routing[k][0] for k in layers], [routing[k][1] for k in layers],
                 experts=m.experts, ep=self.cfg.parallel.ep, hidden=m.hidden, moe_ffn=m.moe_ffn,
-                source_sizes=STATS.routing[layers[0]][2],
+                source_sizes=routing[layers[0]][2],
             )
         return out
 

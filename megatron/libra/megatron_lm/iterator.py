@@ -253,8 +253,10 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False, mmap_bin_files=args.mmap_bin_files)
     kind = MockGPTDataset if args.mock_data else GPTDataset
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        kind, train_val_test_num_samples, lambda: True, config).build()
+    # a split asked for no samples is built for one epoch (None), not for 0: megatron-core's
+    # GPTDataset asks 0 samples for one extra token and never ends on a split without documents
+    sizes = [n if n else None for n in train_val_test_num_samples]
+    train, _, _ = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, config).build()
     return StepMicroBatches(args, train, start_step=args.iteration), None, None
 
 
