@@ -1,25 +1,25 @@
 """The core-attention operator with Megatron-Core's contract, for every system.
 
-Inputs are one cp rank's THD tensors in Megatron's per-document zigzag layout (see `thd`):
-query [t, h, d], key/value [t, h_kv, d] (h, h_kv already divided by tp). Output [t, h * d].
+Inputs are one cp rank's THD tensors in its system's layout (`thd.layout_of`): query [t, h, d],
+key/value [t, h_kv, d] (h, h_kv already divided by tp). Output [t, h * d].
 
-- `ulysses`: all-to-all over heads inside the CP group, one batched kernel call over the whole
-  packed sequence (segments = documents), all-to-all back.
-- `libra` / `distca`: the same all-to-all, then the step plan's tiles: the rank's own tiles in one
-  batched call while the pool exchange moves the others' tiles in chunks, one batched call per
-  chunk (exchange.PlannedAttention).
-- `wlb`: per-document CP: K and V all-gathered in the CP group, the rank's two chunks of every
-  document in one batched call; dK/dV reduce-scattered back (exchange.PerDocAttention).
+- `ulysses`: contiguous layout; all-to-all over heads inside the CP group, one batched kernel
+  call over the whole packed sequence as it arrives (segments = documents), all-to-all back.
+- `libra` / `distca`: the same all-to-all, then the step plan's tiles: one call over the
+  received sequence itself for the rank's own work while the pool exchange moves the others'
+  tiles in sub-chunks, one call per sub-chunk on what arrives (exchange.PlannedAttention).
+- `wlb`: per-document CP in Megatron's zigzag layout: K and V all-gathered in the CP group, the
+  rank's two chunks of every document in one batched call; dK/dV reduce-scattered back
+  (exchange.PerDocAttention). At one cp rank it is the plain call of `ulysses`.
 
 What a micro-batch needs of the plan is compiled ahead, once per step (`meta`), and copied to
 the device in one transfer (`Runtime.prepare`); the operator then runs only device gathers,
 collectives and kernel calls.
 
-Shape legend (shared by the attention modules; `meta` gives the index-array details):
-  S tokens of a packed sequence; C cp ranks; t = S / C (padded) tokens of one cp rank;
-  h, h_kv query and KV heads of a rank (after tp); hl = h / C, kvl = max(1, h_kv / C) heads of
-  its Ulysses slice; d head dim; W = hl + 2 kvl vectors per token of the Ulysses buffer
-  X [C*t, W, d]; P pool members; n_q, n_k rows and hc, hk heads of one batched kernel call.
+Shape legend (shared by the attention modules; `meta` gives the program's details):
+  n tokens of a packed sequence; C cp ranks; t slots of one cp rank; h, h_kv query and KV heads
+  of a rank (after tp); hl = h / C, kvl = max(1, h_kv / C) heads of its Ulysses slice; d head
+  dim; S' = C t rows of the Ulysses buffers Xq [S', hl, d], Xk / Xv [S', kvl, d].
 """
 
 from __future__ import annotations
@@ -39,24 +39,11 @@ from libra_ext.attention.comm import ByteCounter, GroupCache
 from libra_ext.attention.counters import RuntimeStats
 from libra_ext.attention.exchange import ExecEnv, PerDocAttention, PlannedAttention
 from libra_ext.attention.kernels import backend_for
+from libra_ext.attention.meta import WlbProgram
 from libra_ext.attention.params import AttentionStep, LibraPackedSeqParams
 from libra_ext.planner import SYSTEMS, StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> list:
-    """Host programs of every slot of rank (replica, cp_rank): what the sampler's background
-    thread builds one step ahead."""
-    if plan.system == "wlb":
-        out = []
-        for slot in range(plan.slots):
-            L = meta.sequence_lengths(plan, replica, slot)
-            if len(L) == 0:  # an empty repacked sequence trains as one padding document
-                L = np.array([2 * plan.cp], dtype=np.int64)
-            out.append(meta.compile_wlb(L, plan.cp, cp_rank))
-        return out
-    return [meta.compile_slot(plan, replica, slot, chunks) for slot in range(plan.slots)]
 
 
 @dataclass
@@ -72,6 +59,9 @@ class Runtime:
     step; results are identical)."""
     backend: str | None = None
     """Force an attention kernel backend (kernels.BACKENDS); None: best available."""
+    wait_timer: object = None
+    """A context-manager factory timing the operator's waits for pool-exchange transfers
+    (ExecEnv.wait_timer); None: not timed."""
     counter: ByteCounter = field(default_factory=ByteCounter)
     stats: RuntimeStats = field(default_factory=RuntimeStats)
     _programs: dict = field(default_factory=dict)
@@ -83,7 +73,7 @@ class Runtime:
         `device_buffers` hold each slot's staged arrays on the device already)."""
         g = self.groups
         if host_programs is None:
-            host_programs = compile_rank(plan, g.r, g.c, self.chunks)
+            host_programs = meta.compile_rank(plan, g.r, g.c, self.chunks)
         device = torch.device(device)
         self._programs = {
             (plan.hash, slot, device): meta.upload(
@@ -104,13 +94,13 @@ class Runtime:
 
 
 def check_plan_hash(plan: StepPlan, timeout_s: float = 60.0, group=None) -> None:
-    """Compare the plan hash across all ranks; on a mismatch every rank raises, naming the ranks
-    that differ; a rank that never arrives turns into an error after the group's timeout
+    """Compare the plan hash across the ranks of `group` (all ranks of a group made here); on a
+    mismatch every rank raises, naming the (global) ranks that differ; a rank that never arrives turns into an error after the group's timeout
     (`timeout_s` for a group made here; pass GroupCache.check_group to reuse one), not a hang."""
     if group is None:
         group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s), backend="gloo")
     mine = torch.tensor([plan.hash & ((1 << 63) - 1), plan.hash >> 63], dtype=torch.int64)
-    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather(out, mine, group=group)
     except RuntimeError as e:
@@ -118,11 +108,12 @@ def check_plan_hash(plan: StepPlan, timeout_s: float = 60.0, group=None) -> None
             f"plan hash check did not complete within {timeout_s:.0f} s ({str(e).splitlines()[0]})"
         ) from None
     hashes = [int(t[0]) | (int(t[1]) << 63) for t in out]
-    bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    ranks = dist.get_process_group_ranks(group)  # (global ranks, in group order)
+    bad = [ranks[i] for i, h in enumerate(hashes) if h != hashes[0]]
     if bad:
         raise ValueError(
-            f"plan hash differs across ranks: rank 0 has {hashes[0]:016x}, ranks "
-            f"{bad} have {[f'{hashes[r]:016x}' for r in bad]}"
+            f"plan hash differs across ranks: rank {ranks[0]} has {hashes[0]:016x}, ranks "
+            f"{bad} have {[f'{hashes[ranks.index(r)]:016x}' for r in bad]}"
         )
 
 
@@ -163,6 +154,7 @@ def core_attention(
         stats=runtime.stats,
         pipelined=runtime.pipelined,
         key=layer,
+        wait_timer=runtime.wait_timer,
     )
     if system == "wlb":
         if step is not None:
@@ -171,9 +163,11 @@ def core_attention(
             # compiles once per micro-batch instead)
             if doc_lengths is None:
                 raise ValueError("wlb without a step plan needs the documents (doc_lengths)")
-            prog = meta.upload(meta.compile_wlb(doc_lengths, C, c), query.device)
+            prog = meta.upload(meta.compile_wlb(doc_lengths, C, c, h, hkv, d), query.device)
         _check_slots(prog, t, c, r, step)
-        return PerDocAttention.apply(query, key, value, prog, env)
+        if isinstance(prog, WlbProgram):
+            return PerDocAttention.apply(query, key, value, prog, env)
+        return PlannedAttention.apply(query, key, value, prog, env)  # one cp rank: plain
     if h % C:
         raise ValueError(f"query heads ({h}) must be divisible by cp ({C}) for {system}")
     hl = h // C
@@ -271,7 +265,8 @@ class LibraCoreAttention(torch.nn.Module):
         step = packed_seq_params.libra if ours else None
         doc_lengths = packed_seq_params.doc_lengths if ours else None
         if step is None and self.system == "wlb":  # drop-in use without a step plan
-            step = _drop_in_step(packed_seq_params, doc_lengths, self.runtime, query.device)
+            step = _drop_in_step(packed_seq_params, doc_lengths, self.runtime, query.device,
+                                 (query.shape[-2], key.shape[-2], query.shape[-1]))
         elif step is not None and step.plan is not None and step.plan.system != self.system:
             raise ValueError(
                 f"the micro-batch's step plan is a {step.plan.system} plan; this layer's core "
@@ -301,7 +296,8 @@ AttentionStep): the program made at its first layer's call, which every later la
 backward reuse. Keyed by identity; entries whose tensor is gone are dropped."""
 
 
-def _drop_in_step(packed_seq_params, doc_lengths, runtime: Runtime, device) -> AttentionStep:
+def _drop_in_step(packed_seq_params, doc_lengths, runtime: Runtime, device,
+                  heads: tuple) -> AttentionStep:
     """Per-document CP of a micro-batch that comes without a step plan (a caller of the operator
     outside the training app): its program is compiled and uploaded once per micro-batch - the
     first layer's call - and every later layer and the backward reuse it. The documents come
@@ -322,7 +318,8 @@ def _drop_in_step(packed_seq_params, doc_lengths, runtime: Runtime, device) -> A
         cu_host = np.asarray(cu.tolist() if hasattr(cu, "tolist") else list(cu), dtype=np.int64)
         doc_lengths = np.diff(cu_host)
     g = runtime.groups
-    program = meta.upload(meta.compile_wlb(doc_lengths, g.cp, g.c), device)
+    h, hkv, d = heads
+    program = meta.upload(meta.compile_wlb(doc_lengths, g.cp, g.c, h, hkv, d), device)
     step = AttentionStep(None, 0, program)
     if cacheable:
         for key in [k for k, v in _DROP_IN.items() if v[0]() is None]:

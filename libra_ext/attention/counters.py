@@ -62,6 +62,35 @@ class _HostCopyMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_KERNEL = threading.local()
+
+
+@contextlib.contextmanager
+def inside_kernel():
+    """Mark the block as an attention kernel's own work: a traffic probe
+    (`libra_ext.measure.traffic`) leaves its ops out of the operator's and its transient
+    workspace out of the peak (the reference kernel enters it; the fused kernels are one op)."""
+    depth = getattr(_KERNEL, "depth", 0)
+    _KERNEL.depth = depth + 1
+    try:
+        yield
+    finally:
+        _KERNEL.depth = depth
+        hook = getattr(_KERNEL, "on_exit", None)
+        if hook is not None and depth == 0:
+            hook()
+
+
+def in_kernel() -> bool:
+    """Inside an attention kernel's own work, on this thread."""
+    return getattr(_KERNEL, "depth", 0) > 0
+
+
+def on_kernel_exit(hook) -> None:
+    """Call `hook()` when this thread leaves a kernel (None: no hook)."""
+    _KERNEL.on_exit = hook
+
+
 _patch_lock = threading.Lock()
 
 

@@ -1,42 +1,44 @@
-"""The operator's two autograd Functions, driven by the per-step programs of `meta`.
+"""The operator's two autograd Functions, driven by the per-slot programs of `meta`.
 
-`PlannedAttention` (libra, distca, ulysses) for one rank and one micro-batch:
+`PlannedAttention` (libra, distca, ulysses; wlb at one cp rank) for one rank and micro-batch:
 
-  forward   q, k, v [t, h|hkv, d] --Ulysses all-to-all--> X [C*t, W, d]
-            send buffer = X[send_idx]; every chunk's [Q | K | V] all-to-all posted at once
-            local block: pack = X[gather], <= 2 batched kernel calls, O scattered into the
-                         output buffer [C*t*hl, d] (runs while the chunks are in flight)
-            chunk k:     wait, pack = recv[gather], <= 2 kernel calls, O back (async)
-            received O scattered into the output buffer --Ulysses all-to-all--> [t, h*d]
-  backward  the mirror: dO to the executors (all chunks posted at once, last chunk first),
-            local kernel backward, then chunks last to first: kernel backward, the chunk's
-            dQ/dK/dV (summed in fp32 on the executor) back to its owners right away. A chunk
-            may read KV an earlier chunk delivered, never a later one, so going backwards every
-            chunk's gradients are complete when it is done. Owners sum returns in fp32.
+  forward   q, k, v [t, h|hkv, d] --Ulysses all-to-all, one per tensor--> Xq [S', hl, d],
+                Xk, Xv [S', kvl, d]: the sequence in order (contiguous layout), this rank's
+                head slice; with C = 1 the inputs themselves (no copy at all)
+            pool exchange: every sub-chunk's Q / K / V all-to-alls posted at once (one gather
+                per tensor builds every outgoing message)
+            direct call on X itself -> O [S', hl, d], the layer's output buffer; local packs
+                (rare) scattered into it; meanwhile the exchange is in flight
+            sub-chunk k: wait, one call on the received buffers as they are (packs for the
+                rare rest), its O straight back (async)
+            the returned O scattered into O --Ulysses all-to-all--> [t, h*d]
+  backward  the mirror: dO to the executors first (one gather, sub-chunks last first), the
+            direct call's own backward (its dQ/dK/dV are X's), local packs added in, each
+            sub-chunk's kernel backward on the executor straight back to the owners, the
+            owners' returned dQ written and dK/dV added (one scatter per tensor), Ulysses back.
 
-`PerDocAttention` (wlb): K and V all-gathered in the CP group, the rank's chunks of every
-document in one kernel call, dK/dV reduce-scattered back (summed in fp32).
+`PerDocAttention` (wlb, cp > 1): K and V all-gathered in the CP group, the rank's chunks of
+every document in one kernel call on a key pack gathered from them, dK/dV reduce-scattered back.
 
-Index arrays are int32 (meta.INDEX_DTYPE): gathers are index_select, scatters of distinct
-vectors index_put_, sums index_add_ - all take int32 indices.
+Index arrays are int32 (meta.INDEX_DTYPE), expanded on the device once per slot (`meta.upload`).
+Every collective is issued inside these Functions in one fixed order on every rank. Kernel calls
+go through `kernels.Backend.attend` with their own autograd graph: the forward keeps each call's
+(q, k, v leaves, output) and the backward runs the kernel's own backward from them. A call's
+output is written in place (through `.data`) only on rows the call gave no keys: the kernel's
+backward reads O only through rowsum(dO * O) of rows with keys, so its gradients do not change.
 
-Every collective is issued inside these Functions in one fixed order on every rank, so
-autograd never interleaves collectives differently on different ranks. Kernel calls go
-through `kernels.Backend.attend` with their own autograd graph: the forward keeps each call's
-(q, k, v leaves, output) and the backward runs the kernel's own backward from them.
+Gradients of K/V rows read by tiles on several members are summed in the compute dtype, one
+addition per member that read them (the kernels sum inside a call in fp32).
 
-Legend: t local slots, C cp ranks, h/hkv query/KV heads of this tp rank, hl/kvl the Ulysses
-slice, W = hl + 2 kvl, d head dim; counts in the programs are vectors of d elements.
-
-Shape legend (shared by the attention modules; `meta` gives the index-array details):
-  S tokens of a packed sequence; C cp ranks; t = S / C (padded) tokens of one cp rank;
-  h, h_kv query and KV heads of a rank (after tp); hl = h / C, kvl = max(1, h_kv / C) heads of
-  its Ulysses slice; d head dim; W = hl + 2 kvl vectors per token of the Ulysses buffer
-  X [C*t, W, d]; P pool members; n_q, n_k rows and hc, hk heads of one batched kernel call.
+Shape legend (shared by the attention modules; `meta` gives the program's details):
+  C cp ranks; t slots of one cp rank; S' = C t rows of X; h, h_kv query and KV heads of a rank
+  (after tp); hl = h / C, kvl = max(1, h_kv / C) heads of its Ulysses slice; gl = hl / kvl;
+  d head dim; P pool members; n_q, n_k rows and hc, hk heads of one batched kernel call.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +46,7 @@ import torch
 from libra_ext.attention.comm import ByteCounter, all_gather_rows, all_to_all
 from libra_ext.attention.counters import CallCounts, RuntimeStats
 from libra_ext.attention.kernels import Backend
-from libra_ext.attention.meta import Block, SlotProgram, WlbProgram
+from libra_ext.attention.meta import CallPlan, PackCall, SlotProgram, SubChunk, WlbProgram
 
 
 @dataclass
@@ -59,7 +61,43 @@ class ExecEnv:
     stats: RuntimeStats
     pipelined: bool = True
     key: object = None
+    wait_timer: object = None
+    """A context-manager factory timing the waits for exchange transfers (Megatron-LM's
+    timers at --timing-log-level 2); None: not timed."""
     """Names the calling layer (the TE backend keeps one module per layer)."""
+
+
+class _Call:
+    """One kernel call with its own autograd graph: forward on (views of) its inputs, the
+    kernel's own backward later."""
+
+    def __init__(self, call: CallPlan, q, k, v, env: ExecEnv, counts: CallCounts):
+        self.leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+        with torch.enable_grad():
+            self.out = env.kernel.attend(*self.leaves, call.seg, env.scale, env.key)
+        counts.kernel_calls += 1
+
+    def backward(self, grad, counts: CallCounts) -> tuple:
+        """(dq, dk, dv) of the call for output gradient `grad`; the graph is released."""
+        g = torch.autograd.grad(self.out, self.leaves, grad)
+        self.out = self.leaves = None
+        counts.kernel_calls += 1
+        return g
+
+
+def _a2a(out, inp, out_vec, in_vec, d, group, env: ExecEnv, kind: str, async_op: bool):
+    """all_to_all_single of flat [n, d] buffers with splits in vectors."""
+    w = all_to_all(out.view(-1), inp.reshape(-1), [n * d for n in out_vec],
+                   [n * d for n in in_vec], group, env.counter, kind, async_op=async_op)
+    return w if async_op else None
+
+
+def _cp_a2a(x: torch.Tensor, C: int, d: int, env: ExecEnv, kind: str) -> torch.Tensor:
+    """Equal all-to-all over the CP group of x [C, ...] (block j to cp rank j)."""
+    y = torch.empty_like(x)
+    rows = x.numel() // (C * d)
+    _a2a(y, x, [rows] * C, [rows] * C, d, env.cp_group, env, kind, False)
+    return y
 
 
 def _put_kv(dst: torch.Tensor, src: torch.Tensor, C: int, hl: int) -> None:
@@ -78,161 +116,34 @@ def _take_kv(src: torch.Tensor, C: int, hl: int, hkv: int) -> torch.Tensor:
     g = (hl * C) // hkv
     if hl >= g:
         return src.transpose(0, 1).reshape(t, hkv, d)
-    s = src.reshape(hkv, g // hl, t, d).sum(1, dtype=torch.float32)
+    s = src.reshape(hkv, g // hl, t, d).sum(1, dtype=torch.promote_types(src.dtype,
+                                                                          torch.float32))
     return s.to(src.dtype).transpose(0, 1).contiguous()
 
 
-def _run_calls(pack: torch.Tensor, block: Block, env: ExecEnv, d: int, counts: CallCounts):
-    """Forward of a block's calls on views of its pack; returns (outputs, leaves)."""
-    outs, leaves = [], []
-    for call in block.calls:
-        q, k, v = (x.detach().requires_grad_() for x in call.views(pack, d))
-        with torch.enable_grad():
-            outs.append(env.kernel.attend(q, k, v, call.seg, env.scale, env.key))
-        leaves.append((q, k, v))
-        counts.kernel_calls += 1
-    return outs, leaves
-
-
-def _backward_calls(outs, leaves, grads, counts: CallCounts):
-    """The kernels' own backward for a block: [(dq, dk, dv)] per call."""
-    flat = [x for qkv in leaves for x in qkv]
-    g = torch.autograd.grad(outs, flat, grads)
-    counts.kernel_calls += len(outs)
-    return [g[3 * i : 3 * i + 3] for i in range(len(outs))]
-
-
-_CAST_PIECES = 4
-"""A gradient summed into a buffer of a wider dtype is cast in this many pieces, so the cast copy
-alive at once is a quarter of it (a fixed number of kernels, whatever the call's size)."""
-
-
-def _accumulate(buf: torch.Tensor, block: Block, calls_grads, d: int, copy: bool) -> None:
-    """Add (or, when every pack vector is distinct, copy) a block's pack gradients into buf."""
-    for call, grads in zip(block.calls, calls_grads):
-        for (lo, n, _), gr in zip(call.parts(), grads):
-            idx = block.gather[lo : lo + n]
-            src = gr.reshape(-1, d)
-            if copy:
-                buf.index_put_((idx,), src.to(buf.dtype))
-            elif src.dtype == buf.dtype:
-                buf.index_add_(0, idx, src)
-            else:
-                step = -(-n // _CAST_PIECES)
-                for a in range(0, n, step):
-                    buf.index_add_(0, idx[a : a + step], src[a : a + step].to(buf.dtype))
-
-
-class _Accumulator:
-    """The gradient of X ([C*t*W, d] in the compute dtype), built from the blocks' pack
-    gradients and the returned ones: Q vectors written (each is a gradient of one tile), K/V
-    vectors summed - into dX itself when dKV is None (an exact dtype, or no vector repeats),
-    else into dKV ([C*t*2kvl, d] fp32, rows of dX's K/V vectors), cast into dX by finish()."""
-
-    def __init__(self, dX, dKV, W: int, hl: int, kvl: int):
-        self.dX, self.dKV, self.W, self.hl, self.kvl = dX, dKV, W, hl, kvl
-
-    def _kv_rows(self, idx):
-        # X vector (token row * W + head, head >= hl) -> its row of dKV
-        row = torch.div(idx, self.W, rounding_mode="floor")
-        return row * (2 * self.kvl) + (idx - row * self.W - self.hl)
-
-    def add_block(self, block: Block, calls_grads, d: int, copy: bool) -> None:
-        if self.dKV is None:
-            _accumulate(self.dX, block, calls_grads, d, copy)
-            return
-        for call, grads in zip(block.calls, calls_grads):
-            for part, ((lo, n, _), gr) in enumerate(zip(call.parts(), grads)):
-                idx = block.gather[lo : lo + n]
-                if part == 0:  # the call's Q vectors: each appears once
-                    self.dX.index_put_((idx,), gr.reshape(-1, d))
-                else:
-                    self._add_kv(idx, gr.reshape(-1, d))
-
-    def _add_kv(self, idx, src) -> None:
-        n = len(idx)
-        step = -(-n // _CAST_PIECES)
-        for a in range(0, n, step):  # cast piece by piece
-            self.dKV.index_add_(0, self._kv_rows(idx[a : a + step]),
-                                src[a : a + step].to(self.dKV.dtype))
-
-    def add_returned(self, prog: SlotProgram, d_send) -> None:
-        """The gradients of my vectors that other members' tiles read, returned in my send
-        buffer's layout (per chunk and member: [Q | K | V])."""
-        if self.dKV is None:
-            self.dX.index_add_(0, prog.send_idx, d_send.to(self.dX.dtype))
-            return
-        o = 0
-        for c in prog.chunks:
-            for n, nq in zip(c.qkv_send, c.q_send):
-                if nq:
-                    self.dX.index_add_(0, prog.send_idx[o : o + nq], d_send[o : o + nq])
-                if n > nq:
-                    self._add_kv(prog.send_idx[o + nq : o + n], d_send[o + nq : o + n])
-                o += n
-
-    def finish(self) -> None:
-        if self.dKV is not None:  # K/V rows into their slots of dX (one strided copy)
-            view = self.dX.view(-1, self.W, self.dX.shape[-1])
-            view[:, self.hl :].copy_(self.dKV.view(view.shape[0], 2 * self.kvl, -1))
-
-
-def _place_outputs(dst: torch.Tensor, block: Block, outs, d: int) -> None:
-    """Scatter a block's call outputs to their vectors of dst (block.out; in order when None)."""
-    for call, o in zip(block.calls, outs):
-        if block.out is None:
-            dst[call.out_off : call.out_off + call.n_out].copy_(o.reshape(-1, d))
-        else:
-            dst.index_put_((block.out[call.out_off : call.out_off + call.n_out],),
-                           o.reshape(-1, d))
-
-
-def _output_grads(src: torch.Tensor, block: Block, d: int) -> list:
-    """The mirror of placing a block's outputs: each call's [n_q, hc, d] gradient read from
-    src, at block.out (or in order when the outputs were in order)."""
-    out = []
-    for call in block.calls:
-        if block.out is None:
-            g = src[call.out_off : call.out_off + call.n_out]
-        else:
-            g = src.index_select(0, block.out[call.out_off : call.out_off + call.n_out])
-        out.append(g.view(call.n_q, call.hc, d))
-    return out
-
-
-def _outputs_in_order(outs, block: Block, n: int, like: torch.Tensor, d: int) -> torch.Tensor:
-    """A chunk block's outputs laid out as its O message (owner-major)."""
-    if block.out is None:
-        flat = [o.reshape(-1, d) for o in outs]
-        return flat[0] if len(flat) == 1 else torch.cat(flat)
-    msg = like.new_empty(n, d)
-    _place_outputs(msg, block, outs, d)
-    return msg
-
-
-def _cp_a2a(x: torch.Tensor, C: int, rows: int, d: int, env: ExecEnv, kind: str):
-    """Equal all-to-all over the CP group of x ([C * rows] vectors: block j to cp rank j); x
-    itself without context parallelism."""
+def _ulysses_in(q, k, v, prog: SlotProgram, env: ExecEnv) -> tuple:
+    """(Xq, Xk, Xv): one all-to-all per tensor over the CP group (the receive is the kernel's
+    input, in sequence order); with C = 1 the tensors themselves."""
+    C, hl, kvl = prog.cp, prog.heads_local, prog.kv_heads_local
     if C == 1:
-        return x
-    y = torch.empty_like(x)
-    _a2a(y, x, [rows] * C, [rows] * C, d, env.cp_group, env, kind, False)
-    return y
+        return q, k, v
+    t, _, d = q.shape
+    sq = q.new_empty(C, t, hl, d)
+    sq.copy_(q.view(t, C, hl, d).transpose(0, 1))
+    xq = _cp_a2a(sq, C, d, env, "ulysses.q").view(C * t, hl, d)
+    del sq
+    out = [xq]
+    for x, kind in ((k, "ulysses.k"), (v, "ulysses.v")):
+        s = x.new_empty(C, t, kvl, d)
+        _put_kv(s, x, C, hl)
+        out.append(_cp_a2a(s, C, d, env, kind).view(C * t, kvl, d))
+        del s
+    return tuple(out)
 
 
-def _a2a(out, inp, out_vec, in_vec, d, group, env: ExecEnv, kind: str, async_op: bool):
-    """all_to_all_single of flat [n, d] buffers with splits in vectors."""
-    w = all_to_all(
-        out.view(-1),
-        inp.reshape(-1),
-        [n * d for n in out_vec],
-        [n * d for n in in_vec],
-        group,
-        env.counter,
-        kind,
-        async_op=async_op,
-    )
-    return w if async_op else None
+def _flat(x: torch.Tensor, d: int) -> torch.Tensor:
+    """x as [vectors, d] (a view of a contiguous tensor)."""
+    return x.view(-1, d) if x.is_contiguous() else x.reshape(-1, d)
 
 
 class PlannedAttention(torch.autograd.Function):
@@ -246,91 +157,31 @@ class PlannedAttention(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, prog, env, counts):
         t, h, d = q.shape
-        C, hkv = prog.cp, k.shape[1]
-        hl, kvl = prog.heads_local, prog.kv_heads_local
-        W = hl + 2 * kvl
-        # Ulysses in: [t, h, d] -> X [C*t, W, d] (rank-major slots, my head slice)
-        send = q.new_empty(C, t, W, d)
-        send[:, :, :hl].copy_(q.reshape(t, C, hl, d).transpose(0, 1))
-        _put_kv(send[:, :, hl : hl + kvl], k, C, hl)
-        _put_kv(send[:, :, hl + kvl :], v, C, hl)
-        X = _cp_a2a(send, C, t * W, d, env, "ulysses.in")
-        del send  # (with cp > 1 X is a copy: free the send buffer now)
-        xf = X.view(-1, d)
-        pool, pipelined = env.pool_group, env.pipelined
-        # pool exchange: every chunk's Q/K/V in flight before any compute
-        works = []
-        if prog.chunks:
-            send_all = xf.index_select(0, prog.send_idx)
-            recv_all = xf.new_empty(prog.n_recv, d)
-            for c in prog.chunks:
-                works.append(
-                    _a2a(
-                        recv_all[c.recv_off : c.recv_off + c.n_recv],
-                        send_all[c.send_off : c.send_off + c.n_send],
-                        c.qkv_recv,
-                        c.qkv_send,
-                        d,
-                        pool,
-                        env,
-                        "pool.qkv",
-                        pipelined,
-                    )
-                )
-        local_pack = xf.index_select(0, prog.local.gather) if prog.local is not None else None
-        # Every buffer is released once its last reader has run (device memory of a layer call:
-        # the packs the kernels keep for backward, and what is in flight): X now, as the send
-        # buffer and the local pack hold what is read of it.
-        del X, xf
-        out_flat = q.new_zeros(C * t * hl, d)
-        saved = {}
-        if local_pack is not None:  # my own tiles, while the exchange is in flight
-            b = prog.local
-            outs, leaves = _run_calls(local_pack, b, env, d, counts)
-            del local_pack  # the kernel's leaves are views of it
-            _place_outputs(out_flat, b, outs, d)
-            saved["local"] = (outs, leaves)
-        o_works = []
-        if prog.chunks:
-            o_recv_all = q.new_empty(prog.n_o_recv, d)
-            for i, c in enumerate(prog.chunks):
-                if works[i] is not None:
-                    works[i].wait()
-                if c.block is not None:
-                    pack = recv_all.index_select(0, c.block.gather)
-                    outs, leaves = _run_calls(pack, c.block, env, d, counts)
-                    del pack
-                    o_send = _outputs_in_order(outs, c.block, c.n_o_send, q, d)
-                    saved[i] = (outs, leaves)
-                else:
-                    o_send = q.new_empty(0, d)
-                o_works.append(
-                    _a2a(
-                        o_recv_all[c.o_recv_off : c.o_recv_off + c.n_o_recv],
-                        o_send,
-                        c.o_recv,
-                        c.o_send,
-                        d,
-                        pool,
-                        env,
-                        "pool.o",
-                        pipelined,
-                    )
-                )
-            del send_all, recv_all, works, o_send  # every Q/K/V message has arrived
-            for w in o_works:
-                if w is not None:
-                    w.wait()
-            del o_works
-            out_flat.index_put_((prog.o_out_idx,), o_recv_all)
-            del o_recv_all
-        # Ulysses out: [C*t*hl, d] (block j: rank j's slots) -> [t, h*d]
-        Y = _cp_a2a(out_flat, C, t * hl, d, env, "ulysses.out")
-        del out_flat
-        ctx.prog, ctx.env, ctx.saved = prog, env, saved
-        ctx.shape = (t, h, hkv, d)
-        ctx.dtype = q.dtype
-        return Y.view(C, t, hl, d).permute(1, 0, 2, 3).reshape(t, h * d)
+        C, hl = prog.cp, prog.heads_local
+        xq, xk, xv = _ulysses_in(q, k, v, prog, env)
+        moving = bool(prog.subchunks)
+        xqf = _flat(xq, d) if moving or prog.lpacks else None
+        xkf, xvf = (_flat(xk, d), _flat(xv, d)) if moving or prog.lpacks else (None, None)
+        ex = _Exchange(prog, env, d, xq.dtype, xq.device)
+        if moving:  # every sub-chunk's Q / K / V in flight before any compute
+            ex.post_inputs(xqf, xkf, xvf)
+        direct = _Call(prog.direct, xq, xk, xv, env, counts)
+        o = direct.out.data  # [S', hl, d]: the layer's O, written in place where others run
+        of = o.view(-1, d)
+        lpacks = [_run_pack(p, xqf, xkf, xvf, env, counts, of) for p in prog.lpacks]
+        if prog.tokens < prog.rows:
+            o[prog.tokens:].zero_()  # the padding rows past the sequence
+        executed = ex.execute(counts) if moving else []
+        if moving:
+            ex.place_outputs(of)
+        del xqf, xkf, xvf, xq, xk, xv
+        ctx.prog, ctx.env = prog, env
+        ctx.graph = (direct, lpacks, executed, ex)
+        ctx.shape = (t, h, k.shape[1], d)
+        if C == 1:
+            return direct.out.detach().view(t, h * d)
+        y = _cp_a2a(o.view(C, t, hl, d), C, d, env, "ulysses.o")
+        return y.permute(1, 0, 2, 3).reshape(t, h * d)
 
     @staticmethod
     def backward(ctx, grad):
@@ -339,103 +190,201 @@ class PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad, counts):
-        prog, env, saved = ctx.prog, ctx.env, ctx.saved
+        prog, env = ctx.prog, ctx.env
+        direct, lpacks, executed, ex = ctx.graph
+        ctx.graph = None
         t, h, hkv, d = ctx.shape
-        C, hl, kvl = prog.cp, prog.heads_local, prog.kv_heads_local
-        W = hl + 2 * kvl
-        dtype = ctx.dtype
-        pool, pipelined = env.pool_group, env.pipelined
-        dY = grad.reshape(t, C, hl, d).transpose(0, 1).contiguous()
-        d_out = _cp_a2a(dY, C, t * hl, d, env, "ulysses.out.bwd")
-        del dY
-        dof = d_out.view(-1, d)
-        chunks = prog.chunks
-        n_ch = len(chunks)
-        # dO to the executors, a chunk ahead of its backward: chunks are processed last first,
-        # and one chunk's dO is in flight while the local tiles' (then the previous chunk's)
-        # backward runs, so a rank holds at most two chunks' dO at once.
-        d_o_recv = [None] * n_ch
-        do_works = [None] * n_ch
+        C, hl = prog.cp, prog.heads_local
+        if C == 1:
+            do = grad.view(t, hl, d)
+        else:
+            dy = grad.view(t, C, hl, d).transpose(0, 1).contiguous()
+            do = _cp_a2a(dy, C, d, env, "ulysses.o.bwd").view(C * t, hl, d)
+            del dy
+        if not do.is_contiguous():
+            do = do.contiguous()
+        dof = do.view(-1, d)
+        if executed:
+            ex.post_grads(dof)
+        dq, dk, dv = direct.backward(do, counts)
+        del direct
+        if lpacks or executed:
+            dqf, dkf, dvf = _flat(dq, d), _flat(dk, d), _flat(dv, d)
+            for p, call in lpacks:
+                _pack_backward(p, call, dof, dqf, dkf, dvf, counts)
+            if executed:
+                ex.return_grads(executed, counts)
+                ex.add_returned(dqf, dkf, dvf)
+        del do, dof, ex, lpacks, executed
+        if C == 1:
+            return dq, dk, dv, None, None
+        return _ulysses_out(dq, dk, dv, prog, env, (t, h, hkv, d)) + (None, None)
 
-        def post_do(i):
-            c = chunks[i]
-            d_o_recv[i] = d_o_send.new_empty(c.n_o_send, d)
-            do_works[i] = _a2a(d_o_recv[i], d_o_send[c.o_recv_off : c.o_recv_off + c.n_o_recv],
-                               c.o_send, c.o_recv, d, pool, env, "pool.do", pipelined)
 
-        if n_ch:
-            d_o_send = dof.index_select(0, prog.o_out_idx)
-            post_do(n_ch - 1)
-        local = saved.pop("local", None)  # released as soon as its backward has run
-        local_grads = _output_grads(dof, prog.local, d) if local is not None else None
-        del d_out, dof  # (the local gradients are views of it where its outputs were in order)
-        exact = dtype == torch.float32 or dtype == torch.float64
-        copy_local = prog.local_unique and not n_ch
-        buf_dtype = dtype if (exact or copy_local) else torch.float32
-        # dX in the compute dtype: a Q vector's gradient is written once (its tile runs once);
-        # K/V rows read by several tiles are summed in fp32 in dKV (rows x 2 kvl) when the
-        # dtype is narrower and they can repeat, and written into dX at the end.
-        calls_grads = None
-        if local is not None:  # (before dX exists: the kernel's gradients and dX never overlap
-            outs, leaves = local  # with the saved pack and output)
-            del local
-            calls_grads = _backward_calls(outs, leaves, local_grads, counts)
-            del outs, leaves, local_grads
-        dX = grad.new_zeros(C * t * W, d, dtype=dtype)
-        dKV = None if buf_dtype == dtype else grad.new_zeros(C * t * 2 * kvl, d, dtype=buf_dtype)
-        acc = _Accumulator(dX, dKV, W, hl, kvl)
-        if calls_grads is not None:
-            acc.add_block(prog.local, calls_grads, d, copy_local)
-            del calls_grads
-        if n_ch:
-            d_recv = dX.new_zeros(prog.n_recv, d, dtype=buf_dtype)
-            d_send = dX.new_empty(prog.n_send, d, dtype=dtype)
-            ret_works = []
-            for i in reversed(range(n_ch)):
-                c = chunks[i]
-                if do_works[i] is not None:
-                    do_works[i].wait()
-                do_works[i], msg, d_o_recv[i] = None, d_o_recv[i], None
-                if i:
-                    post_do(i - 1)
-                if i in saved:
-                    outs, leaves = saved.pop(i)
-                    grads = _output_grads(msg, c.block, d)
-                    calls_grads = _backward_calls(outs, leaves, grads, counts)
-                    del outs, leaves, grads
-                    _accumulate(d_recv, c.block, calls_grads, d, False)
-                    del calls_grads
-                del msg
-                ret = d_recv[c.recv_off : c.recv_off + c.n_recv].to(dtype)
-                ret_works.append(
-                    _a2a(
-                        d_send[c.send_off : c.send_off + c.n_send],
-                        ret,
-                        c.qkv_send,
-                        c.qkv_recv,
-                        d,
-                        pool,
-                        env,
-                        "pool.dqkv",
-                        pipelined,
-                    )
-                )
-            for w in ret_works:
-                if w is not None:
-                    w.wait()
-            del ret_works, ret, d_recv, d_o_send
-            acc.add_returned(prog, d_send)
-            del d_send
-        acc.finish()
-        del acc, dKV
-        dX = dX.view(C, t, W, d)
-        dsend = _cp_a2a(dX, C, t * W, d, env, "ulysses.in.bwd")
-        del dX
-        dq = dsend[:, :, :hl].transpose(0, 1).reshape(t, h, d)
-        dk = _take_kv(dsend[:, :, hl : hl + kvl], C, hl, hkv)
-        dv = _take_kv(dsend[:, :, hl + kvl :], C, hl, hkv)
-        ctx.saved = None
-        return dq, dk, dv, None, None
+def _ulysses_out(dq, dk, dv, prog: SlotProgram, env: ExecEnv, shape) -> tuple:
+    """The Ulysses all-to-alls backwards: X's gradients to each rank's tokens and heads."""
+    t, h, hkv, d = shape
+    C, hl, kvl = prog.cp, prog.heads_local, prog.kv_heads_local
+    rq = _cp_a2a(dq.view(C, t, hl, d), C, d, env, "ulysses.q.bwd")
+    out = [rq.transpose(0, 1).reshape(t, h, d)]
+    del rq
+    for x, kind in ((dk, "ulysses.k.bwd"), (dv, "ulysses.v.bwd")):
+        r = _cp_a2a(x.view(C, t, kvl, d), C, d, env, kind)
+        out.append(_take_kv(r, C, hl, hkv))
+    return tuple(out)
+
+
+def _run_pack(p: PackCall, qf, kf, vf, env: ExecEnv, counts: CallCounts, of=None):
+    """A pack's call on vectors gathered from the sources; its outputs scattered into `of` at
+    its query vectors (when given). Returns (the pack, its _Call)."""
+    d = qf.shape[-1]
+    c = p.call
+    call = _Call(c, qf.index_select(0, p.q.idx).view(-1, c.hc, d),
+                 kf.index_select(0, p.k.idx).view(-1, c.hk, d),
+                 vf.index_select(0, p.k.idx).view(-1, c.hk, d), env, counts)
+    if of is not None:
+        of.index_put_((p.q.idx,), call.out.detach().view(-1, d))
+    return p, call
+
+
+def _pack_backward(p: PackCall, call: _Call, dof, dqf, dkf, dvf, counts: CallCounts) -> None:
+    """A pack's backward: dO gathered at its query vectors; dQ written there (each query vector
+    is one piece's), dK/dV added at its key vectors."""
+    d = dof.shape[-1]
+    g = dof.index_select(0, p.q.idx).view(-1, p.call.hc, d)
+    gq, gk, gv = call.backward(g, counts)
+    dqf.index_put_((p.q.idx,), gq.view(-1, d))
+    dkf.index_add_(0, p.k.idx, gk.view(-1, d))
+    dvf.index_add_(0, p.k.idx, gv.view(-1, d))
+
+
+def _wait(works: list, env: ExecEnv) -> None:
+    """Wait for posted transfers (None: a synchronous one, done), timed when asked."""
+    works = [w for w in works if w is not None]
+    if not works:
+        return
+    with env.wait_timer() if env.wait_timer is not None else contextlib.nullcontext():
+        for w in works:
+            w.wait()
+
+
+class _Exchange:
+    """The pool exchange of one layer call: messages, the executor's calls, the returns."""
+
+    def __init__(self, prog: SlotProgram, env: ExecEnv, d: int, dtype, device):
+        self.prog, self.env, self.d = prog, env, d
+        self.new = lambda n: torch.empty(n, d, dtype=dtype, device=device)
+        self.zeros = lambda n: torch.zeros(n, d, dtype=dtype, device=device)
+
+    def _post(self, out, inp, sc: SubChunk, kind: str, q: bool, back: bool):
+        """One all-to-all of sub-chunk `sc` (Q-sized or KV-sized messages), owners to executors
+        or (`back`) executors to owners."""
+        to_exe = (sc.q_recv, sc.q_send) if q else (sc.kv_recv, sc.kv_send)
+        out_vec, in_vec = to_exe[::-1] if back else to_exe
+        return _a2a(out, inp, out_vec, in_vec, self.d, self.env.pool_group, self.env, kind,
+                    self.env.pipelined)
+
+    def post_inputs(self, xqf, xkf, xvf) -> None:
+        """Every sub-chunk's Q / K / V messages out (one gather per tensor builds them all);
+        each sub-chunk's arrive in buffers of their own (a pack sub-chunk's are freed once
+        gathered, a direct one's are what its kernel keeps)."""
+        p = self.prog
+        sq = xqf.index_select(0, p.send_q.idx)
+        sk = xkf.index_select(0, p.send_kv.idx)
+        sv = xvf.index_select(0, p.send_kv.idx)
+        self.recv, self.in_works = [], []
+        for sc in p.subchunks:
+            qs = slice(sc.q_send_off, sc.q_send_off + sc.n_q_send)
+            ks = slice(sc.kv_send_off, sc.kv_send_off + sc.n_kv_send)
+            rq, rk, rv = self.new(sc.n_q_recv), self.new(sc.n_kv_recv), self.new(sc.n_kv_recv)
+            self.recv.append((rq, rk, rv))
+            self.in_works.append([self._post(rq, sq[qs], sc, "pool.q", True, False),
+                                  self._post(rk, sk[ks], sc, "pool.k", False, False),
+                                  self._post(rv, sv[ks], sc, "pool.v", False, False)])
+
+    def execute(self, counts: CallCounts) -> list:
+        """Each sub-chunk as it arrives: its calls, its O back to the owners (async). Returns
+        per sub-chunk its calls' graphs."""
+        p, d = self.prog, self.d
+        self.o_recv = self.new(p.n_q_send)
+        self.o_works, done = [], []
+        for i, (sc, works) in enumerate(zip(p.subchunks, self.in_works)):
+            _wait(works, self.env)
+            q, k, v = self.recv[i]
+            self.recv[i] = None
+            if sc.call is not None:  # direct: the kernel on the received buffers themselves
+                c = sc.call
+                call = _Call(c, q.view(-1, c.hc, d), k.view(-1, 1, d), v.view(-1, 1, d),
+                             self.env, counts)
+                msg, graph = call.out.detach().view(-1, d), [(None, call)]
+            elif sc.packs:
+                msg = self.new(sc.n_q_recv)
+                graph = [_run_pack(pk, q, k, v, self.env, counts, msg) for pk in sc.packs]
+            else:
+                msg, graph = self.new(0), []
+            del q, k, v
+            done.append(graph)
+            self.o_works.append(self._post(self.o_recv[sc.q_send_off:sc.q_send_off + sc.n_q_send],
+                                           msg, sc, "pool.o", True, True))
+        del self.in_works, self.recv
+        return done
+
+    def place_outputs(self, of) -> None:
+        """The returned O of this rank's moved units into its O buffer."""
+        _wait(self.o_works, self.env)
+        of.index_put_((self.prog.send_q.idx,), self.o_recv)
+        del self.o_recv, self.o_works
+
+    def post_grads(self, dof) -> None:
+        """dO of the moved units to their executors, last sub-chunk first (the order their
+        backward runs in)."""
+        p = self.prog
+        send = dof.index_select(0, p.send_q.idx)
+        self.d_o, self.do_works = {}, {}
+        for i in reversed(range(len(p.subchunks))):
+            sc = p.subchunks[i]
+            self.d_o[i] = self.new(sc.n_q_recv)
+            self.do_works[i] = self._post(self.d_o[i],
+                                          send[sc.q_send_off:sc.q_send_off + sc.n_q_send], sc,
+                                          "pool.do", True, False)
+
+    def return_grads(self, executed: list, counts: CallCounts) -> None:
+        """Each sub-chunk's kernel backward on this executor (last first), its dQ / dK / dV
+        straight back to the owners."""
+        p, d = self.prog, self.d
+        self.dq_ret, self.dk_ret, self.dv_ret = self.new(p.n_q_send), self.new(p.n_kv_send), \
+            self.new(p.n_kv_send)
+        self.ret_works = []
+        for i in reversed(range(len(p.subchunks))):
+            sc, graph = p.subchunks[i], executed[i]
+            _wait([self.do_works[i]], self.env)
+            g = self.d_o.pop(i)
+            if sc.call is not None:
+                gq, gk, gv = graph[0][1].backward(g.view(-1, sc.call.hc, d), counts)
+                gq, gk, gv = gq.view(-1, d), gk.view(-1, d), gv.view(-1, d)
+            else:  # a stream's keys are read by several pieces: their gradients add up
+                gq, gk, gv = self.new(sc.n_q_recv), self.zeros(sc.n_kv_recv), \
+                    self.zeros(sc.n_kv_recv)
+                for pk, call in graph:
+                    _pack_backward(pk, call, g, gq, gk, gv, counts)
+            del g
+            qs = slice(sc.q_send_off, sc.q_send_off + sc.n_q_send)
+            ks = slice(sc.kv_send_off, sc.kv_send_off + sc.n_kv_send)
+            self.ret_works += [self._post(self.dq_ret[qs], gq, sc, "pool.dq", True, True),
+                               self._post(self.dk_ret[ks], gk, sc, "pool.dk", False, True),
+                               self._post(self.dv_ret[ks], gv, sc, "pool.dv", False, True)]
+            executed[i] = None
+        del self.d_o, self.do_works
+
+    def add_returned(self, dqf, dkf, dvf) -> None:
+        """The gradients of this rank's moved units: dQ written (each query vector ran once),
+        dK / dV added to the local ones."""
+        _wait(self.ret_works, self.env)
+        p = self.prog
+        dqf.index_put_((p.send_q.idx,), self.dq_ret)
+        dkf.index_add_(0, p.send_kv.idx, self.dk_ret)
+        dvf.index_add_(0, p.send_kv.idx, self.dv_ret)
+        del self.ret_works, self.dq_ret, self.dk_ret, self.dv_ret
 
 
 class PerDocAttention(torch.autograd.Function):
@@ -445,60 +394,38 @@ class PerDocAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, prog: WlbProgram, env: ExecEnv):
         with env.stats.watch("fwd", prog.tiles_executed, 1) as counts:
             t, h, d = q.shape
-            hkv, C = k.shape[1], prog.cp
-            kv = torch.cat([k, v], dim=1)  # [t, 2 hkv, d]
-            if C > 1:
-                kv = all_gather_rows(kv, env.cp_group, env.counter, "wlb.kv")  # [C*t, ...]
-            ql = q.detach().requires_grad_()  # the local slots are the query pack as they are
-            kl = kv[:, :hkv].index_select(0, prog.kv_rows).requires_grad_()
-            vl = kv[:, hkv:].index_select(0, prog.kv_rows).requires_grad_()
-            del kv  # the key and value packs hold what the kernel reads of it
-            with torch.enable_grad():
-                o = env.kernel.attend(ql, kl, vl, prog.call.seg, env.scale, env.key)
-            counts.kernel_calls += 1
-            real = prog.real.to(o.dtype)[:, None, None]
-            # Padding slots' outputs are zeroed in the kernel's own output, which it keeps for
-            # its backward: a flash backward reads O only through D = rowsum(dO * O), and the
-            # padding rows' dO is zeroed too (backward), so D and every gradient are unchanged.
-            # The output is then a view of it, not a second copy. (.data: the change is not an
-            # autograd edit of the saved tensor, which the kernel's backward would refuse.)
-            o.data.mul_(real)
-            ctx.prog, ctx.env, ctx.graph, ctx.real = prog, env, (o, (ql, kl, vl)), real
+            hkv = k.shape[1]
+            kg = all_gather_rows(k, env.cp_group, env.counter, "wlb.k")  # [C*t, hkv, d]
+            vg = all_gather_rows(v, env.cp_group, env.counter, "wlb.v")
+            rows = prog.kv.idx
+            call = _Call(prog.call, q, kg.index_select(0, rows), vg.index_select(0, rows), env,
+                         counts)
+            del kg, vg  # the key and value packs hold what the kernel reads of them
+            o = call.out.data
+            if prog.pad.size:  # padding slots attend to nothing: zero, whatever the kernel wrote
+                o.index_put_((prog.pad.idx,), o.new_zeros(()))
+            ctx.prog, ctx.env, ctx.call = prog, env, call
             ctx.shape = (t, h, hkv, d)
-            return o.detach().view(t, h * d)
+            return call.out.detach().view(t, h * d)
 
     @staticmethod
     def backward(ctx, grad):
         with ctx.env.stats.watch("bwd") as counts:
             prog, env = ctx.prog, ctx.env
             t, h, hkv, d = ctx.shape
-            o, leaves = ctx.graph
-            ctx.graph = None  # the packs and the output are released once the kernel is done
-            dq, dk, dv = torch.autograd.grad(o, leaves, grad.reshape(t, h, d) * ctx.real)
-            del o, leaves
-            counts.kernel_calls += 1
-            dtype = dq.dtype
+            call, ctx.call = ctx.call, None
+            dq, dk, dv = call.backward(grad.view(t, h, d), counts)
+            del call
             C = prog.cp
-            acc = torch.promote_types(dtype, torch.float32)
-            buf = dk.new_zeros(C * t, 2 * hkv, d, dtype=acc)
-            n_k = len(prog.kv_rows)
-            step = -(-n_k // _CAST_PIECES)
-            for a in range(0, n_k, step):  # summed in fp32, cast piece by piece
-                rows = prog.kv_rows[a : a + step]
-                buf[:, :hkv].index_add_(0, rows, dk[a : a + step].to(acc))
-                buf[:, hkv:].index_add_(0, rows, dv[a : a + step].to(acc))
-            del dk, dv
-            if C > 1:  # reduce-scatter: rank j gets every rank's gradient of its rows, summed
-                send = buf.to(dtype)
+            out = []
+            for g, kind in ((dk, "wlb.k.bwd"), (dv, "wlb.v.bwd")):
+                buf = g.new_zeros(C * t, hkv, d)
+                buf.index_add_(0, prog.kv.idx, g)
+                # reduce-scatter: rank j gets every rank's gradient of its rows, summed
+                recv = torch.empty_like(buf)
+                n = t * hkv * d
+                all_to_all(recv.view(-1), buf.view(-1), [n] * C, [n] * C, env.cp_group,
+                           env.counter, kind)
                 del buf
-                recv = torch.empty_like(send)
-                n = t * 2 * hkv * d
-                all_to_all(recv.view(-1), send.view(-1), [n] * C, [n] * C, env.cp_group,
-                           env.counter, "wlb.kv.bwd")
-                del send
-                mine = recv.view(C, t, 2 * hkv, d).sum(0, dtype=acc)
-                del recv
-            else:
-                mine = buf
-            return dq, mine[:, :hkv].to(dtype), mine[:, hkv:].to(dtype), None, None
-
+                out.append(recv.view(C, t, hkv, d).sum(0))
+            return dq, out[0], out[1], None, None

@@ -43,8 +43,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from libra_ext.attention import BACKENDS  # kernel backends, best first (one list)
-from libra_ext.attention import reference_kernel
+from libra_ext.attention import (
+    BACKENDS,  # kernel backends, best first (one list)
+    reference_kernel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,27 +78,6 @@ except Exception:
     HAVE_VARLEN, _VARLEN_ARGS = False, set()
 
 
-def _varlen_ops():
-    """varlen_attn's own forward and backward ops (torch_attn::_varlen_attn and
-    _varlen_attn_backward), where their leading arguments are the ones the GQA path passes."""
-    want_fwd = ["query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal",
-                "scale", "window_size"]
-    want_bwd = ["grad_out", "query", "key", "value", "out", "lse", "cu_seq_q", "cu_seq_k", "max_q",
-                "max_k", "is_causal", "rng_state", "scale", "window_size"]
-    try:
-        fwd = torch.ops.torch_attn._varlen_attn.default
-        bwd = torch.ops.torch_attn._varlen_attn_backward.default
-    except (AttributeError, RuntimeError):
-        return None
-    names = [[a.name for a in op._schema.arguments] for op in (fwd, bwd)]
-    if names[0][: len(want_fwd)] != want_fwd or names[1][: len(want_bwd)] != want_bwd:
-        return None
-    return fwd, bwd
-
-
-_VARLEN_OPS = _varlen_ops() if HAVE_VARLEN else None
-"""(forward, backward) of varlen_attn's ops, for GQA without enable_gqa (None: not usable)."""
-
 REFERENCE_GPU_LIMIT = 1 << 28
 """Score elements (query rows x keys x heads, summed over segments) above which the reference
 refuses to run on a GPU: its memory grows with them, the fused kernels' does not."""
@@ -124,13 +105,15 @@ class Segments:
 
     @classmethod
     def from_host(cls, cu_q: torch.Tensor, cu_k: torch.Tensor, host_q, host_k,
-                  reference_work: bool = False) -> "Segments":
-        """Device offsets with their host copies; the longest segments from the host copies;
-        with `reference_work`, the reference kernel's work items too."""
+                  reference_work: bool = False, max_q: int | None = None,
+                  max_k: int | None = None) -> "Segments":
+        """Device offsets with their host copies; the longest segments (`max_q`, `max_k`, or
+        from the host copies); with `reference_work`, the reference kernel's work items too."""
         hq = np.asarray(host_q, dtype=np.int64)
         hk = np.asarray(host_k, dtype=np.int64)
-        seg = cls(cu_q, cu_k, int(np.diff(hq).max(initial=0)), int(np.diff(hk).max(initial=0)),
-                  hq, hk)
+        seg = cls(cu_q, cu_k,
+                  int(np.diff(hq).max(initial=0)) if max_q is None else int(max_q),
+                  int(np.diff(hk).max(initial=0)) if max_k is None else int(max_k), hq, hk)
         if reference_work:
             work = reference_kernel.work_items(seg, cu_q.device)
             seg = dataclasses.replace(seg, work=tuple(work))
@@ -177,6 +160,11 @@ class ReferenceBackend(Backend):
 
 
 class VarlenBackend(Backend):
+    """PyTorch's varlen_attn. GQA is native in every release: the op hands key and value to
+    ATen's flash kernel as they are (PyTorch 2.11's torch/nn/attention/varlen.py passes them to
+    aten._flash_attention_forward unchanged, and that kernel takes KV heads dividing the query
+    heads); 2.13 and later ask for `enable_gqa=True` to allow it."""
+
     name = "varlen"
 
     def attend(self, q, k, v, seg, scale, key=None):
@@ -189,49 +177,9 @@ class VarlenBackend(Backend):
             kw["scale"] = scale
         elif abs(scale * q.shape[-1] ** 0.5 - 1.0) > 1e-12:
             q = q * (scale * q.shape[-1] ** 0.5)  # the kernel's fixed scale is 1/sqrt(d)
-        if k.shape[1] != q.shape[1]:
-            if "enable_gqa" in _VARLEN_ARGS:  # native GQA (PyTorch >= 2.13)
-                kw["enable_gqa"] = True
-            elif _VARLEN_OPS is not None and "window_size" in _VARLEN_ARGS:
-                return _VarlenExpandedKV.apply(q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k,
-                                               kw.get("scale"))
-            else:  # PyTorch 2.10: the expanded copies are kept for backward
-                g = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        if k.shape[1] != q.shape[1] and "enable_gqa" in _VARLEN_ARGS:
+            kw["enable_gqa"] = True
         return _varlen_attn(q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, **kw)
-
-
-class _VarlenExpandedKV(torch.autograd.Function):
-    """varlen_attn for GQA where it has no enable_gqa (PyTorch 2.11, 2.12): K and V expanded to
-    the query heads only while its forward or backward op runs. The backward keeps the
-    unexpanded K and V (not g copies) and sums the expanded gradients back per KV head (fp32)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        fwd, _ = _VARLEN_OPS
-        g = q.shape[1] // k.shape[1]
-        out, lse, rng = fwd(q, _expand_heads(k, g), _expand_heads(v, g), cu_q, cu_k, max_q, max_k,
-                            True, scale, [-1, 0])
-        ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse, rng)
-        ctx.args = (max_q, max_k, scale, g)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        _, bwd = _VARLEN_OPS
-        q, k, v, cu_q, cu_k, out, lse, rng = ctx.saved_tensors
-        max_q, max_k, scale, g = ctx.args
-        dq, dk, dv = bwd(dout.contiguous(), q, _expand_heads(k, g), _expand_heads(v, g), out, lse,
-                         cu_q, cu_k, max_q, max_k, True, rng, scale, [-1, 0])
-        n, hk, d = k.shape
-        dk = dk.view(n, hk, g, d).sum(2, dtype=torch.float32).to(k.dtype)
-        dv = dv.view(n, hk, g, d).sum(2, dtype=torch.float32).to(v.dtype)
-        return dq, dk, dv, None, None, None, None, None
-
-
-def _expand_heads(x: torch.Tensor, g: int) -> torch.Tensor:
-    """[n, hk, d] -> [n, hk * g, d]: query head j reads KV head j // g."""
-    return x.repeat_interleave(g, dim=1)
 
 
 class FlashBackend(Backend):

@@ -1,27 +1,37 @@
-"""Per-step attention metadata: a StepPlan turned, once per (replica, slot), into flat index
-arrays that the operator hands to device gathers, scatters, all-to-alls and batched kernel calls.
+"""Per-slot attention programs: a StepPlan turned, once per (replica, slot), into the compact
+tables the operator runs (`exchange.py`), and their expansion on the device.
 
-Built off the critical path (the sampler's background thread, one step ahead), in vectorized
-numpy: nothing here loops over tiles or documents in Python (loops run over pool members,
-chunks and the at most two head classes of a call). `upload` copies every array of a slot to the
-compute device in one pinned, non-blocking copy; every layer and the backward reuse the result.
+Host side (`compile_slot`, `compile_wlb`): O(documents + tiles) work, vectorized numpy, in the
+sampler's thread one step ahead. A program holds only *descriptors* - kernel calls as
+cu_seqlens, and gathers as runs (base, rows, width, row stride: the vectors base + i * stride +
+j for i < rows, j < width) - never an index per token or vector. `stage` lays a program's
+arrays out in one int32 buffer; `upload` copies it to the device in one pinned, non-blocking
+transfer and expands every run into its index tensor there (`expand_runs`: a fixed number of
+vectorized device ops per array, no host work per vector), once per slot; every layer and the
+backward reuse the result.
 
-Legend (all counts are in *vectors*: one head of one token, `d` elements):
-  C cp ranks, t local slots per rank, S tokens of the sequence, hl query heads and kvl KV heads
-  of a rank's Ulysses slice, gl = hl / kvl query heads per KV head, W = hl + 2 kvl vectors per
-  token in the Ulysses buffer X ([C*t, W, d]: q heads, k heads, v heads of every slot, rank-major
-  as the all-to-all delivers them), px members of the exchange pool.
+Legend: C cp ranks, n real tokens of the packed sequence, t = ceil(n / C) slots per rank
+(contiguous layout, `thd`), S' = C t rows of X (the Ulysses buffers Xq [S', hl, d] and Xk, Xv
+[S', kvl, d]: the sequence in order, this rank's head slice), hl / kvl query / KV heads of the
+slice, gl = hl / kvl query heads per KV head, px members of the exchange pool. A *vector* is one
+head of one token (d elements); Xq flat is [S' hl, d], Xk flat [S' kvl, d].
 
-What runs where (see exchange.py for the operator):
-  local block   tiles a member owns and executes: one gather from X, <= 2 kernel calls, O
-                scattered into the output buffer [C*t*hl, d];
-  chunk k       tiles moved to a member, cut into chunks balanced by bytes; every member sends
-                [Q | K | V] vectors to each executor in one all-to-all per chunk (KV prefixes go
-                once per destination, in increments, so a later chunk may read KV of an earlier
-                one); the executor gathers its pack from the receive buffer, runs <= 2 kernel
-                calls and returns O in one all-to-all per chunk.
-A *segment* of a kernel call is query rows [a, b) of one document against its prefix [0, b);
-tiles of one document with adjacent rows, the same heads and the same owner run as one segment.
+What runs where (the Ulysses family: ulysses, libra, distca):
+  direct   one kernel call over X itself (no copy): for every document of this rank's sequence
+           its last local run of rows with all heads (rows [a, b) against the prefix [0, b));
+           rows it does not run there are zero-key segments (no work, no gradient) and keys it
+           does not read zero-query segments, so the call's cu_seqlens tile X in order. Its
+           output is the layer's O buffer [S', hl, d]: whatever runs elsewhere is scattered in.
+  lpack    the rare local rest (earlier runs of a document, head-partial pieces): gathered from
+           X into packs, at most two (heads, KV heads) classes.
+  units    moved work, one unit per (segment, KV head): rows [a, b) of a document, the unit's
+           query heads of that KV group, against the prefix [0, b) of that KV head. A *stream*
+           (document, KV head, executor) ships the longest prefix its units need once.
+  chunks   streams (atomic, with their units) cut into `chunks` parts balanced by bytes, each
+           split into a direct sub-chunk (streams with one unit of the full class gl: the
+           executor's call reads the received Q/K/V as they arrive, no copy) and a pack
+           sub-chunk (the rest, gathered from what arrived, at most two classes). Per sub-chunk
+           one all-to-all per tensor (Q, K, V) carries each owner's units in canonical order.
 """
 
 from __future__ import annotations
@@ -37,176 +47,199 @@ from libra_ext.attention.kernels import Segments
 from libra_ext.planner import StepPlan
 
 _I64 = np.int64
+INDEX_DTYPE = np.int32
+"""The staged (and device) arrays' dtype: every index of a rank's buffers is below 2^31, and the
+device ops take int32 indices (index_select, index_add_, index_put_; cu_seqlens are int32)."""
+
+MIN_MAX_SEQLEN = 128
+"""A call's max_seqlen is its longest segment rounded up to a power of two, at least this: the
+kernels' grids are sized by it, and shape-keyed caches (TE's cuDNN graphs) see few values."""
+
+
+def rounded_max(lengths) -> int:
+    """The longest of `lengths` rounded up to a power of two (at least MIN_MAX_SEQLEN)."""
+    m = int(np.max(lengths, initial=0))
+    return max(MIN_MAX_SEQLEN, 1 << max(0, m - 1).bit_length())
 
 
 # ------------------------------------------------------------------------------------------
-# Host programs
+# Descriptors
 # ------------------------------------------------------------------------------------------
 
 
 @dataclass
-class CallSpec:
-    """One batched kernel call: segments with hc query heads and hk KV heads each."""
+class CallPlan:
+    """One batched varlen kernel call: segments (cu_q, cu_k) with hc query and hk KV heads
+    each; after `upload`, `seg` holds the device layout."""
 
     hc: int
     hk: int
-    n_q: int
-    """Query rows (tokens) of the call."""
-    n_k: int
-    """Key rows of the call."""
-    cu_q: np.ndarray
-    cu_k: np.ndarray
-    q_off: int
-    """Offset (vectors) of the call's Q [n_q, hc] in its block's pack; K and V follow."""
-    out_off: int
-    """Offset (vectors) of the call's O [n_q, hc] among the block's outputs."""
+    cu_q: np.ndarray | torch.Tensor
+    cu_k: np.ndarray | torch.Tensor
+    max_q: int
+    max_k: int
     seg: Segments | None = None
-    """The device layout, set by `upload`."""
+
+    @staticmethod
+    def of(hc: int, hk: int, q_len, k_len) -> "CallPlan":
+        q_len, k_len = np.asarray(q_len, dtype=_I64), np.asarray(k_len, dtype=_I64)
+        return CallPlan(hc, hk, np.r_[0, np.cumsum(q_len)].astype(_I64),
+                        np.r_[0, np.cumsum(k_len)].astype(_I64), rounded_max(q_len),
+                        rounded_max(k_len))
 
     @property
-    def k_off(self) -> int:
-        return self.q_off + self.n_q * self.hc
+    def n_q(self) -> int:
+        return int(self.seg.host_q[-1]) if self.seg is not None else int(self.cu_q[-1])
 
     @property
-    def v_off(self) -> int:
-        return self.k_off + self.n_k * self.hk
-
-    @property
-    def n_out(self) -> int:
-        return self.n_q * self.hc
-
-    def parts(self) -> list:
-        """(offset, vectors, heads) of the call's Q, K and V inside its block's pack."""
-        nk = self.n_k * self.hk
-        return [(self.q_off, self.n_q * self.hc, self.hc), (self.k_off, nk, self.hk),
-                (self.v_off, nk, self.hk)]
-
-    def views(self, pack, d: int) -> tuple:
-        """The call's (q [n_q, hc, d], k, v [n_k, hk, d]) as views of its block's pack."""
-        return tuple(pack[o : o + n].view(-1, h, d) for o, n, h in self.parts())
+    def n_k(self) -> int:
+        return int(self.seg.host_k[-1]) if self.seg is not None else int(self.cu_k[-1])
 
 
 @dataclass
-class Block:
-    """One gather + up to two kernel calls."""
+class Gather:
+    """Vector indices as runs: [n_runs, 4] (base, rows, width, stride) -> the vectors base + i *
+    stride + j, i < rows, j < width, run after run; `idx` the expanded device tensor."""
 
-    gather: np.ndarray | torch.Tensor
-    """[n_pack] source vectors of the pack (X for the local block, the receive buffer else)."""
-    calls: list
-    out: np.ndarray | torch.Tensor | None
-    """local block: output-buffer vector of every O vector; chunk block: position of every O
-    vector in the chunk's O message (None: the outputs are already in message order)."""
+    runs: np.ndarray | torch.Tensor
+    size: int
+    idx: torch.Tensor | None = None
+
+    @staticmethod
+    def of(base, rows, width, stride) -> "Gather":
+        cols = np.broadcast_arrays(*(np.asarray(x, dtype=_I64) for x in (base, rows, width,
+                                                                          stride)))
+        runs = np.stack([c.reshape(-1) for c in cols], axis=1)
+        keep = runs[:, 1] * runs[:, 2] > 0
+        runs = runs[keep]
+        return Gather(runs, int((runs[:, 1] * runs[:, 2]).sum()))
 
 
 @dataclass
-class Chunk:
-    """One all-to-all round of the pool exchange (counts in vectors per member)."""
+class PackCall:
+    """A kernel call on packs gathered from a source buffer: its queries' vectors (q) and its
+    keys' vectors (k; values the same in the value buffer). Outputs and query gradients land on
+    the query vectors (`out`: where, when they are not the q gather itself)."""
 
-    qkv_send: list
-    qkv_recv: list
-    o_send: list
-    o_recv: list
-    send_off: int
-    """Offset of this chunk's messages in the send buffer (recv, o_send, o_recv: the same in
-    theirs)."""
-    recv_off: int
-    o_send_off: int
-    o_recv_off: int
-    block: Block | None
-    """What this member executes for others in this chunk (None: nothing)."""
-    q_send: list = field(default_factory=list)
-    """Of qkv_send, the Q vectors (each message is [Q | K | V]: the rest is K/V rows)."""
+    call: CallPlan
+    q: Gather
+    k: Gather
+
+
+@dataclass
+class SubChunk:
+    """One all-to-all round of the pool exchange (counts in vectors per member: Q vectors, and
+    K vectors - V the same). `direct`: the executor runs its received units in one call on the
+    receive buffers themselves; else `packs` gather them (at most two calls)."""
+
+    direct: bool
+    part: int
+    """Which of the `chunks` byte-balanced parts it belongs to (each part: a direct and a pack
+    sub-chunk, the empty ones left out)."""
+    q_send: list
+    kv_send: list
+    q_recv: list
+    kv_recv: list
+    q_send_off: int
+    kv_send_off: int
+    call: CallPlan | None = None
+    """direct: the call over this sub-chunk's received Q / K / V regions."""
+    packs: list = field(default_factory=list)
+    """not direct: PackCalls gathering from this sub-chunk's received regions (offsets relative
+    to them)."""
 
     @property
-    def n_send(self) -> int:
-        return sum(self.qkv_send)
+    def n_q_send(self) -> int:
+        return sum(self.q_send)
 
     @property
-    def n_recv(self) -> int:
-        return sum(self.qkv_recv)
+    def n_kv_send(self) -> int:
+        return sum(self.kv_send)
 
     @property
-    def n_o_send(self) -> int:
-        return sum(self.o_send)
+    def n_q_recv(self) -> int:
+        return sum(self.q_recv)
 
     @property
-    def n_o_recv(self) -> int:
-        return sum(self.o_recv)
+    def n_kv_recv(self) -> int:
+        return sum(self.kv_recv)
 
 
 @dataclass
 class SlotProgram:
-    """Everything one rank runs for one (replica, slot) of a plan (libra, distca, ulysses)."""
+    """Everything one rank runs for one (replica, slot): the Ulysses family (libra, distca,
+    ulysses; wlb at one cp rank)."""
 
     replica: int
     slot: int
     cp: int
     t: int
-    """Local slots per cp rank (documents padded to multiples of 2C)."""
+    """Slots per cp rank (contiguous layout)."""
     tokens: int
     heads_local: int
     kv_heads_local: int
     head_dim: int
     members: int
     """px: members of the exchange pool."""
-    local: Block | None
-    chunks: list
-    send_idx: np.ndarray | torch.Tensor
-    """[sum n_send] X vectors of every chunk's outgoing [Q | K | V] messages."""
-    o_out_idx: np.ndarray | torch.Tensor
-    """[sum n_o_recv] output-buffer vector of every O vector received back."""
-    local_unique: bool
-    """No X vector appears twice in the local pack (its gradient can be copied, not added)."""
+    direct: CallPlan
+    """Over X: one segment per document run, zero-key / zero-query segments elsewhere."""
+    lpacks: list
+    """Local PackCalls over X (at most two)."""
+    subchunks: list
+    send_q: Gather
+    """Xq-flat vectors of every sub-chunk's outgoing Q messages, in send order (the same
+    vectors take the returned O and dQ)."""
+    send_kv: Gather
+    """Xk-flat vectors of the outgoing K (and V) messages."""
     tiles_executed: int
     _keep: list = field(default_factory=list, repr=False)
 
     @property
-    def n_send(self) -> int:
-        return sum(c.n_send for c in self.chunks)
-
-    @property
-    def n_recv(self) -> int:
-        return sum(c.n_recv for c in self.chunks)
-
-    @property
-    def n_o_send(self) -> int:
-        return sum(c.n_o_send for c in self.chunks)
-
-    @property
-    def n_o_recv(self) -> int:
-        return sum(c.n_o_recv for c in self.chunks)
-
-    @property
-    def blocks(self) -> list:
-        """Blocks with work: local tiles, and each chunk that brings this rank tiles."""
-        return [b for b in [self.local] + [c.block for c in self.chunks] if b is not None]
+    def rows(self) -> int:
+        return self.cp * self.t
 
     @property
     def calls(self) -> list:
-        return [call for b in self.blocks for call in b.calls]
+        out = [self.direct] + [p.call for p in self.lpacks]
+        for sc in self.subchunks:
+            out += [sc.call] if sc.call is not None else [p.call for p in sc.packs]
+        return out
 
     @property
     def exec_blocks(self) -> int:
-        return len(self.blocks)
+        return 1 + sum(1 for sc in self.subchunks if sc.n_q_recv)
 
     @property
-    def kernel_calls(self) -> int:
-        return len(self.calls)
+    def n_q_send(self) -> int:
+        return sum(sc.n_q_send for sc in self.subchunks)
+
+    @property
+    def n_kv_send(self) -> int:
+        return sum(sc.n_kv_send for sc in self.subchunks)
+
+    @property
+    def n_q_recv(self) -> int:
+        return sum(sc.n_q_recv for sc in self.subchunks)
+
+    @property
+    def n_kv_recv(self) -> int:
+        return sum(sc.n_kv_recv for sc in self.subchunks)
 
 
 @dataclass
 class WlbProgram:
-    """Per-document CP (WLB-LLM) for one cp rank: its two chunks of every document against the
-    all-gathered KV, as one kernel call."""
+    """Per-document CP (WLB-LLM) of one cp rank (cp > 1, zigzag layout): its two chunks of
+    every document against the all-gathered K/V, one call; the keys gathered by runs of the
+    gathered buffer (every chunk of a document is contiguous there)."""
 
     cp: int
     t: int
     tokens: int
-    call: CallSpec
-    kv_rows: np.ndarray | torch.Tensor
-    """[n_k] rows of the all-gathered KV ([C*t] rank-major) that form the key pack."""
-    real: np.ndarray | torch.Tensor
-    """[t] 1 for slots that hold a token, 0 for padding."""
+    call: CallPlan
+    kv: Gather
+    """Rows of the all-gathered K (and V) [C t] forming the key pack, segment after segment."""
+    pad: Gather
+    """Local padding slots (zeroed in the output: they attend to nothing)."""
     tiles_executed: int
     _keep: list = field(default_factory=list, repr=False)
 
@@ -216,7 +249,7 @@ class WlbProgram:
 
 
 # ------------------------------------------------------------------------------------------
-# Compilation
+# Small vectorized helpers
 # ------------------------------------------------------------------------------------------
 
 
@@ -224,32 +257,18 @@ def _excl(x: np.ndarray) -> np.ndarray:
     return np.cumsum(x) - x
 
 
-def _group_excl(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """Exclusive cumulative sum of `values` inside runs of equal `groups` (already sorted)."""
-    c = np.cumsum(values)
-    start = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]]) if len(groups) else groups
-    base = np.repeat(c[start] - values[start], np.diff(np.r_[start, len(groups)]))
-    return c - values - base
-
-
-def _elements(rows: np.ndarray, hc: np.ndarray):
-    """For pieces of `rows` rows x `hc` heads: (piece, row, head) of every vector, row-major."""
-    n = rows * hc
-    piece = np.repeat(np.arange(len(n)), n)
-    e = thd.within(n)
-    return piece, e // hc[piece], e % hc[piece]
+def _runs_of(keys: np.ndarray) -> np.ndarray:
+    """Run id of every element of a sorted key array."""
+    return np.cumsum(np.r_[True, keys[1:] != keys[:-1]]) - 1 if len(keys) else keys
 
 
 def _doc_starts(plan: StepPlan) -> np.ndarray:
-    cached = getattr(plan, "_doc_start", None)
-    if cached is None:
-        L = plan.doc_lengths.astype(_I64)
-        off = plan.seq_doc_offsets.astype(_I64)
-        cum = np.cumsum(L) - L
-        seq = np.repeat(np.arange(plan.n_seq), np.diff(off))
-        cached = cum - cum[off[seq]] if len(L) else cum
-        plan._doc_start = cached
-    return cached
+    """Each plan document's first token inside its packed sequence."""
+    L = plan.doc_lengths.astype(_I64)
+    off = plan.seq_doc_offsets.astype(_I64)
+    cum = np.cumsum(L) - L
+    seq = np.repeat(np.arange(plan.n_seq), np.diff(off))
+    return cum - cum[off[seq]] if len(L) else cum
 
 
 def sequence_lengths(plan: StepPlan, replica: int, slot: int) -> np.ndarray:
@@ -259,319 +278,345 @@ def sequence_lengths(plan: StepPlan, replica: int, slot: int) -> np.ndarray:
     return plan.doc_lengths[off[seq] : off[seq + 1]].astype(_I64)
 
 
-@dataclass
-class _Pieces:
-    """Head pieces of segments (struct of arrays)."""
+# ------------------------------------------------------------------------------------------
+# The group's segments: one per (tile, document), with owner and executor members
+# ------------------------------------------------------------------------------------------
 
-    seg: np.ndarray
+
+@dataclass
+class _Segs:
+    """Segments of an exchange group (struct of arrays): rows [a, b) of plan document `doc`
+    (starting at `ds` in its sequence) against the prefix [0, b), heads [h0, h0 + hc) of the
+    slice, owner and executor members."""
+
+    doc: np.ndarray
+    ds: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
     h0: np.ndarray
     hc: np.ndarray
-    hk: np.ndarray
+    owner: np.ndarray
+    exe: np.ndarray
 
-    def take(self, idx) -> "_Pieces":
-        return _Pieces(self.seg[idx], self.h0[idx], self.hc[idx], self.hk[idx])
+    def take(self, idx) -> "_Segs":
+        return _Segs(*(getattr(self, f)[idx] for f in ("doc", "ds", "a", "b", "h0", "hc",
+                                                      "owner", "exe")))
+
+    def __len__(self) -> int:
+        return len(self.doc)
 
 
-def _native_pieces(seg_h0, seg_hc, gl: int) -> _Pieces:
-    """Cut every segment's head range into pieces a GQA kernel runs natively: inside one KV
-    group (hk = 1) or whole aligned groups (hk = hc / gl)."""
-    g0, g1 = seg_h0 // gl, (seg_h0 + seg_hc - 1) // gl
-    aligned = (seg_h0 % gl == 0) & (seg_hc % gl == 0)
+def _group_segments(plan: StepPlan, replica: int, slot: int) -> tuple[_Segs, int, int]:
+    """(the segments of the exchange group of (replica, slot), its first replica, the number
+    of its tiles this replica executes)."""
+    px = plan.exchange_pool
+    base = (replica // px) * px
+    g = plan.group_of(replica, slot)
+    tiles = np.asarray(plan.send_order[plan.send_group_offsets[g] : plan.send_group_offsets[g + 1]],
+                       dtype=_I64)
+    if len(tiles) and (plan.tile_cp[tiles] != -1).any():
+        raise ValueError("plan tiles name a cp rank: a per-document CP plan (wlb)")
+    cnt = plan.tile_doc_count[tiles].astype(_I64)
+    st = np.repeat(np.arange(len(tiles)), cnt)  # segment -> its tile
+    t = tiles[st]
+    doc = plan.tile_doc[t].astype(_I64) + thd.within(cnt)
+    ds = _doc_starts(plan)[doc] if len(doc) else doc
+    single = cnt[st] == 1
+    a = np.where(single, plan.tile_q_start[t] - ds, 0)
+    b = np.where(single, a + plan.tile_q_len[t], plan.doc_lengths[doc])
+    bad = single & ((plan.tile_kv_start[t] != ds) | (plan.tile_kv_len[t] != b))
+    if bad.any():
+        raise ValueError(
+            f"plan tile {int(t[np.argmax(bad)])}: its KV range must be its document's prefix "
+            "up to its last row"
+        )
+    segs = _Segs(doc, ds, a.astype(_I64), b.astype(_I64),
+                 plan.tile_head_start[t].astype(_I64), plan.tile_head_count[t].astype(_I64),
+                 plan.tile_owner[t].astype(_I64) - base, plan.tile_executor[t].astype(_I64) - base)
+    executed = int((plan.tile_executor[tiles] == replica).sum())
+    return segs, base, executed
+
+
+def _merge_rows(s: _Segs) -> _Segs:
+    """Segments of one document, owner, executor and head range with adjacent rows merged
+    (rows [a, c) and [c, b) become [a, b))."""
+    if not len(s):
+        return s
+    o = np.lexsort((s.a, s.hc, s.h0, s.doc, s.exe, s.owner))
+    s = s.take(o)
+    same = ((s.owner[1:] == s.owner[:-1]) & (s.exe[1:] == s.exe[:-1]) & (s.doc[1:] == s.doc[:-1])
+            & (s.h0[1:] == s.h0[:-1]) & (s.hc[1:] == s.hc[:-1]) & (s.a[1:] == s.b[:-1]))
+    first = np.r_[True, ~same]
+    run = np.cumsum(first) - 1
+    out = s.take(np.flatnonzero(first))
+    out.b = np.maximum.reduceat(s.b, np.flatnonzero(first)) if len(run) else out.b
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Local work: the direct call over X and the packs
+# ------------------------------------------------------------------------------------------
+
+
+def _direct_call(L: np.ndarray, runs: _Segs, hl: int, kvl: int, rows: int) -> CallPlan:
+    """The call over X: per document of the sequence (lengths L), its run in `runs` (at most one
+    per document: rows [a, b) against the prefix [0, b)); rows outside it zero-key segments,
+    keys past it a zero-query segment; the padding rows [n, rows) one more zero-key segment."""
+    n_doc = len(L)
+    a, b = np.zeros(n_doc, dtype=_I64), np.zeros(n_doc, dtype=_I64)
+    a[runs.doc], b[runs.doc] = runs.a, runs.b
+    zero = np.zeros(n_doc, dtype=_I64)
+    # per document: (q a, k 0) (q b - a, k b) (q L - b, k 0) (q 0, k L - b); without a run,
+    # a = b = 0: its rows one zero-key segment, its keys one zero-query segment
+    q = np.stack([a, b - a, L - b, zero], 1).reshape(-1)
+    k = np.stack([zero, b, zero, L - b], 1).reshape(-1)
+    keep = (q > 0) | (k > 0)
+    q, k = q[keep], k[keep]
+    n = int(L.sum())
+    if rows > n:  # the padding rows past the sequence
+        q, k = np.r_[q, rows - n], np.r_[k, 0]
+    if not len(q):
+        q, k = np.zeros(1, dtype=_I64), np.zeros(1, dtype=_I64)
+    return CallPlan.of(hl, kvl, q, k)
+
+
+def _native_pieces(h0: np.ndarray, hc: np.ndarray, gl: int):
+    """Cut head ranges into pieces a GQA kernel runs natively: inside one KV group (hk 1) or
+    whole aligned groups (hk = hc / gl). Returns (piece -> source, h0, hc, hk)."""
+    g0, g1 = h0 // gl, (h0 + hc - 1) // gl
+    aligned = (h0 % gl == 0) & (hc % gl == 0)
     n = np.where(aligned | (g0 == g1), 1, g1 - g0 + 1)
-    seg = np.repeat(np.arange(len(seg_h0)), n)
+    src = np.repeat(np.arange(len(h0)), n)
     i = thd.within(n)
-    split = n[seg] > 1
-    h0 = np.where(split, np.maximum(seg_h0[seg], (g0[seg] + i) * gl), seg_h0[seg])
-    h1 = np.where(
-        split, np.minimum(seg_h0[seg] + seg_hc[seg], (g0[seg] + i + 1) * gl), h0 + seg_hc[seg]
-    )
-    hc = h1 - h0
-    hk = np.where(aligned[seg] & (hc >= gl), hc // gl, 1)
-    return _Pieces(seg, h0, hc, hk)
+    split = n[src] > 1
+    p0 = np.where(split, np.maximum(h0[src], (g0[src] + i) * gl), h0[src])
+    p1 = np.where(split, np.minimum(h0[src] + hc[src], (g0[src] + i + 1) * gl), p0 + hc[src])
+    pc = p1 - p0
+    hk = np.where(aligned[src] & (pc >= gl), pc // gl, 1)
+    return src, p0, pc, hk
 
 
-def _two_classes(p: _Pieces, rows: np.ndarray, gl: int) -> _Pieces:
-    """At most two (hc, hk) classes per block: the class with the most work stays, every other
-    piece is cut into units of u heads (u divides their head counts and, when whole KV groups
-    are among them, the group size), which keeps the call count independent of the tiles."""
-    keys = p.hc * 1_000_003 + p.hk
+def _two_classes(h0, hc, hk, rows, gl: int):
+    """At most two (hc, hk) classes: the class with the most work stays, every other piece is
+    cut into units of u heads (u divides their head counts and, where whole KV groups are among
+    them, the group size). Returns (piece -> source, h0, hc, hk)."""
+    keys = hc * 1_000_003 + hk
     uk = np.unique(keys)
     if len(uk) <= 2:
-        return p
-    vol = np.array([int((rows[keys == k] * p.hc[keys == k]).sum()) for k in uk])
+        return np.arange(len(h0)), h0, hc, hk
+    vol = np.array([int((rows[keys == k] * hc[keys == k]).sum()) for k in uk])
     top = uk[np.lexsort((-(uk // 1_000_003), -vol))[0]]
     other = keys != top
-    u = int(np.gcd.reduce(p.hc[other]))
-    if (p.hk[other] > 1).any():
+    u = int(np.gcd.reduce(hc[other]))
+    if (hk[other] > 1).any():
         u = math.gcd(u, gl)
-    n = np.where(other, p.hc // u, 1)
-    idx = np.repeat(np.arange(len(n)), n)
+    n = np.where(other, hc // u, 1)
+    src = np.repeat(np.arange(len(n)), n)
     i = thd.within(n)
-    cut = other[idx]
-    return _Pieces(
-        p.seg[idx],
-        np.where(cut, p.h0[idx] + i * u, p.h0[idx]),
-        np.where(cut, u, p.hc[idx]),
-        np.where(cut, 1, p.hk[idx]),
-    )
+    cut = other[src]
+    return (src, np.where(cut, h0[src] + i * u, h0[src]), np.where(cut, u, hc[src]),
+            np.where(cut, 1, hk[src]))
 
 
-class _Group:
-    """The exchange group of (replica, slot): its tiles cut into segments, the moved ones
-    assigned to chunks, with the message layouts every member agrees on."""
+@dataclass
+class _Pieces:
+    """Pieces of packed work: query rows r < rows of heads [h0, h0 + hc) at the vectors
+    q_base + r * q_rstride + (h - q_h0), against keys r < k_rows of KV heads h // gl at
+    k_base + r * k_rstride + (kv head - k_h0)."""
 
-    def __init__(self, plan: StepPlan, replica: int, slot: int, chunks: int):
-        self.plan = plan
-        px = self.px = plan.exchange_pool
-        hl, kvl = plan.heads_local, plan.kv_heads_local
-        self.hl, self.kvl, self.gl, self.W = hl, kvl, hl // kvl, hl + 2 * kvl
-        self.base = (replica // px) * px
-        self.me = replica - self.base
-        g = plan.group_of(replica, slot)
-        tiles = plan.send_order[plan.send_group_offsets[g] : plan.send_group_offsets[g + 1]]
-        tiles = np.asarray(tiles, dtype=_I64)
-        if (plan.tile_cp[tiles] != -1).any():
-            raise ValueError("plan tiles name a cp rank: a per-document CP plan (wlb)")
-        self.tiles = tiles
-        n_doc = len(plan.doc_lengths)
-        self.n_doc = n_doc
-        ds_all = _doc_starts(plan)
-        # -- segments: one per (tile, document); prefix segments [a, b) of their document
-        cnt = plan.tile_doc_count[tiles].astype(_I64)
-        st = np.repeat(np.arange(len(tiles)), cnt)  # segment -> tile (position in `tiles`)
-        doc = plan.tile_doc[tiles][st] + thd.within(cnt)
-        single = cnt[st] == 1
-        ds = ds_all[doc]
-        t = tiles[st]
-        a = np.where(single, plan.tile_q_start[t] - ds, 0)
-        b = np.where(single, a + plan.tile_q_len[t], plan.doc_lengths[doc])
-        bad = single & ((plan.tile_kv_start[t] != ds) | (plan.tile_kv_len[t] != b))
-        if bad.any():
-            i = int(t[np.argmax(bad)])
-            raise ValueError(
-                f"plan tile {i}: its KV range must be its document's prefix up to its last row"
-            )
-        self.s_tile, self.s_doc, self.s_a, self.s_b, self.s_ds = st, doc, a, b, ds
-        self.s_h0 = plan.tile_head_start[t].astype(_I64)
-        self.s_hc = plan.tile_head_count[t].astype(_I64)
-        self.t_owner = plan.tile_owner[tiles].astype(_I64) - self.base
-        self.t_exec = plan.tile_executor[tiles].astype(_I64) - self.base
-        self.s_owner, self.s_exec = self.t_owner[st], self.t_exec[st]
-        self._assign_chunks(chunks)
+    q_base: np.ndarray
+    q_rstride: np.ndarray
+    q_h0: np.ndarray
+    k_base: np.ndarray
+    k_rstride: np.ndarray
+    k_h0: np.ndarray
+    rows: np.ndarray
+    k_rows: np.ndarray
+    h0: np.ndarray
+    hc: np.ndarray
 
-    # -- chunks and message layout ------------------------------------------------------------
-    def _assign_chunks(self, chunks: int) -> None:
-        plan, px, gl = self.plan, self.px, self.gl
-        tiles = self.tiles
-        nt = len(tiles)
-        moved = self.t_owner != self.t_exec
-        t_q0 = plan.tile_q_start[tiles].astype(_I64)
-        t_h0 = plan.tile_head_start[tiles].astype(_I64)
-        t_hc = plan.tile_head_count[tiles].astype(_I64)
-        t_ql = plan.tile_q_len[tiles].astype(_I64)
-        self.t_q0, self.t_h0, self.t_hc = t_q0, t_h0, t_hc
-        # canonical order of tiles: executor, owner, first document, rows, heads, id
-        order = np.lexsort(
-            (tiles, t_h0, t_q0, plan.tile_doc[tiles], self.t_owner, self.t_exec)
-        )
-        rank = np.empty(nt, dtype=_I64)
-        rank[order] = np.arange(nt)
-        self.t_rank = rank
-        # KV prefix needs of moved segments, per KV head, in canonical order
-        ms = np.flatnonzero(moved[self.s_tile])
-        k0 = self.s_h0[ms] // gl
-        k1 = (self.s_h0[ms] + self.s_hc[ms] - 1) // gl
-        nk = k1 - k0 + 1
-        r_seg = np.repeat(ms, nk)
-        r_kh = np.repeat(k0, nk) + thd.within(nk)
-        r_exec = self.s_exec[r_seg]
-        r_key = (r_exec * self.n_doc + self.s_doc[r_seg]) * self.kvl + r_kh
-        o = np.lexsort((self.t_rank[self.s_tile[r_seg]], r_key))
-        r_seg, r_kh, r_key = r_seg[o], r_kh[o], r_key[o]
-        b = self.s_b[r_seg]
-        gid = np.cumsum(np.r_[True, r_key[1:] != r_key[:-1]]) - 1 if len(r_key) else r_key
-        big = np.int64(1) << 40
-        cm = np.maximum.accumulate(b + gid * big) - gid * big if len(b) else b
-        first = np.r_[True, r_key[1:] != r_key[:-1]] if len(r_key) else np.zeros(0, bool)
-        prev = np.where(first, 0, np.r_[0, cm[:-1]]) if len(b) else b
-        r_from, r_to = prev, np.maximum(prev, b)
-        keep = r_to > r_from
-        r_seg, r_kh, r_from, r_to = r_seg[keep], r_kh[keep], r_from[keep], r_to[keep]
-        r_tile = self.s_tile[r_seg]
-        # Each executor's incoming vectors as one stream in canonical tile order - a tile's K/V
-        # increments (2 vectors a row), then its Q - cut into `chunks` equal parts. A unit that
-        # straddles a cut is split there (KV at whole rows): KV reaches an executor ahead of the
-        # tile that needs it, and a tile runs in the chunk where its last Q vector arrives.
-        mv = order[moved[order]]  # moved tiles in canonical order (grouped by executor)
-        n_rec = len(r_tile)
-        u_tile = np.r_[r_tile, mv]
-        u_kind = np.r_[np.zeros(n_rec, dtype=_I64), np.ones(len(mv), dtype=_I64)]
-        u_sub = np.r_[np.arange(n_rec), np.zeros(len(mv), dtype=_I64)]
-        u_size = np.r_[2 * (r_to - r_from), t_ql[mv] * t_hc[mv]]
-        uo = np.lexsort((u_sub, u_kind, rank[u_tile], self.t_exec[u_tile]))
-        u_tile, u_kind, u_sub, u_size = u_tile[uo], u_kind[uo], u_sub[uo], u_size[uo]
-        u_exec = self.t_exec[u_tile]
-        pos0 = _group_excl(u_size, u_exec)
-        total = np.bincount(u_exec, weights=u_size, minlength=px).astype(_I64)
-        tot = np.maximum(total[u_exec], 1)
-        n = chunks
-        c0 = np.minimum(n - 1, (pos0 * n) // tot)
-        c1 = np.minimum(n - 1, ((pos0 + u_size - 1) * n) // tot)
-        npc = c1 - c0 + 1
-        pu = np.repeat(np.arange(len(u_size)), npc)  # piece -> unit
-        pk = c0[pu] + thd.within(npc)  # piece chunk
-        cut = -(-(pk * tot[pu]) // n)  # first stream vector of chunk pk: ceil(k * total / n)
-        lo = np.maximum(pos0[pu], cut) - pos0[pu]
-        hi = np.minimum(pos0[pu] + u_size[pu], -(-((pk + 1) * tot[pu]) // n)) - pos0[pu]
-        hi = np.where(pk == c1[pu], u_size[pu], hi)
-        kv = u_kind[pu] == 0
-        lo = np.where(kv, lo + lo % 2, lo)  # KV pieces hold whole rows (K and V vector)
-        hi = np.where(kv, hi + hi % 2, hi)
-        keep = hi > lo
-        pu, pk, lo, hi = pu[keep], pk[keep], lo[keep], hi[keep]
-        # chunks with any traffic, renumbered without gaps
-        active = np.unique(pk)
-        pk = np.searchsorted(active, pk)
-        self.n_chunks = len(active)
-        t_chunk = np.zeros(nt, dtype=_I64)
-        qp = u_kind[pu] == 1
-        t_chunk[u_tile[pu[qp]]] = pk[qp]  # pieces in stream order: the last one wins
-        self.moved, self.t_chunk = moved, t_chunk
-        # message layout: cell (chunk, owner, executor) = [Q pieces | K pieces | V pieces], each
-        # in stream order
-        n_cells = max(1, self.n_chunks) * px * px
-        p_tile = u_tile[pu]
-        p_cell = (pk * px + self.t_owner[p_tile]) * px + self.t_exec[p_tile]
-        q_i = np.flatnonzero(qp)
-        q_i = q_i[np.argsort(p_cell[q_i], kind="stable")]
-        self.qp_tile, self.qp_cell = p_tile[q_i], p_cell[q_i]
-        self.qp_start, self.qp_len = lo[q_i], hi[q_i] - lo[q_i]
-        self.qp_off = _group_excl(self.qp_len, self.qp_cell)
-        self.nq = np.bincount(self.qp_cell, weights=self.qp_len, minlength=n_cells).astype(_I64)
-        k_i = np.flatnonzero(~qp)
-        k_i = k_i[np.argsort(p_cell[k_i], kind="stable")]
-        rec = u_sub[pu[k_i]]
-        self.kp_seg, self.kp_kh = r_seg[rec], r_kh[rec]
-        self.kp_from = r_from[rec] + lo[k_i] // 2
-        self.kp_to = r_from[rec] + hi[k_i] // 2
-        self.kp_cell = p_cell[k_i]
-        inc = self.kp_to - self.kp_from
-        self.kp_off = _group_excl(inc, self.kp_cell)
-        self.nkv = np.bincount(self.kp_cell, weights=inc, minlength=n_cells).astype(_I64)
-        self.msg = (self.nq + 2 * self.nkv).reshape(-1, px, px)  # [chunk, owner, executor]
-
-    # -- execution blocks (piece level, for any executor) ---------------------------------------
-    def blocks_of(self, e: int) -> list:
-        """Executor e's blocks: [local, chunk 0, ...] as ordered piece lists (or None)."""
-        sel_e = self.s_exec == e
-        out = []
-        for k in range(-1, self.n_chunks):
-            if k < 0:
-                s = np.flatnonzero(sel_e & (self.s_owner == e))
-            else:
-                s = np.flatnonzero(
-                    sel_e & (self.s_owner != e) & (self.t_chunk[self.s_tile] == k)
-                )
-            out.append(self._block_pieces(s) if len(s) else None)
-        return out
-
-    def _block_pieces(self, segs: np.ndarray):
-        p = _native_pieces(self.s_h0[segs], self.s_hc[segs], self.gl)
-        p.seg = segs[p.seg]
-        rows = self.s_b[p.seg] - self.s_a[p.seg]
-        p = _two_classes(p, rows, self.gl)
-        cls_key = p.hc * 1_000_003 + p.hk
-        classes = np.unique(cls_key)
-        cls = np.searchsorted(classes, cls_key)
-        # order: class, owner, document, heads, rows
-        o = np.lexsort(
-            (self.s_a[p.seg], p.hc, p.h0, self.s_doc[p.seg], self.s_owner[p.seg], cls)
-        )
-        p, cls = p.take(o), cls[o]
-        s = p.seg
-        same = (
-            (cls[1:] == cls[:-1])
-            & (self.s_owner[s][1:] == self.s_owner[s][:-1])
-            & (self.s_doc[s][1:] == self.s_doc[s][:-1])
-            & (p.h0[1:] == p.h0[:-1])
-            & (p.hc[1:] == p.hc[:-1])
-            & (self.s_a[s][1:] == self.s_b[s][:-1])
-        )
-        run = np.cumsum(np.r_[True, ~same]) - 1
-        return p, cls, run
-
-    # -- element-level index arrays (only for what this member needs) --------------------------
-    def _positions(self, p: _Pieces):
-        """(piece, head within the piece, token position in the owner's sequence) of every
-        element of pieces p (rows x heads, row-major), and each piece's rows."""
-        s = p.seg
-        rows = self.s_b[s] - self.s_a[s]
-        pi, r, hh = _elements(rows, p.hc)
-        return pi, hh, self.s_ds[s][pi] + self.s_a[s][pi] + r, rows
-
-    def q_source(self, p: _Pieces, local: bool, xrow, qloc):
-        """Source vector of every Q element of pieces p (row-major) and the pieces' rows: in X
-        for local pieces, else in the receive buffer (`qloc` = (location of every received Q
-        vector, offset of each tile's first one))."""
-        pi, hh, pos, rows = self._positions(p)
-        if local:
-            return xrow[pos] * self.W + p.h0[pi] + hh, rows
-        t = self.s_tile[p.seg][pi]
-        q_loc, qbase = qloc
-        at = qbase[t] + (pos - self.t_q0[t]) * self.t_hc[t] + (p.h0[pi] - self.t_h0[t]) + hh
-        return q_loc[at], rows
-
-    def out_index(self, p: _Pieces, xrow):
-        """Output-buffer vector ([C*t*hl]) of every O element of pieces p (row-major)."""
-        pi, hh, pos, _ = self._positions(p)
-        return xrow[pos] * self.hl + p.h0[pi] + hh
+    def take(self, idx) -> "_Pieces":
+        return _Pieces(*(getattr(self, f.name)[idx] for f in self.__dataclass_fields__.values()))
 
 
-def _block(g: _Group, pieces, local: bool, xrow, qloc, kv_loc) -> Block:
-    """Pack indices and calls of one block (outputs in piece order: pieces are sorted by class
-    first); `out` is left to the caller."""
-    p, cls, run = pieces
-    gl, W, hl, kvl = g.gl, g.W, g.hl, g.kvl
-    gathers, calls = [], []
-    off = out_off = 0
-    for c in range(int(cls.max()) + 1):
-        sel = np.flatnonzero(cls == c)
-        pc = p.take(sel)
-        q_idx, rows = g.q_source(pc, local, xrow, qloc)
-        r = run[sel]
-        first = np.r_[True, r[1:] != r[:-1]]
-        last = np.r_[r[1:] != r[:-1], True]
-        run_rows = np.add.reduceat(rows, np.flatnonzero(first)) if len(rows) else rows
-        s_last = pc.seg[last]
-        run_b = g.s_b[s_last]
-        run_doc = g.s_doc[s_last]
-        run_k0 = pc.h0[last] // gl
-        hc, hk = int(pc.hc[0]), int(pc.hk[0])
-        # K elements: prefix positions p < b of each run, KV heads k0..k0+hk-1 (p outer)
-        n_el = run_b * hk
-        ri = np.repeat(np.arange(len(run_b)), n_el)
-        e = thd.within(n_el)
-        pos, kh = e // hk, run_k0[ri] + e % hk
-        if local:
-            rowx = xrow[g.s_ds[s_last][ri] + pos] * W
-            k_idx, v_idx = rowx + hl + kh, rowx + hl + kvl + kh
-        else:
-            loc_k, loc_v, keys, key_off = kv_loc
-            kidx = np.searchsorted(keys, run_doc[ri] * kvl + kh)
-            at = key_off[kidx] + pos
-            k_idx, v_idx = loc_k[at], loc_v[at]
-        cu_q = np.r_[0, np.cumsum(run_rows)].astype(_I64)
-        cu_k = np.r_[0, np.cumsum(run_b)].astype(_I64)
-        n_q, n_k = int(cu_q[-1]), int(cu_k[-1])
-        calls.append(CallSpec(hc, hk, n_q, n_k, cu_q, cu_k, off, out_off))
-        gathers += [q_idx, k_idx, v_idx]
-        off += len(q_idx) + 2 * len(k_idx)
-        out_off += n_q * hc
-    return Block(np.concatenate(gathers).astype(_I64), calls, None)
+def _pack_calls(p: _Pieces, gl: int) -> list:
+    """PackCalls (at most two (heads, KV heads) classes) for pieces; each piece is one segment:
+    its query rows against its keys, bottom-right aligned."""
+    if not len(p.h0):
+        return []
+    src, p0, pc, hk = _native_pieces(p.h0, p.hc, gl)
+    src2, p0, pc, hk = _two_classes(p0, pc, hk, p.rows[src], gl)
+    src = src[src2]
+    s = p.take(src)
+    out = []
+    keys = pc * 1_000_003 + hk
+    for key in np.unique(keys):
+        sel = np.flatnonzero(keys == key)
+        c, kk = int(pc[sel[0]]), int(hk[sel[0]])
+        x = s.take(sel)
+        q = Gather.of(x.q_base + p0[sel] - x.q_h0, x.rows, c, x.q_rstride)
+        k = Gather.of(x.k_base + p0[sel] // gl - x.k_h0, x.k_rows, kk, x.k_rstride)
+        out.append(PackCall(CallPlan.of(c, kk, x.rows, x.k_rows), q, k))
+    return out
 
 
-def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> SlotProgram:
-    """The program of rank (replica, any cp rank) for `slot` of `plan` (libra, distca or
+# ------------------------------------------------------------------------------------------
+# Moved work: units, streams, sub-chunks
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Units:
+    """Moved units (one KV head each) with their streams and sub-chunks (struct of arrays)."""
+
+    owner: np.ndarray
+    exe: np.ndarray
+    ds: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    h0: np.ndarray
+    hc: np.ndarray
+    kh: np.ndarray
+    stream: np.ndarray  # stream id of each unit
+    # per stream:
+    s_owner: np.ndarray
+    s_exe: np.ndarray
+    s_ds: np.ndarray
+    s_kh: np.ndarray
+    s_len: np.ndarray
+    s_direct: np.ndarray
+    s_sub: np.ndarray  # sub-chunk of each stream
+
+
+def _units(moved: _Segs, gl: int, kvl: int) -> tuple:
+    """Moved segments cut per KV head into units, grouped into streams (document, KV head,
+    executor), in canonical order (executor, owner, document, KV head, first row, first head).
+    Returns (unit arrays, stream ids, stream arrays)."""
+    k0 = moved.h0 // gl
+    k1 = (moved.h0 + moved.hc - 1) // gl
+    n = k1 - k0 + 1
+    src = np.repeat(np.arange(len(moved)), n)
+    kh = k0[src] + thd.within(n)
+    h0 = np.maximum(moved.h0[src], kh * gl)
+    h1 = np.minimum(moved.h0[src] + moved.hc[src], (kh + 1) * gl)
+    u = moved.take(src)
+    o = np.lexsort((h0, u.a, kh, u.doc, u.owner, u.exe))
+    u, kh, h0, h1 = u.take(o), kh[o], h0[o], h1[o]
+    skey = (u.exe * (u.doc.max(initial=0) + 1) + u.doc) * kvl + kh
+    stream = _runs_of(skey)
+    first = np.r_[True, skey[1:] != skey[:-1]] if len(skey) else np.zeros(0, dtype=bool)
+    sf = np.flatnonzero(first)
+    n_units = np.diff(np.r_[sf, len(skey)])
+    s_len = np.maximum.reduceat(u.b, sf) if len(sf) else np.zeros(0, dtype=_I64)
+    direct = (n_units == 1) & ((h1 - h0)[sf] == gl)
+    return (u, h0, h1 - h0, kh, stream,
+            dict(owner=u.owner[sf], exe=u.exe[sf], ds=u.ds[sf], kh=kh[sf], len=s_len,
+                 direct=direct))
+
+
+def _subchunks_of(s_exe, s_size, s_direct, px: int, chunks: int) -> np.ndarray:
+    """Each stream's sub-chunk: per executor its streams (in canonical order) cut into `chunks`
+    parts of about equal bytes (a stream lands where the middle of its bytes falls), each part
+    split into its direct and its pack streams: sub-chunk = 2 part + (not direct)."""
+    pos = np.zeros(len(s_exe), dtype=_I64)
+    total = np.zeros(px, dtype=_I64)
+    for e in range(px):  # (members, not streams)
+        sel = np.flatnonzero(s_exe == e)
+        pos[sel] = _excl(s_size[sel]) + s_size[sel] // 2
+        total[e] = s_size[sel].sum()
+    part = np.minimum(chunks - 1, (pos * chunks) // np.maximum(total[s_exe], 1))
+    return 2 * part + (~s_direct).astype(_I64)
+
+
+def _exchange(units_info, px: int, me: int, chunks: int, hl: int, kvl: int) -> tuple:
+    """The sub-chunks of the exchange seen from member `me` and its send gathers."""
+    u, uh0, uhc, ukh, stream, st = units_info
+    if not len(u):
+        return [], Gather.of([], [], [], []), Gather.of([], [], [], [])
+    q_vec = (u.b - u.a) * uhc  # per unit
+    s_q = np.bincount(stream, weights=q_vec, minlength=len(st["len"])).astype(_I64)
+    s_size = s_q + 2 * st["len"]
+    s_sub = _subchunks_of(st["exe"], s_size, st["direct"], px, chunks)
+    u_sub = s_sub[stream]
+    active = np.unique(s_sub)  # sub-chunks with traffic, renumbered without gaps
+    s_sub, u_sub = np.searchsorted(active, s_sub), np.searchsorted(active, u_sub)
+    n_sub = len(active)
+    # vectors per (sub-chunk, owner, executor)
+    cell_u = (u_sub * px + u.owner) * px + u.exe
+    cell_s = (s_sub * px + st["owner"]) * px + st["exe"]
+    nq = np.bincount(cell_u, weights=q_vec, minlength=n_sub * px * px).astype(_I64)
+    nkv = np.bincount(cell_s, weights=st["len"], minlength=n_sub * px * px).astype(_I64)
+    nq, nkv = nq.reshape(n_sub, px, px), nkv.reshape(n_sub, px, px)
+    # my send gathers: units (and streams) I own, in (sub-chunk, executor, canonical) order
+    mine_u = np.flatnonzero(u.owner == me)
+    mine_u = mine_u[np.lexsort((mine_u, u.exe[mine_u], u_sub[mine_u]))]
+    send_q = Gather.of((u.ds[mine_u] + u.a[mine_u]) * hl + uh0[mine_u], u.b[mine_u] - u.a[mine_u],
+                       uhc[mine_u], hl)
+    mine_s = np.flatnonzero(st["owner"] == me)
+    mine_s = mine_s[np.lexsort((mine_s, st["exe"][mine_s], s_sub[mine_s]))]
+    send_kv = Gather.of(st["ds"][mine_s] * kvl + st["kh"][mine_s], st["len"][mine_s], 1, kvl)
+    subs = []
+    q_send_off = kv_send_off = 0
+    for k in range(n_sub):
+        sc = SubChunk(direct=bool(active[k] % 2 == 0), part=int(active[k] // 2),
+                      q_send=nq[k, me].tolist(), kv_send=nkv[k, me].tolist(),
+                      q_recv=nq[k, :, me].tolist(),
+                      kv_recv=nkv[k, :, me].tolist(), q_send_off=q_send_off,
+                      kv_send_off=kv_send_off)
+        q_send_off, kv_send_off = q_send_off + sc.n_q_send, kv_send_off + sc.n_kv_send
+        _executor_calls(sc, k, units_info, u_sub, s_sub, me, px, hl // kvl)
+        subs.append(sc)
+    return subs, send_q, send_kv
+
+
+def _executor_calls(sc: SubChunk, k: int, units_info, u_sub, s_sub, me: int, px: int,
+                    gl: int) -> None:
+    """The calls member `me` runs on what sub-chunk k brings it: its units in receive order
+    (owner by owner, canonical inside), each against its stream's prefix."""
+    u, uh0, uhc, ukh, stream, st = units_info
+    sel = np.flatnonzero((u.exe == me) & (u_sub == k))
+    if not len(sel):
+        return
+    sel = sel[np.lexsort((sel, u.owner[sel]))]  # receive order: owner, then canonical
+    rows = u.b[sel] - u.a[sel]
+    if sc.direct:  # one unit per stream, full class: the received buffers as they are
+        sc.call = CallPlan.of(gl, 1, rows, u.b[sel])
+        return
+    # streams of this sub-chunk in receive order, and where each unit's Q and stream's K land
+    ss = np.flatnonzero((st["exe"] == me) & (s_sub == k))
+    ss = ss[np.lexsort((ss, st["owner"][ss]))]
+    s_off = np.zeros(len(st["len"]), dtype=_I64)
+    s_off[ss] = _excl(st["len"][ss])
+    one = np.ones(len(sel), dtype=_I64)
+    sc.packs = _pack_calls(_Pieces(
+        q_base=_excl(rows * uhc[sel]), q_rstride=uhc[sel], q_h0=uh0[sel],
+        k_base=s_off[stream[sel]], k_rstride=one, k_h0=ukh[sel], rows=rows, k_rows=u.b[sel],
+        h0=uh0[sel], hc=uhc[sel]), gl)
+
+
+# ------------------------------------------------------------------------------------------
+# Compilation
+# ------------------------------------------------------------------------------------------
+
+
+def compile_plain(doc_lengths, heads_local: int, kv_heads_local: int, head_dim: int,
+                  cp: int = 1) -> SlotProgram:
+    """The program of a sequence run whole on one rank's head slice (every document one
+    segment, no exchange): what ulysses compiles to, and per-document CP at one cp rank."""
+    L = np.asarray(doc_lengths, dtype=_I64).reshape(-1)
+    t = thd.contiguous_slots(int(L.sum()), cp)
+    runs = _Segs(*(np.zeros(0, dtype=_I64) for _ in range(8)))
+    runs.doc, runs.a, runs.b = np.arange(len(L)), np.zeros(len(L), dtype=_I64), L.copy()
+    empty = Gather.of([], [], [], [])
+    return SlotProgram(
+        replica=0, slot=0, cp=cp, t=t, tokens=int(L.sum()), heads_local=heads_local,
+        kv_heads_local=kv_heads_local, head_dim=head_dim, members=1,
+        direct=_direct_call(L, runs, heads_local, kv_heads_local, cp * t), lpacks=[],
+        subchunks=[], send_q=empty, send_kv=replace(empty), tiles_executed=len(L))
+
+
+def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 2) -> SlotProgram:
+    """The program of rank (replica, any cp rank) for `slot` of `plan` (libra, distca,
     ulysses; the same for every cp rank of the replica)."""
     if plan.system == "wlb":
         raise ValueError("compile_slot serves libra, distca and ulysses plans; use compile_wlb")
@@ -581,210 +626,127 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 4) -> Sl
         raise ValueError(
             f"(replica, slot) = ({replica}, {slot}) outside the plan's {plan.dp} x {plan.slots}"
         )
-    C = plan.cp
+    hl, kvl = plan.heads_local, plan.kv_heads_local
+    gl = hl // kvl
     L = sequence_lengths(plan, replica, slot)
-    t = int(2 * (thd.padded_lengths(L, C) // (2 * C)).sum())
-    xrow = thd.gather_order(L, C) if len(L) else np.zeros(0, dtype=_I64)
-    g = _Group(plan, replica, slot, chunks)
-    px, me = g.px, g.me
-    n_ch = g.n_chunks
-    msg = g.msg  # [chunk, owner, executor] vectors
-    # -- my outgoing [Q | K | V] messages (I own): positions in the send buffer
-    send_sizes = msg[:, me, :] if n_ch else np.zeros((0, px), dtype=_I64)
-    send_base = _excl(send_sizes.reshape(-1)).reshape(send_sizes.shape)
-    n_send = int(send_sizes.sum())
-    send_idx = np.zeros(n_send, dtype=_I64)
-    cells_per_chunk = px * px
-    qs = np.flatnonzero(g.qp_cell % cells_per_chunk // px == me)  # Q pieces I send
-    if len(qs):
-        pi = np.repeat(qs, g.qp_len[qs])
-        j = g.qp_start[pi] + thd.within(g.qp_len[qs])
-        tm, cell = g.qp_tile[pi], g.qp_cell[pi]
-        dst = send_base[cell // cells_per_chunk, cell % px] + g.qp_off[pi] + j - g.qp_start[pi]
-        send_idx[dst] = xrow[g.t_q0[tm] + j // g.t_hc[tm]] * g.W + g.t_h0[tm] + j % g.t_hc[tm]
-    ks = np.flatnonzero(g.kp_cell % cells_per_chunk // px == me)  # KV pieces I send
-    if len(ks):
-        inc = g.kp_to[ks] - g.kp_from[ks]
-        ri = np.repeat(ks, inc)
-        pos = g.kp_from[ri] + thd.within(inc)
-        cell = g.kp_cell[ri]
-        kdst = send_base[cell // cells_per_chunk, cell % px] + g.nq[cell] + g.kp_off[ri]
-        kdst = kdst + (pos - g.kp_from[ri])
-        rowx = xrow[g.s_ds[g.kp_seg[ri]] + pos] * g.W + g.hl + g.kp_kh[ri]
-        send_idx[kdst] = rowx
-        send_idx[kdst + g.nkv[cell]] = rowx + g.kvl
-    # -- my incoming messages (I execute): where each received Q vector and KV row lands
-    recv_sizes = msg[:, :, me] if n_ch else np.zeros((0, px), dtype=_I64)
-    recv_base = _excl(recv_sizes.reshape(-1)).reshape(recv_sizes.shape)
-    qr = np.flatnonzero(g.qp_cell % px == me)  # Q pieces I receive, by tile then start
-    qr = qr[np.lexsort((g.qp_start[qr], g.qp_tile[qr]))]
-    cell = g.qp_cell[qr]
-    qpos = recv_base[cell // cells_per_chunk, cell // px % px] + g.qp_off[qr]
-    q_loc = thd.ranges(qpos, g.qp_len[qr])
-    qbase = np.zeros(len(g.tiles), dtype=_I64)  # offset of a tile's first Q vector in q_loc
-    first = np.r_[True, g.qp_tile[qr][1:] != g.qp_tile[qr][:-1]] if len(qr) else qr.astype(bool)
-    qbase[g.qp_tile[qr][first]] = _excl(g.qp_len[qr])[first]
-    rin = np.flatnonzero(g.kp_cell % px == me)
-    if len(rin):
-        inc = g.kp_to[rin] - g.kp_from[rin]
-        cell = g.kp_cell[rin]
-        kpos = recv_base[cell // cells_per_chunk, cell // px % px] + g.nq[cell] + g.kp_off[rin]
-        key = g.s_doc[g.kp_seg[rin]] * g.kvl + g.kp_kh[rin]
-        o = np.lexsort((g.kp_from[rin], key))
-        key, inc, kpos, vpos = key[o], inc[o], kpos[o], kpos[o] + g.nkv[cell][o]
-        loc_k, loc_v = thd.ranges(kpos, inc), thd.ranges(vpos, inc)
-        keys, first = np.unique(key, return_index=True)
-        key_off = _excl(inc)[first]
-        kv_loc = (loc_k, loc_v, keys, key_off)
-    else:
-        kv_loc = None
-    # -- execution: my local block and my chunk blocks; O message layout of every executor
-    blocks_by_exec = [g.blocks_of(e) for e in range(px)]
-    local = None
-    mine_blocks = blocks_by_exec[me]
-    if mine_blocks[0] is not None:
-        local = _block(g, mine_blocks[0], True, xrow, None, None)
-        out = g.out_index(mine_blocks[0][0], xrow).astype(_I64)  # piece order
-        # outputs already in output-buffer order (one rank's whole sequence in order): no scatter
-        local.out = None if np.array_equal(out, np.arange(C * t * g.hl)) else out
-    chunk_list, o_out = [], []
-    send_off = recv_off = o_send_off = o_recv_off = 0
-    for k in range(n_ch):
-        # O sizes: what each executor returns to each owner in chunk k
-        o_send = [0] * px
-        o_recv = [0] * px
-        block = None
-        for e in range(px):
-            pieces = blocks_by_exec[e][k + 1]
-            if pieces is None:
-                continue
-            p = pieces[0]
-            rows = g.s_b[p.seg] - g.s_a[p.seg]
-            vecs = rows * p.hc
-            owners = g.s_owner[p.seg]
-            # a block's outputs come in piece order (pieces are sorted by class first); the O
-            # message to each owner holds its pieces' outputs in that order
-            if e == me:
-                for o in range(px):
-                    o_send[o] = int(vecs[owners == o].sum())
-                block = _block(g, pieces, False, None, (q_loc, qbase), kv_loc)
-                msg_base = _excl(np.bincount(owners, weights=vecs, minlength=px).astype(_I64))
-                ret = thd.ranges(msg_base[owners] + _group_excl_by(vecs, owners), vecs)
-                block.out = None if np.array_equal(ret, np.arange(len(ret))) else ret
-            mine_p = np.flatnonzero(owners == me)
-            if len(mine_p):  # O vectors I get back from e, in e's order
-                o_recv[e] = int(vecs[mine_p].sum())
-                o_out.append(g.out_index(p.take(mine_p), xrow))
-        chunk_list.append(
-            Chunk(
-                qkv_send=[int(x) for x in send_sizes[k]],
-                q_send=[int(x) for x in g.nq.reshape(-1, px, px)[k, me, :]],
-                qkv_recv=[int(x) for x in recv_sizes[k]],
-                o_send=o_send,
-                o_recv=o_recv,
-                send_off=send_off,
-                recv_off=recv_off,
-                o_send_off=o_send_off,
-                o_recv_off=o_recv_off,
-                block=block,
-            )
-        )
-        send_off += int(send_sizes[k].sum())
-        recv_off += int(recv_sizes[k].sum())
-        o_send_off += sum(o_send)
-        o_recv_off += sum(o_recv)
-    o_out_idx = np.concatenate(o_out).astype(_I64) if o_out else np.zeros(0, dtype=_I64)
-    unique = local is None or not len(local.gather) or (
-        np.bincount(local.gather, minlength=C * t * g.W).max() <= 1
-    )
-    executed = np.flatnonzero(g.t_exec == me)
+    t = thd.contiguous_slots(int(L.sum()), plan.cp)
+    segs, base, executed = _group_segments(plan, replica, slot)
+    me, px = replica - base, plan.exchange_pool
+    first_doc = plan.seq_doc_offsets[plan.sequence_at(replica, slot)]
+    local = _merge_rows(segs.take(np.flatnonzero((segs.owner == me) & (segs.exe == me))))
+    local.doc = local.doc - first_doc  # documents of this rank's sequence, in order
+    direct, lpacks = _local_work(L, local, hl, kvl, plan.cp * t)
+    moved = _merge_rows(segs.take(np.flatnonzero(segs.owner != segs.exe)))
+    subchunks, send_q, send_kv = _exchange(_units(moved, gl, kvl), px, me, chunks, hl, kvl)
     return SlotProgram(
-        replica=replica,
-        slot=slot,
-        cp=C,
-        t=t,
-        tokens=int(L.sum()),
-        heads_local=g.hl,
-        kv_heads_local=g.kvl,
-        head_dim=plan.head_dim,
-        members=px,
-        local=local,
-        chunks=chunk_list,
-        send_idx=send_idx,
-        o_out_idx=o_out_idx,
-        local_unique=bool(unique),
-        tiles_executed=int(len(executed)),
-    )
+        replica=replica, slot=slot, cp=plan.cp, t=t, tokens=int(L.sum()), heads_local=hl,
+        kv_heads_local=kvl, head_dim=plan.head_dim, members=px, direct=direct, lpacks=lpacks,
+        subchunks=subchunks, send_q=send_q, send_kv=send_kv, tiles_executed=executed)
 
 
-def _group_excl_by(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """Exclusive cumulative sum of `values` among earlier entries of the same group (groups
-    need not be sorted; order inside a group is kept)."""
-    o = np.argsort(groups, kind="stable")
-    out = np.empty_like(values)
-    out[o] = _group_excl(values[o], groups[o])
+def _local_work(L: np.ndarray, local: _Segs, hl: int, kvl: int, rows: int) -> tuple:
+    """(the direct call, the local packs) of the owner's own segments: per document its last run
+    with all heads runs directly on X; its other runs and every head-partial piece are packed."""
+    full = local.hc == hl
+    runs = local.take(np.flatnonzero(full))
+    last = np.r_[runs.doc[1:] != runs.doc[:-1], True] if len(runs) else np.zeros(0, dtype=bool)
+    # (_merge_rows sorted by document, heads, first row: a document's last run is last)
+    direct = _direct_call(L, runs.take(np.flatnonzero(last)), hl, kvl, rows)
+    rest = local.take(np.r_[np.flatnonzero(~full), np.flatnonzero(full)[~last]].astype(_I64))
+    n = len(rest)
+    lpacks = _pack_calls(_Pieces(
+        q_base=(rest.ds + rest.a) * hl, q_rstride=np.full(n, hl, dtype=_I64),
+        q_h0=np.zeros(n, dtype=_I64), k_base=rest.ds * kvl, k_rstride=np.full(n, kvl, dtype=_I64),
+        k_h0=np.zeros(n, dtype=_I64), rows=rest.b - rest.a, k_rows=rest.b, h0=rest.h0,
+        hc=rest.hc), hl // kvl)
+    return direct, lpacks
+
+
+def compile_wlb(doc_lengths, cp: int, cp_rank: int, heads_local: int, kv_heads_local: int,
+                head_dim: int):
+    """Per-document CP of cp rank `cp_rank` (zigzag layout): segments are its chunks (c and
+    2C-1-c of every document, in local slot order): the chunk's real rows against the document's
+    prefix up to them, its padding rows a zero-key segment. At one cp rank it is the plain
+    program (`compile_plain`, with these head counts)."""
+    L = np.asarray(doc_lengths, dtype=_I64).reshape(-1)
+    C, c = cp, cp_rank
+    if not 0 <= c < C:
+        raise ValueError(f"cp_rank must be in [0, cp={C}), got {c}")
+    if C == 1:
+        return compile_plain(L, heads_local, kv_heads_local, head_dim)
+    ch = thd.padded_lengths(L, C) // (2 * C)
+    t = int(2 * ch.sum())
+    n = len(L)
+    slot0 = _excl(2 * ch)  # each document's first local slot (the same on every rank)
+    # per document and local chunk (c, then 2C-1-c): real rows and padding rows
+    m = np.stack([np.full(n, c), np.full(n, 2 * C - 1 - c)], 1).reshape(-1)
+    doc = np.repeat(np.arange(n), 2)
+    real = np.clip(L[doc] - m * ch[doc], 0, ch[doc])
+    pad = ch[doc] - real
+    q = np.stack([real, pad], 1).reshape(-1)
+    k = np.stack([m * ch[doc] + real, np.zeros_like(real)], 1).reshape(-1)
+    keep = q > 0
+    call = CallPlan.of(0, 0, q[keep], k[keep])
+    # key pack: each real segment's prefix, chunk by chunk k' <= m (rank rho(k'), its slot)
+    seg = np.flatnonzero(real > 0)
+    nk = m[seg] + 1
+    ks = np.repeat(seg, nk)
+    kc = thd.within(nk)  # chunk k' of the prefix
+    rho = np.where(kc < C, kc, 2 * C - 1 - kc)
+    d = doc[ks]
+    kv_base = rho * t + slot0[d] + np.where(kc < C, 0, ch[d])
+    kv_rows = np.where(kc < m[ks], ch[d], real[ks])
+    pad_base = slot0[doc] + np.where(m == c, 0, ch[doc]) + real
+    return WlbProgram(
+        cp=C, t=t, tokens=int(L.sum()), call=call, kv=Gather.of(kv_base, kv_rows, 1, 1),
+        pad=Gather.of(pad_base, pad, 1, 1), tiles_executed=int(2 * n))
+
+
+def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> list:
+    """Host programs of every slot of rank (replica, cp_rank): what the sampler's background
+    thread builds one step ahead."""
+    if plan.system != "wlb":
+        return [compile_slot(plan, replica, slot, chunks) for slot in range(plan.slots)]
+    out = []
+    for slot in range(plan.slots):
+        L = sequence_lengths(plan, replica, slot)
+        if len(L) == 0:  # an empty repacked sequence trains as one padding document
+            L = np.array([thd.empty_sequence_tokens(plan.cp, "zigzag")], dtype=_I64)
+        out.append(compile_wlb(L, plan.cp, cp_rank, plan.heads_local * plan.cp,
+                               plan.kv_heads_local, plan.head_dim))
     return out
 
 
-def compile_wlb(doc_lengths, cp: int, cp_rank: int) -> WlbProgram:
-    """Per-document CP of cp rank `cp_rank`: segments are its chunks (c and 2C-1-c of every
-    document, in local slot order) against their document prefix up to the chunk's end; slots
-    past a document's end are padding whose keys repeat the document's last token (only
-    padding rows can see them) and whose outputs are zeroed."""
-    L = np.asarray(doc_lengths, dtype=_I64).reshape(-1)
-    C, c = cp, cp_rank
-    z = thd.zigzag_split(L, C, c)
-    ch = thd.padded_lengths(L, C) // (2 * C)
-    t = int(2 * ch.sum())
-    xrow = thd.gather_order(L, C) if len(L) else np.zeros(0, dtype=_I64)
-    n = len(L)
-    # segment 2j: chunk c of document j, 2j+1: chunk 2C-1-c
-    q_len = np.repeat(ch, 2)
-    chunk = np.tile(np.array([c, 2 * C - 1 - c], dtype=_I64), n)
-    k_len = (chunk + 1) * q_len
-    doc = np.repeat(np.arange(n), 2)
-    starts = np.cumsum(L) - L
-    pos = thd.within(k_len)
-    sd = np.repeat(doc, k_len)
-    kv_rows = xrow[starts[sd] + np.minimum(pos, L[sd] - 1)] if len(pos) else pos
-    cu_q = np.r_[0, np.cumsum(q_len)].astype(_I64)
-    cu_k = np.r_[0, np.cumsum(k_len)].astype(_I64)
-    call = CallSpec(0, 0, int(cu_q[-1]), int(cu_k[-1]), cu_q, cu_k, 0, 0)
-    return WlbProgram(
-        cp=C,
-        t=t,
-        tokens=int(L.sum()),
-        call=call,
-        kv_rows=kv_rows.astype(_I64),
-        real=(z.token_index >= 0).astype(_I64),
-        tiles_executed=int(2 * n),
-    )
-
-
 # ------------------------------------------------------------------------------------------
-# Upload: every index array of a program in one pinned, non-blocking host-to-device copy
+# Staging and upload: descriptors in one pinned buffer, one copy, indices expanded on device
 # ------------------------------------------------------------------------------------------
 
 
 def _walk(prog):
-    """(holder, attribute) of every numpy array of a program, in a fixed order (a call's cu_q
+    """(holder, attribute) of every host array of a program, in a fixed order (a call's cu_q
     right before its cu_k)."""
+    out = []
     if isinstance(prog, SlotProgram):
-        out = [(prog, "send_idx"), (prog, "o_out_idx")]
-        for b in prog.blocks:
-            out.append((b, "gather"))
-            if b.out is not None:
-                out.append((b, "out"))
+        calls = [prog.direct] + [p.call for p in prog.lpacks]
+        gathers = [prog.send_q, prog.send_kv] + [g for p in prog.lpacks for g in (p.q, p.k)]
+        for sc in prog.subchunks:
+            if sc.call is not None:
+                calls.append(sc.call)
+            for p in sc.packs:
+                calls.append(p.call)
+                gathers += [p.q, p.k]
     else:
-        out = [(prog, "kv_rows"), (prog, "real")]
-    for call in prog.calls:
+        calls, gathers = [prog.call], [prog.kv, prog.pad]
+    for call in calls:
         out += [(call, "cu_q"), (call, "cu_k")]
+    for g in gathers:
+        out.append((g, "runs"))
     return out
 
 
 @dataclass
 class Staged:
-    """A program whose index arrays sit in one flat host tensor (pinned when asked), ready for
+    """A program whose arrays sit in one flat int32 host tensor (pinned when asked), ready for
     one host-to-device copy."""
 
     prog: object
@@ -793,27 +755,21 @@ class Staged:
 
 
 def _clone(prog):
-    """A copy of a program's structure (programs, chunks, blocks, calls) sharing its arrays, so
-    that uploading it leaves the host program as it was."""
-
-    def block(b):
-        return None if b is None else replace(b, calls=[replace(c) for c in b.calls])
-
+    """A copy of a program's structure sharing its arrays, so that uploading it leaves the host
+    program as it was."""
     if isinstance(prog, WlbProgram):
-        return replace(prog, call=replace(prog.call), _keep=[])
+        return replace(prog, call=replace(prog.call), kv=replace(prog.kv), pad=replace(prog.pad),
+                       _keep=[])
+
+    def pack(p):
+        return PackCall(replace(p.call), replace(p.q), replace(p.k))
+
     return replace(
-        prog,
-        local=block(prog.local),
-        chunks=[replace(c, block=block(c.block)) for c in prog.chunks],
-        _keep=[],
-    )
-
-
-INDEX_DTYPE = np.int32
-"""The staged (and device) index arrays' dtype: every index of a rank's buffers is below 2^31,
-and the device ops take int32 indices (index_select, index_add_, index_put_; cu_seqlens are
-int32 anyway), so a step's metadata is half the bytes of int64 - on the host, in the upload
-and on the device."""
+        prog, direct=replace(prog.direct), lpacks=[pack(p) for p in prog.lpacks],
+        send_q=replace(prog.send_q), send_kv=replace(prog.send_kv),
+        subchunks=[replace(sc, call=replace(sc.call) if sc.call is not None else None,
+                           packs=[pack(p) for p in sc.packs]) for sc in prog.subchunks],
+        _keep=[])
 
 
 def stage(prog, pin: bool = False) -> Staged:
@@ -821,7 +777,7 @@ def stage(prog, pin: bool = False) -> Staged:
     copy). Runs off the critical path (the sampler's thread)."""
     prog = _clone(prog)
     arrays = [np.asarray(getattr(h, a)).reshape(-1) for h, a in _walk(prog)]
-    top = max((int(x.max()) for x in arrays if len(x)), default=0)
+    top = max((int(np.abs(x).max()) for x in arrays if len(x)), default=0)
     if top >= 2**31:
         raise ValueError(f"an index of this rank's program ({top}) does not fit in int32")
     flat = (np.concatenate(arrays).astype(INDEX_DTYPE, copy=False) if arrays
@@ -832,12 +788,27 @@ def stage(prog, pin: bool = False) -> Staged:
     return Staged(prog, host, [len(x) for x in arrays])
 
 
+def expand_runs(runs: torch.Tensor, size: int) -> torch.Tensor:
+    """The vectors of runs [n, 4] (base, rows, width, stride), on the runs' device: a fixed
+    number of vectorized ops over the output, whatever the number of runs."""
+    if size == 0:
+        return runs.new_zeros(0)
+    runs = runs.long()
+    base, rows, width, stride = runs.unbind(1)
+    n = rows * width
+    run = torch.repeat_interleave(torch.arange(len(runs), device=runs.device), n,
+                                  output_size=size)
+    e = torch.arange(size, device=runs.device) - (torch.cumsum(n, 0) - n)[run]
+    w = width[run]
+    return (base[run] + torch.div(e, w, rounding_mode="floor") * stride[run] + e % w).to(
+        torch.int32)
+
+
 def upload(prog, device: torch.device | str, pin: bool | None = None, device_buffer=None):
-    """The program with every index array on `device` (int32, INDEX_DTYPE), copied in one
-    host-to-device transfer (non-blocking, from pinned memory on CUDA). `prog` is a host
-    program or a `Staged` one; a new program is returned (CallSpecs keep their host offsets in
-    `seg`, for the reference kernel). `device_buffer`: the staged arrays already on the device
-    (a copy the caller made together with other data)."""
+    """The program on `device`: its arrays copied in one host-to-device transfer (non-blocking,
+    from pinned memory on CUDA) - or taken from `device_buffer`, that copy made already -, every
+    call's segments laid out and every gather's indices expanded there. `prog` is a host program
+    or a Staged one; a new program is returned."""
     device = torch.device(device)
     if not isinstance(prog, Staged):
         prog = stage(prog, pin=device.type == "cuda" if pin is None else pin)
@@ -856,9 +827,10 @@ def upload(prog, device: torch.device | str, pin: bool | None = None, device_buf
         elif a == "cu_k":  # right after the same call's cu_q
             h.cu_q, h.cu_k = cu_q[0], v
             # on CPU the reference kernel runs: its work items are made here, ahead of the call
-            h.seg = Segments.from_host(h.cu_q, h.cu_k, cu_q[1], hv,
+            h.seg = Segments.from_host(h.cu_q, h.cu_k, cu_q[1], hv, max_q=h.max_q, max_k=h.max_k,
                                        reference_work=device.type == "cpu")
         else:
-            setattr(h, a, v)
+            h.runs = v.view(-1, 4)
+            h.idx = expand_runs(h.runs, h.size)
     dev._keep = [host, buf]
     return dev

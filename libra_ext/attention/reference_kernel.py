@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from libra_ext.attention.counters import inside_kernel
+
 _PIECE_ELEMS = 1 << 17
 """Score elements per head computed at once by the reference (rows x keys). Small enough that
 a piece's scores over a rank's heads stay in cache-sized temporaries (a few MiB), so the cost of
@@ -140,6 +142,16 @@ class ReferenceVarlen(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, seg: Segments, scale: float):
+        with inside_kernel():
+            return ReferenceVarlen._forward(ctx, q, k, v, seg, scale)
+
+    @staticmethod
+    def backward(ctx, dout):
+        with inside_kernel():
+            return ReferenceVarlen._backward(ctx, dout)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, seg: Segments, scale: float):
         acc = _acc_dtype(q.dtype)
         n_q, hc, d = q.shape
         g = hc // max(1, k.shape[1])
@@ -176,7 +188,7 @@ class ReferenceVarlen(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         seg, scale = ctx.seg, ctx.scale
         acc = _acc_dtype(q.dtype)

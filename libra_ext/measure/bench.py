@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from libra_ext.attention.comm import GroupCache
-from libra_ext.attention.core import Runtime, compile_rank, core_attention
+from libra_ext.attention.core import Runtime, core_attention
 from libra_ext.attention.kernels import backend_for, segments_on
+from libra_ext.attention.meta import compile_rank
 from libra_ext.distributed import ensure_single_process_group
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import LengthSource, ModelConfig
@@ -51,6 +52,21 @@ def sequence(context: int, workload: str = "libra-256k", lengths_file=None, seed
     return [int(x) for x in src.step(1, context, seed=seed, step=0)[0]]
 
 
+def quantile_sequences(preset: str, context: int, seeds=range(4), per_seed: int = 16,
+                       quantiles=(0.5, 0.1)) -> dict:
+    """Packed sequences of a preset at given quantiles of their attention cost over their
+    tokens' (sum of squared document lengths / S^2), drawn from `per_seed` sequences of each
+    seed: {"p50": docs, "p10": docs, ...} (p10: short documents, where the operator's cost
+    weighs most against the kernel's)."""
+    src = LengthSource(preset=preset)
+    seqs = [[int(x) for x in s] for seed in seeds
+            for s in src.step(per_seed, context, seed=seed, step=0) if s]
+    cost = np.array([sum(x * x for x in s) / sum(s) ** 2 for s in seqs])
+    order = np.argsort(cost, kind="stable")
+    return {f"p{round(100 * q)}": seqs[int(order[min(len(seqs) - 1, int(q * len(seqs)))])]
+            for q in quantiles}
+
+
 def run(
     context: int = 262_144,
     heads: int = 32,
@@ -64,8 +80,10 @@ def run(
     lengths_file=None,
     seed: int = 0,
     backend: str | None = None,
+    docs: list | None = None,
 ) -> dict:
-    """Operator vs plain kernel call per system; returns the JSON-ready result."""
+    """Operator vs plain kernel call per system (on `docs`, or a sequence of `context` tokens
+    of the workload); returns the JSON-ready result."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if context <= 0 or reps <= 0:
@@ -75,7 +93,8 @@ def run(
         raise ValueError("device cuda asked for, but no GPU is available")
     dt = DTYPES[dtype]
     ensure_single_process_group()
-    docs = sequence(context, workload, lengths_file, seed)
+    docs = [int(x) for x in docs] if docs is not None else \
+        sequence(context, workload, lengths_file, seed)
     S = sum(docs)
     model = ModelConfig(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     layout = LayoutConfig(dp=1, cp=1, pool_size=1, context=max(context, S))
@@ -109,6 +128,7 @@ def run(
         "dtype": dtype,
         "context": S,
         "documents": len(docs),
+        "cost_over_tokens_squared": sum(x * x for x in docs) / S**2,
         "longest_document": max(docs),
         "heads": heads,
         "kv_heads": kv_heads,

@@ -30,7 +30,6 @@ from tqdm import tqdm
 
 from libra_ext import hostmem
 from libra_ext.attention import meta
-from libra_ext.attention.core import compile_rank
 from libra_ext.attention.kernels import backend_for, segments_on
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions, StepPlan
 from libra_ext.workload import ModelConfig
@@ -75,7 +74,7 @@ def rank_calls(plan: StepPlan, replica: int, cp_rank: int, model: ModelConfig) -
     """Every kernel call rank (replica, cp_rank) makes for the plan's step, all slots. (WLB-LLM's
     call runs all heads of the tensor-parallel rank: its program leaves them to the layer.)"""
     out = []
-    for prog in compile_rank(plan, replica, cp_rank, chunks=1):
+    for prog in meta.compile_rank(plan, replica, cp_rank, chunks=1):
         for c in prog.calls:
             hc, hk = c.hc, c.hk
             if plan.system == "wlb":

@@ -2,9 +2,11 @@
 
 Spawns N gloo processes on 127.0.0.1 (tp = 1, cp = C, dp = N / C). Every rank plans the same
 random packed batch, checks the plan hash, runs its slots forward and backward through
-`core_attention`, and compares its output and the gradients of its q, k, v with the reference
-computed on the whole sequence; it also compares the bytes it sent in the pool exchange with the
-plan's promise.
+`core_attention` as a layer makes them (`traffic.layer_call`), and compares its output and the
+gradients of its q, k, v with the reference computed on the whole sequence; it also compares the
+bytes it sent in the pool exchange with the plan's promise, and measures per layer call what
+the GPU-readiness gate measures on fake CUDA (`LAYER_FIGURES`, the reference kernel's own work
+left out).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from libra_ext.attention.comm import GroupCache
 from libra_ext.attention.core import Runtime, check_plan_hash, core_attention
 from libra_ext.attention.reference_kernel import reference_attention
 from libra_ext.distributed import free_port, share_cores
+from libra_ext.measure import traffic
 from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import ModelConfig
 
@@ -36,6 +39,10 @@ COUNTERS = (
     "host_reads",
 )
 """Per-call runtime counters reported as the maximum over ranks and calls."""
+LAYER_FIGURES = ("device_ops_fwd", "device_ops_bwd", "extra_over_qkv", "kept", "peak")
+"""Per layer call (`traffic.layer_call`): device ops forward and backward, extra device bytes,
+bytes kept for backward and at the peak over the layer's Q/K/V; the maximum over ranks and
+calls."""
 
 
 @dataclass
@@ -140,6 +147,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
             runtime.stats.count_host = True
             err_out = err_grad = 0.0
             sent = planned = 0
+            figures: dict = {}
             for batch in range(cfg.batches):
                 seqs = make_batch(cfg, D, batch)
                 opts = PlannerOptions(
@@ -160,16 +168,26 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
                         continue
                     q, k, v, do = _tensors(docs, cfg, batch, s_idx, dtype)
                     ref_out, ref_dq, ref_dk, ref_dv = _reference(docs, q, k, v, do, scale)
-                    idx = thd.zigzag_split(docs, C, c).token_index
+                    idx = thd.split(docs, C, c, thd.layout_of(system)).token_index
                     real = torch.as_tensor(idx >= 0)
                     take = torch.as_tensor(np.where(idx >= 0, idx, 0))
                     ql = (q[take] * real[:, None, None]).detach().requires_grad_(True)
                     kl = (k[take] * real[:, None, None]).detach().requires_grad_(True)
                     vl = (v[take] * real[:, None, None]).detach().requires_grad_(True)
-                    out = core_attention(ql, kl, vl, docs, system, runtime, steps[slot], scale)
-                    (out * (do[take] * real[:, None])).sum().backward()
+                    grad = (do[take] * real[:, None]).contiguous()
                     m = real[:, None]
-                    err_out = max(err_out, float(((out.detach() - ref_out[take]) * m).abs().max()))
+
+                    def check(out, want=ref_out[take], m=m):
+                        nonlocal err_out
+                        err_out = max(err_out, float(((out.detach() - want) * m).abs().max()))
+
+                    with traffic.TrafficProbe("cpu") as probe:
+                        measured = traffic.layer_call(
+                            probe, lambda q_, k_, v_, s_=steps[slot]: core_attention(
+                                q_, k_, v_, docs, system, runtime, s_, scale), ql, kl, vl, grad,
+                            inspect=check)
+                    for key in LAYER_FIGURES:
+                        figures[key] = max(figures.get(key, 0), measured[key])
                     for got, want in ((ql.grad, ref_dq), (kl.grad, ref_dk), (vl.grad, ref_dv)):
                         diff = (got - want[take] * real[:, None, None]).abs().max()
                         err_grad = max(err_grad, float(diff))
@@ -184,6 +202,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
                     "bytes_sent": sent,
                     "bytes_planned": planned,
                     **runtime.stats.summary(),
+                    **{k: figures.get(k, 0) for k in LAYER_FIGURES},
                 }
             )
     dist.barrier()
@@ -215,7 +234,7 @@ def run(cfg: VerifyConfig, tol: float = 1e-5) -> dict:
                 "max_abs_err_grad": max(p["max_abs_err_grad"] for p in per),
                 "bytes_sent": [p["bytes_sent"] for p in per],
                 "bytes_planned": [p["bytes_planned"] for p in per],
-                **{k: max(p[k] for p in per) for k in COUNTERS},
+                **{k: max(p[k] for p in per) for k in COUNTERS + LAYER_FIGURES},
             }
         )
         cases[-1]["ok"] = (

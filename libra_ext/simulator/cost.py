@@ -1,6 +1,8 @@
 """Step-time model per rank (DESIGN.md section 4): linear layers, attention tiles, Ulysses
 all-to-all, the pool exchange and how much of it the TAP pipeline hides, WLB-LLM's KV all-gather,
-and the data-parallel gradient reduction. Step time = max over ranks + the exposed reduction."""
+the attention operator's own data path (its device copies, gathers and scatters around the
+kernels, and its launches: `operator_time`), and the data-parallel gradient reduction. Step time
+= max over ranks + the exposed reduction."""
 
 from __future__ import annotations
 
@@ -31,12 +33,14 @@ class StepTimes:
     """Pool-exchange transfer time."""
     pool_exposed: np.ndarray
     """The part of pool_comm the TAP pipeline does not hide."""
+    operator: np.ndarray
+    """The attention operator's device traffic and launches around its kernels."""
     dp_exposed: float
     slot: np.ndarray
 
     @property
     def rank_total(self) -> np.ndarray:
-        return self.linear + self.attention + self.cp_comm + self.pool_exposed
+        return self.linear + self.attention + self.cp_comm + self.pool_exposed + self.operator
 
     @property
     def step(self) -> float:
@@ -45,7 +49,67 @@ class StepTimes:
     @property
     def attention_latency(self) -> np.ndarray:
         """Per-rank time of core attention including its communication."""
-        return self.attention + self.cp_comm + self.pool_exposed
+        return self.attention + self.cp_comm + self.pool_exposed + self.operator
+
+
+OPERATOR_LAUNCHES = {"ulysses": 5, "wlb": 10}
+"""Device ops of one layer call, forward + backward, beyond a plain call's (whose kernel calls
+`call_floor` counts): the Ulysses layout copies, per-document CP's key pack and reduction (the
+GPU-readiness gate's counts at 256K tokens, 32 / 4 heads: 10 and 15 against a plain call's 5).
+At one cp rank the operator is the plain call: nothing beyond it."""
+LAUNCHES_PER_SUBCHUNK = 8
+"""Device ops one sub-chunk of the pool exchange adds to a layer call (its gathers, kernel calls
+and scatters, forward + backward; the gate: 29-31 backward and 18 forward ops at pool 2 and 8)."""
+EXECUTOR_PACKED = 0.5
+"""The share of an executor's received units run from packs (gathered, their outputs and
+gradients scattered) rather than directly on the receive buffers."""
+
+
+def operator_time(plan: StepPlan, model: ModelConfig, hw: HardwareProfile,
+                  tokens_rank_slot: np.ndarray, chunks: int) -> np.ndarray:
+    """[D, C, m] seconds per step of the attention operator's own device work around its
+    kernels, every layer, forward + backward, counted as the gate counts it (docs/runtime.md):
+    bytes read + written at `hw.copy_bandwidth` plus `hw.launch` per device op.
+
+    - one cp rank: nothing moves (the kernel reads the inputs and writes the output itself);
+    - Ulysses family at C > 1: a layout copy on one side of every all-to-all: 4 x (Q + K + V)
+      + 4 x O;
+    - libra / distca: per pool member, for the elements it sends as an owner (the plan's
+      exchange cells) 8 x Q (send gather, output placement, dO gather, dQ placement) and 5 x KV
+      (gather, gradient add), and for what it receives as an executor the same for the packed
+      share (EXECUTOR_PACKED);
+    - wlb at C > 1: its key pack (about the sequence's K and V) gathered and, backward, added
+      into a zeroed all-gather-sized buffer reduced over C.
+    """
+    D, C, m, T = plan.dp, plan.cp, plan.slots, plan.tp
+    d, dt = model.head_dim, float(plan.dtype_bytes)
+    h, hkv = model.heads / T, max(1.0, model.kv_heads / T)
+    t = tokens_rank_slot  # [D, m]
+    qkv = t * (h + 2 * hkv) * d * dt
+    o = t * h * d * dt
+    kv_row = 2 * hkv * d * dt  # K and V of one token
+    launches = np.zeros((D, m))
+    nbytes = np.zeros((D, m))
+    if C > 1 and plan.system == "wlb":
+        nbytes = 5 * (C * t) * kv_row + (2 * C + C + 1) * t * kv_row
+        launches = np.where(t > 0, OPERATOR_LAUNCHES["wlb"], 0).astype(np.float64)
+    elif C > 1:
+        nbytes = 4 * qkv + 4 * o
+        launches = np.where(t > 0, OPERATOR_LAUNCHES["ulysses"], 0).astype(np.float64)
+    out = np.repeat((nbytes / hw.copy_bandwidth + launches * hw.launch)[:, None, :], C, axis=1)
+    px = plan.exchange_pool
+    if plan.system in ("libra", "distca") and px > 1 and plan.xchg_q.any():
+        q, kv = plan.xchg_q.astype(np.float64), plan.xchg_kv.astype(np.float64)
+        eye = np.eye(px, dtype=bool)[None]
+        q, kv = np.where(eye, 0.0, q), np.where(eye, 0.0, kv)
+        own = 8 * q.sum(axis=2) + 5 * kv.sum(axis=2)  # [G, P]: as owner
+        exe = EXECUTOR_PACKED * (8 * q.sum(axis=1) + 5 * kv.sum(axis=1))  # as executor
+        per = (own + exe) * dt / hw.copy_bandwidth + LAUNCHES_PER_SUBCHUNK * 2 * chunks * \
+            hw.launch * (q.sum(axis=2) + q.sum(axis=1) > 0)
+        for g in range(per.shape[0]):
+            pool, slot = divmod(g, m)
+            out[pool * px : (pool + 1) * px, :, slot] += per[g][:, None]
+    return out * model.layers
 
 
 def exposed_pool_comm(
@@ -175,6 +239,8 @@ def simulate_plan(
     )
     attention = attn_slot.sum(axis=2)
     pool_exposed = exposed_pool_comm(pool_comm, attention, chunks, pipelined)
+    op_slot = operator_time(plan, model, hw, tokens_rank_slot, chunks)
+    operator = op_slot.sum(axis=2)
     linear = np.repeat(linear_slot.sum(axis=1)[:, None], C, axis=1)
     cp_comm = np.repeat(cp_slot.sum(axis=1)[:, None], C, axis=1)
     # Per-slot time of each replica (the slowest cp rank), with the pool exposure spread over
@@ -186,7 +252,8 @@ def simulate_plan(
         where=attention[:, :, None] > 0,
     )
     slot = (
-        linear_slot[:, None, :] + attn_slot + cp_slot[:, None, :] + pool_exposed[:, :, None] * share
+        linear_slot[:, None, :] + attn_slot + op_slot + cp_slot[:, None, :]
+        + pool_exposed[:, :, None] * share
     ).max(axis=1)
     return StepTimes(
         linear=linear,
@@ -194,6 +261,7 @@ def simulate_plan(
         cp_comm=cp_comm,
         pool_comm=pool_comm,
         pool_exposed=pool_exposed,
+        operator=operator,
         dp_exposed=dp_reduction(model, hw, D, C, T),
         slot=slot,
     )

@@ -58,6 +58,11 @@ class HardwareProfile:
     allreduce_exposed: float
     memory_gb: float | None = None
     """Device memory (GB, 10^9 bytes) for `libra memory`; None: not given."""
+    copy_bandwidth: float = 3.0e12
+    """Bytes per second a device-side copy, gather or scatter moves (read + written): what the
+    attention operator's data path around its kernels costs (`operator.copy_bandwidth_gbps`)."""
+    launch: float = 4e-6
+    """Seconds per device op the operator launches (`operator.launch_us`)."""
     measured: dict | None = None
     """What `libra calibrate` measured (device, date, kernel, ...); None: published figures."""
 
@@ -116,9 +121,16 @@ class HardwareProfile:
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float))
                                    or not memory > 0):
             raise ValueError(f"{path}.memory_gb must be a positive number, got {memory!r}")
+        op = d.get("operator", {})
+        if not isinstance(op, dict):
+            raise ValueError(f"{path}.operator must be a mapping")
         return cls(
             measured=measured,
             memory_gb=float(memory) if memory is not None else None,
+            copy_bandwidth=_get(op, "copy_bandwidth_gbps", f"{path}.operator") * 1e9
+            if "copy_bandwidth_gbps" in op else cls.copy_bandwidth,
+            launch=_get(op, "launch_us", f"{path}.operator") * 1e-6
+            if "launch_us" in op else cls.launch,
             name=str(d.get("name", where)),
             bf16_peak=_get(d, "bf16_peak_tflops", path) * 1e12,
             attn_peak=_get(att, "peak_tflops", f"{path}.attention") * 1e12,

@@ -1,6 +1,7 @@
 """Per-rank THD micro-batches of a packed sequence: tokens, labels, loss mask, position ids,
 cu_seqlens and the LibraPackedSeqParams that carry the step plan to the attention layers, in
-Megatron's per-document zigzag CP layout; each slot's RoPE positions registered for
+the system's CP layout (`thd.layout_of`: contiguous rank slices for the Ulysses family,
+Megatron's per-document zigzag for wlb); each slot's RoPE positions registered for
 `megatron.libra.rope`."""
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ class MicroBatch:
             buffer = self.host.to(device, non_blocking=True)
         t = self.tokens.shape[1]
         psp = self.packed_seq_params
+        host_positions = rope.registered(psp.cu_seqlens_q_padded)
         rope.register(psp.cu_seqlens_q_padded, rope.Positions(
             slots=buffer[2 * t : 3 * t],  # int32: index_select takes it
-            device_offsets=buffer[4 * t :]))
+            device_offsets=buffer[4 * t :],
+            zigzag=host_positions.zigzag if host_positions is not None else True))
         return MicroBatch(
             tokens=buffer[:t].long()[None],
             labels=buffer[t : 2 * t].long()[None],
@@ -68,26 +71,34 @@ class MicroBatch:
         )
 
 
-def make_micro_batch(pieces: list, cp: int, cp_rank: int, step: AttentionStep | None) -> MicroBatch:
-    """One cp rank's share of a packed sequence made of `pieces` (data.Piece: tokens, labels and
-    loss mask of each document, in order).
+def make_micro_batch(pieces: list, cp: int, cp_rank: int, step: AttentionStep | None,
+                     layout: str) -> MicroBatch:
+    """One cp rank's share, in `layout` (thd.LAYOUTS), of a packed sequence made of `pieces`
+    (sources.Piece: tokens, labels and loss mask of each document, in order).
 
     A sequence without documents (WLB-LLM's repacking can leave one empty when it holds
-    outliers back) becomes one padding document of 2*cp tokens with no loss, so the model runs
-    and every collective of the step still lines up; it adds nothing to the loss."""
+    outliers back) becomes one padding document (`thd.empty_sequence_tokens`) with no loss, so
+    the model runs and every collective of the step still lines up; it adds nothing to the
+    loss."""
     if sum(len(p.tokens) for p in pieces) == 0:
-        pad = np.zeros(2 * cp, dtype=np.int64)
-        pieces = [Piece(pad, pad, np.zeros(2 * cp, dtype=np.float32))]
+        n = thd.empty_sequence_tokens(cp, layout)
+        pad = np.zeros(n, dtype=np.int64)
+        pieces = [Piece(pad, pad, np.zeros(n, dtype=np.float32))]
     lengths = [len(p.tokens) for p in pieces]
-    z = thd.zigzag_split(lengths, cp, cp_rank)
-    inputs = np.concatenate([p.tokens for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
-    targets = np.concatenate([p.labels for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
-    weights = np.concatenate([p.mask for p in pieces]) if pieces else np.zeros(0, dtype=np.float32)
+    z = thd.split(lengths, cp, cp_rank, layout)
+    inputs = np.concatenate([p.tokens for p in pieces])
+    targets = np.concatenate([p.labels for p in pieces])
+    weights = np.concatenate([p.mask for p in pieces])
     real = z.token_index >= 0
     idx = np.where(real, z.token_index, 0)
-    cu_padded_global = np.concatenate([[0], np.cumsum(thd.padded_lengths(lengths, cp))])
-    # Megatron's meaning: cu_seqlens_* the documents' real lengths, *_padded the lengths padded
-    # to multiples of 2 * cp that the zigzag CP layout (and RoPE's per-document split) uses
+    if layout == "zigzag":  # documents padded to multiples of 2 * cp
+        padded = thd.padded_lengths(lengths, cp)
+    else:  # the sequence's tail padding (C t - n slots) counted in its last document
+        padded = np.asarray(lengths, dtype=np.int64).copy()
+        padded[-1] += cp * len(z.token_index) - int(padded.sum())
+    cu_padded_global = np.concatenate([[0], np.cumsum(padded)])
+    # Megatron's meaning: cu_seqlens_* the documents' real lengths, *_padded with the padding
+    # slots the CP layout adds (cu_seqlens_q_padded[-1] = C t, every rank's slots)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     cu_padded = torch.tensor(cu_padded_global, dtype=torch.int32)
     longest = int(max(np.diff(cu_padded_global), default=1))
@@ -103,7 +114,8 @@ def make_micro_batch(pieces: list, cp: int, cp_rank: int, step: AttentionStep | 
         doc_lengths=lengths,
     )
     # each slot's position inside its (padded) document: RoPE from it (megatron.libra.rope)
-    rope.register(cu_padded, rope.Positions(torch.as_tensor(z.position_ids.astype(np.int64))))
+    rope.register(cu_padded, rope.Positions(torch.as_tensor(z.position_ids.astype(np.int64)),
+                                            zigzag=layout == "zigzag" or cp == 1))
     mask = np.where(real, weights[idx], 0.0).astype(np.float32)
     return MicroBatch(
         tokens=torch.as_tensor(np.where(real, inputs[idx], 0).astype(np.int64))[None],

@@ -35,6 +35,10 @@ class Positions:
     """[t] each local slot's position inside its (padded) document, on the slots' device."""
     device_offsets: torch.Tensor | None = None
     """The padded cu_seqlens on the device (TE's fused THD kernel reads them there)."""
+    zigzag: bool = True
+    """The slots are in Megatron's per-document zigzag CP layout (or one cp rank): TE's fused
+    THD kernel, which derives positions from cu_seqlens that way, may run them. The contiguous
+    layout at cp > 1 always takes the position gather."""
 
 
 _REGISTERED: dict = {}
@@ -65,7 +69,8 @@ def _positions_rope(original, bshd):
         mine = registered(cu_seqlens)
         if mine is None or args or kwargs:
             return original(t, freqs, config, cu_seqlens, mscale, cp_group, *args, **kwargs)
-        if getattr(config, "apply_rope_fusion", False):  # TE's fused THD kernel, device offsets
+        if getattr(config, "apply_rope_fusion", False) and mine.zigzag:
+            # TE's fused THD kernel, device offsets
             device_cu = mine.device_offsets
             return original(t, freqs, config, device_cu if device_cu is not None else cu_seqlens,
                             mscale, cp_group)

@@ -38,6 +38,7 @@ from megatron.libra.steps import (
     device_micro_batches,
     new_planner,
     new_runtime,
+    settle_heap,
 )
 
 with warnings.catch_warnings():  # megatron-core's notices on import (no GPU, no TE, ...)
@@ -330,7 +331,8 @@ class Trainer:
             # every EP rank pads its tokens to the step's longest micro-batch for the MoE
             # layers' all-gather (no layer exchanges or reads token counts)
             p = self.cfg.parallel
-            rows = int(thd.local_tokens(plan.doc_lengths, plan.seq_doc_offsets, C).max())
+            rows = int(thd.local_tokens(plan.doc_lengths, plan.seq_doc_offsets, C,
+                                        thd.layout_of(plan.system)).max())
             moe_layer.set_step_rows(-(-rows // p.tp) if p.sequence_parallel else rows)
         return device_micro_batches(batch, self.runtime, self.device, C, self.c, self.r)
 
@@ -554,6 +556,7 @@ class Trainer:
     def train(self) -> list[dict]:
         cfg, rank = self.cfg, self.rank
         stop = _StopRequest(cfg.checkpoint.save_on_signal)
+        settle_heap()
         try:
             every = cfg.schedule.eval_interval
             for step in range(self.start, cfg.schedule.train_steps):

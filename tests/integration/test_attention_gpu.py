@@ -66,10 +66,16 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert checks["replay"]["status"] == checks["calibration"]["status"] == "pass"
     lines = [x for x in p.stdout.splitlines() if x.startswith("check ")]
     assert len(lines) == len(checks)  # one summary line per check
-    for name in ("libra", "ulysses", "wlb"):
-        s = r["overhead"]["systems"][name]
-        assert s["kernel_calls_fwd"] >= 1 and s["host_copies"] == 0
-        assert s["operator_ms"] > 0 and s["ratio"] > 0
+    # the presets' median and 10th-percentile sequences and one long document, every system
+    assert set(r["overhead"]) == {"libra-256k/p50", "libra-256k/p10", "libra-1m/p50",
+                                  "libra-1m/p10", "one-document/1024"}
+    for case, res in r["overhead"].items():
+        for name in ("libra", "ulysses", "wlb", "distca"):
+            s = res["systems"][name]
+            assert s["kernel_calls_fwd"] >= 1 and s["host_copies"] == 0, (case, name)
+            assert s["operator_ms"] > 0 and s["ratio"] > 0
+    assert r["overhead"]["libra-256k/p10"]["cost_over_tokens_squared"] < \
+        r["overhead"]["libra-256k/p50"]["cost_over_tokens_squared"]
     assert Path(r["calibration"]["profile"]).is_file()
     for name in ("ulysses", "libra"):
         s = r["replay"]["systems"][name]
@@ -86,8 +92,8 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
     good = {
         "kernels": [{"ok": True}], "alignment": [{"ok": True, "backend": "varlen",
                                                   "aligned": "bottom-right"}],
-        "sync": {"libra": "ok"}, "overhead": {"systems": {"libra": {"host_copies": 0,
-                                                                     "ratio": 1.01}}},
+        "sync": {"libra": "ok"}, "overhead": {"libra-256k/p50": {"systems": {
+            "libra": {"host_copies": 0, "ratio": 1.01}}}},
         "calibration": {"peak_tflops": 400.0, "rows": [{"fwd_tflops": 380.0}]},
         "replay": {"systems": {"ulysses": {"measured_max_over_mean": 1.9,
                                            "modeled_max_over_mean": 1.97, "rank_ms": [9.0, 4.0]},
@@ -128,6 +134,13 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
         "ulysses": {**bad["replay"]["systems"]["ulysses"], "modeled_max_over_mean": 1.0},
         "libra": bad["replay"]["systems"]["libra"]}}}
     assert gc._checks(inverted, cpu=True, skip_train=False)["replay"]["status"] == "fail"
+    # a step that raised fails its check with its error; the other steps are judged as they ran
+    broken = {**good, "replay": {"error": "RuntimeError: CUDA out of memory"},
+              "overhead": {**good["overhead"], "libra-1m/p10": {"error": "RuntimeError: x"}}}
+    checks = gc._checks(broken, cpu=False, skip_train=False)
+    assert checks["replay"] == {"status": "fail", "detail": "RuntimeError: CUDA out of memory"}
+    assert checks["overhead_within_5pct"]["status"] == "fail"
+    assert checks["kernels"]["status"] == checks["calibration"]["status"] == "pass"
     untimed = {**cpu_res, "replay": {"systems": {
         "ulysses": {**bad["replay"]["systems"]["ulysses"], "rank_ms": []},
         "libra": bad["replay"]["systems"]["libra"]}}}

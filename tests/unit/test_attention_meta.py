@@ -1,134 +1,130 @@
-"""The per-step metadata (meta.py) checked in one process: a whole exchange group is run from
-its members' programs with the all-to-alls done by hand, on random plans of every shape, and
-every output must equal independent attention per document; message sizes must agree between
-senders and receivers; the call count must not grow with tiles or documents."""
+"""The per-slot programs (meta.py) run by the operator (exchange.py), checked in one process: a
+whole exchange pool - every replica of the pool and every cp rank of each - runs as threads
+whose collectives move real data (tests/loopback.py), on random plans of every shape; every
+output and every Q/K/V gradient must equal independent attention per document, each rank must
+send exactly the elements the plan promises, and the kernel calls must not grow with tiles or
+documents."""
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libra_ext.attention import kernels, meta, reference_kernel, thd
+from libra_ext.attention.comm import ByteCounter
+from libra_ext.attention.counters import RuntimeStats
+from libra_ext.attention.exchange import ExecEnv, PerDocAttention, PlannedAttention
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import LengthSource, ModelConfig
+from tests import loopback
 from tests.strategies import layouts, step_inputs
 
 D_HEAD = 4
+SCALE = 0.5
 
 
-def _member_inputs(plan, replica, slot, gen):
-    """Random q, k, v of a member's sequence and the Ulysses buffer X they give (what the
-    all-to-all delivers: every cp rank's slots, rank-major, this head slice)."""
-    L = meta.sequence_lengths(plan, replica, slot).tolist()
-    hl, kvl, C = plan.heads_local, plan.kv_heads_local, plan.cp
-    S = sum(L)
-    q = torch.randn(S, hl, D_HEAD, generator=gen, dtype=torch.float64)
-    k = torch.randn(S, kvl, D_HEAD, generator=gen, dtype=torch.float64)
-    v = torch.randn(S, kvl, D_HEAD, generator=gen, dtype=torch.float64)
-    if L:
-        ti = np.concatenate([thd.zigzag_split(L, C, r).token_index for r in range(C)])
-    else:
-        ti = np.zeros(0, dtype=np.int64)
-    X = torch.zeros(len(ti), hl + 2 * kvl, D_HEAD, dtype=torch.float64)
-    real = torch.as_tensor(ti >= 0)
-    src = torch.as_tensor(np.where(ti >= 0, ti, 0))
-    X[real] = torch.cat([q, k, v], dim=1)[src[real]]
-    return L, q, k, v, X, ti
-
-
-def _run_block(block, source, d):
-    return [
-        kernels.ReferenceBackend().attend(*call.views(source, d), call.seg, 0.5)
-        for call in block.calls
-    ]
-
-
-def run_group(plan, replica, slot, chunks, seed=0):
-    """Forward of every member of replica's exchange group, all-to-alls by hand. Returns
-    {member: (doc lengths, q, k, v, out [S, hl, d] in position order, program)}."""
-    px = plan.exchange_pool
-    base = replica // px * px
-    gen = torch.Generator().manual_seed(seed)
-    progs, data = {}, {}
-    for m in range(px):
-        progs[m] = meta.upload(meta.compile_slot(plan, base + m, slot, chunks), "cpu")
-        data[m] = _member_inputs(plan, base + m, slot, gen)
-    d = D_HEAD
-    n_ch = len(progs[0].chunks)
-    for m in range(px):
-        assert len(progs[m].chunks) == n_ch  # every member runs the same rounds
-    xf = {m: data[m][4].reshape(-1, d) for m in range(px)}
-    send = {m: xf[m][progs[m].send_idx] for m in range(px)}
-    out_flat = {}
-    for m, p in progs.items():
-        out_flat[m] = torch.zeros(len(data[m][5]) * p.heads_local, d, dtype=torch.float64)
-        if p.local is not None:
-            pack = xf[m][p.local.gather]
-            for call, o in zip(p.local.calls, _run_block(p.local, pack, d)):
-                if p.local.out is None:  # already in output-buffer order
-                    out_flat[m][call.out_off : call.out_off + call.n_out] = o.reshape(-1, d)
-                else:
-                    idx = p.local.out[call.out_off : call.out_off + call.n_out]
-                    out_flat[m][idx] = o.reshape(-1, d)
-    recv = {m: [] for m in range(px)}
-    o_msgs = {m: [] for m in range(px)}  # per executor, per chunk: its O message
-    for i in range(n_ch):
-        for e in range(px):
-            parts = []
-            for o in range(px):
-                c_o, c_e = progs[o].chunks[i], progs[e].chunks[i]
-                assert c_o.qkv_send[e] == c_e.qkv_recv[o]  # sender and receiver agree
-                assert c_o.o_recv[e] == c_e.o_send[o]
-                start = c_o.send_off + sum(c_o.qkv_send[:e])
-                parts.append(send[o][start : start + c_o.qkv_send[e]])
-            recv[e].append(torch.cat(parts))
-        for e in range(px):
-            c = progs[e].chunks[i]
-            all_recv = torch.cat(recv[e])
-            if c.block is None:
-                o_msgs[e].append(torch.zeros(0, d, dtype=torch.float64))
-                continue
-            outs = _run_block(c.block, all_recv[c.block.gather], d)
-            msg = torch.zeros(c.n_o_send, d, dtype=torch.float64)
-            for call, o in zip(c.block.calls, outs):
-                if c.block.out is None:
-                    msg[call.out_off : call.out_off + call.n_out] = o.reshape(-1, d)
-                else:
-                    msg[c.block.out[call.out_off : call.out_off + call.n_out]] = o.reshape(-1, d)
-            o_msgs[e].append(msg)
-    for m, p in progs.items():
-        back = []
-        for i, c in enumerate(p.chunks):
-            for e in range(px):
-                ce = progs[e].chunks[i]
-                start = sum(ce.o_send[:m])
-                back.append(o_msgs[e][i][start : start + ce.o_send[m]])
-        if back:
-            back = torch.cat(back)
-            assert len(back) == len(p.o_out_idx)
-            out_flat[m][p.o_out_idx] = back
-    result = {}
-    for m, p in progs.items():
-        L, q, k, v, X, ti = data[m]
-        order = thd.gather_order(L, plan.cp) if L else np.zeros(0, dtype=np.int64)
-        out = out_flat[m].view(-1, p.heads_local, d)[torch.as_tensor(order)]
-        result[m] = (L, q, k, v, out, p)
-    return result
-
-
-def _expected(L, q, k, v):
+def _expected(L, q, k, v, dout):
+    """Per-document attention of the whole sequence and its gradients."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     outs, s = [], 0
-    for l in L:
-        o, _ = reference_kernel.reference_attention(q[s : s + l], k[s : s + l], v[s : s + l], 0.5)
+    for n in L:
+        o, _ = reference_kernel.reference_attention(*(x[s : s + n] for x in leaves), SCALE)
         outs.append(o)
-        s += l
-    return torch.cat(outs) if outs else q
+        s += n
+    if not outs:
+        return torch.zeros_like(q), [torch.zeros_like(x) for x in (q, k, v)]
+    out = torch.cat(outs)
+    return out.detach(), list(torch.autograd.grad(out, leaves, dout))
 
 
-@pytest.mark.parametrize("system", ["libra", "distca", "ulysses"])
+def _err(a, b) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def _local(x, idx):
+    """Rows idx of x (-1: a zero padding row)."""
+    pad = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return pad[torch.as_tensor(np.where(idx >= 0, idx, len(x)))].clone()
+
+
+def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True):
+    """Forward and backward of every rank of replica's exchange pool for `slot`, each a thread.
+    Returns {(member, cp rank): (program, output, (dq, dk, dv), counter)} and per member the
+    sequence's (lengths, q, k, v, dout)."""
+    px, C = plan.exchange_pool, plan.cp
+    base = replica // px * px
+    h, d = plan.heads_local * C, D_HEAD
+    layout = thd.layout_of(plan.system)
+    gen = torch.Generator().manual_seed(seed)
+    seqs = {}
+    for m in range(px):
+        L = meta.sequence_lengths(plan, base + m, slot).tolist()
+        n = sum(L)
+        seqs[m] = (L, *(torch.randn(n, hh, d, generator=gen, dtype=torch.float64)
+                        for hh in (h, hkv, hkv)), torch.randn(n, h, d, generator=gen,
+                                                             dtype=torch.float64))
+    cp_groups = {m: loopback.LoopGroup([(m, c) for c in range(C)], f"cp {m}") for m in range(px)}
+    pool_groups = {c: loopback.LoopGroup([(m, c) for m in range(px)], f"pool {c}")
+                   for c in range(C)}
+
+    def member(mc):
+        m, c = mc
+        L, q, k, v, dout = seqs[m]
+        if plan.system == "wlb":
+            prog = meta.upload(meta.compile_rank(plan, base + m, c, chunks)[slot], "cpu")
+        else:
+            prog = meta.upload(meta.compile_slot(plan, base + m, slot, chunks), "cpu")
+        idx = thd.split(L or [thd.empty_sequence_tokens(C, layout)], C, c, layout).token_index
+        if not L:
+            idx = np.full_like(idx, -1)
+        leaves = [_local(x, idx).requires_grad_() for x in (q, k, v)]
+        env = ExecEnv(kernel=kernels.ReferenceBackend(), scale=SCALE, cp_group=cp_groups[m],
+                      pool_group=pool_groups[c] if px > 1 else None, counter=ByteCounter(),
+                      stats=RuntimeStats(), pipelined=pipelined)
+        fn = PerDocAttention if isinstance(prog, meta.WlbProgram) else PlannedAttention
+        out = fn.apply(*leaves, prog, env)
+        g = _local(dout, idx)
+        g[torch.as_tensor(idx < 0)] = torch.randn(int((idx < 0).sum()), h, d,
+                                                  dtype=torch.float64)  # must not leak
+        grads = torch.autograd.grad(out, leaves, g.view(out.shape))
+        return prog, out.detach().view(-1, h, d), grads, env.counter, idx
+
+    members = [(m, c) for m in range(px) for c in range(C)]
+    results = dict(zip(members, loopback.run_members(member, members)))
+    return results, seqs
+
+
+def check_pool(plan, replica, slot, chunks, hkv, **kw):
+    """run_pool, every rank's output and gradients against the per-document reference."""
+    results, seqs = run_pool(plan, replica, slot, chunks, hkv, **kw)
+    for m, (L, q, k, v, dout) in seqs.items():
+        want, want_grads = _expected(L, q, k, v, dout)
+        got_grads = [torch.zeros_like(x) for x in (q, k, v)]
+        for c in range(plan.cp):
+            prog, out, grads, _, idx = results[(m, c)]
+            real = torch.as_tensor(idx >= 0)
+            rows = torch.as_tensor(idx[idx >= 0])
+            assert _err(out[real], want[rows]) < 1e-10, (m, c, L)
+            assert not out[~real].any(), "padding rows must be zero"
+            for acc, g in zip(got_grads, grads):
+                acc.index_add_(0, rows, g[real])
+                if L or plan.system != "wlb":  # (wlb runs an empty sequence as a padding
+                    # document of its own: attention among its zero rows)
+                    assert not g[~real].any(), "padding rows must get no gradient"
+        for got, ref in zip(got_grads, want_grads):
+            assert _err(got, ref) < 1e-10, (m, L)
+    return results
+
+
+def _kv_heads(layout, model):
+    return max(1, model.kv_heads // layout.tp)
+
+
+@pytest.mark.parametrize("system", ["libra", "distca", "ulysses", "wlb"])
+@settings(max_examples=15, deadline=None)
 @given(data=st.data())
-def test_every_member_gets_exact_attention_from_its_program(system, data):
+def test_every_rank_of_a_pool_gets_exact_attention_and_gradients(system, data):
     layout, model = data.draw(layouts(max_dp=4))
     seqs = data.draw(step_inputs(layout))
     opts = PlannerOptions(
@@ -141,12 +137,28 @@ def test_every_member_gets_exact_attention_from_its_program(system, data):
     chunks = data.draw(st.integers(1, 4))
     replica = data.draw(st.integers(0, layout.dp - 1))
     slot = data.draw(st.integers(0, plan.slots - 1))
-    for m, (L, q, k, v, out, p) in run_group(plan, replica, slot, chunks).items():
-        want = _expected(L, q, k, v)
-        assert out.shape == want.shape
-        if len(L):
-            assert (out - want).abs().max() < 1e-10, (m, L)
-        assert p.kernel_calls <= 2 * (1 + len(p.chunks))
+    results = check_pool(plan, replica, slot, chunks, _kv_heads(layout, model),
+                         pipelined=data.draw(st.booleans()))
+    if system == "wlb":
+        return
+    px = plan.exchange_pool
+    g = plan.group_of(replica, slot)
+    for (m, c), (prog, _, _, counter, _) in results.items():
+        # the elements each rank sends in the pool exchange are the plan's cells
+        # (in vectors: the plan's cells count elements of its head_dim, float64 here)
+        sent = {k: v // (8 * D_HEAD) for k, v in counter.sent.items()}
+
+        def cell(x):
+            return (x[g, m].sum() - x[g, m, m]) // plan.head_dim
+
+        assert sent.get("pool.q", 0) == cell(plan.xchg_q)
+        assert sent.get("pool.k", 0) + sent.get("pool.v", 0) == cell(plan.xchg_kv)
+        assert sent.get("pool.o", 0) == cell(plan.xchg_o)
+        assert sent.get("pool.do", 0) == sent.get("pool.q", 0)
+        assert sent.get("pool.dq", 0) == sent.get("pool.o", 0)
+        assert len(prog.calls) <= 3 + 2 * len(prog.subchunks)
+        assert len(prog.subchunks) <= 2 * chunks
+        assert px > 1 or not prog.subchunks
 
 
 def _scaled_preset_plan(preset_docs, system="libra", dp=4, pool=4, cp=2, context=4096, **kw):
@@ -157,44 +169,63 @@ def _scaled_preset_plan(preset_docs, system="libra", dp=4, pool=4, cp=2, context
     return Planner(layout, model, PlannerOptions(system=system, **kw)).plan(preset_docs)
 
 
+def _many_short(context, seed=0):
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for _ in range(8):
+        docs, room = [], context
+        while room:
+            docs.append(int(min(room, rng.integers(8, 120))))
+            room -= docs[-1]
+        seqs.append(docs)
+    return seqs
+
+
 @pytest.mark.parametrize("workload", ["libra-256k", "many-short"])
 @pytest.mark.parametrize("chunks", [1, 4])
-def test_calls_per_block_do_not_grow_with_tiles_or_documents(workload, chunks):
+def test_calls_and_descriptors_do_not_grow_with_tiles_or_documents(workload, chunks):
     context = 4096
     if workload == "many-short":
-        rng = np.random.default_rng(0)
-        seqs = []
-        for _ in range(8):
-            docs, room = [], context
-            while room:
-                docs.append(int(min(room, rng.integers(8, 120))))
-                room -= docs[-1]
-            seqs.append(docs)
+        seqs = _many_short(context)
     else:  # the preset's long-tail lengths, cut to the test context
         seqs = LengthSource(preset="libra-256k").step(8, context, seed=3, step=0)
     plan = _scaled_preset_plan(seqs, context=context, block=256)
     assert plan.n_tiles > 100
-    assert max(len(s) for s in seqs) >= (40 if workload == "many-short" else 1)
     for replica in range(4):
         for slot in range(plan.slots):
             p = meta.compile_slot(plan, replica, slot, chunks)
-            blocks = [p.local] + [c.block for c in p.chunks]
-            active = [b for b in blocks if b is not None]
-            assert all(len(b.calls) <= 2 for b in active)
-            assert p.kernel_calls <= 2 * len(active)
-            assert p.tiles_executed > len(active)  # many tiles, few calls
+            assert len(p.lpacks) <= 2
+            assert all(len(sc.packs) <= 2 for sc in p.subchunks)
+            assert len(p.calls) <= 3 + 2 * len(p.subchunks) <= 3 + 4 * chunks
+            # descriptors: one gather run per moved unit / stream, never one per vector
+            runs = sum(len(g.runs) for g in (p.send_q, p.send_kv))
+            assert runs <= 2 * p.n_q_send and p.send_q.size == p.n_q_send
 
 
-def test_chunks_balance_the_bytes_each_executor_receives():
+def test_parts_balance_the_bytes_each_executor_receives():
+    """Streams (a document's KV head for one executor, with its units) are atomic: each lands in
+    the part where the middle of its bytes falls, so no part exceeds an even share by more than
+    the largest stream."""
     seqs = LengthSource(preset="libra-256k").step(8, 8192, seed=1, step=0)
     plan = _scaled_preset_plan(seqs, context=8192, block=256)
-    sizes = []
+    chunks, checked = 4, 0
     for replica in range(4):
-        p = meta.compile_slot(plan, replica, 0, 4)
-        recv = [c.n_recv for c in p.chunks]
-        if sum(recv) and len(recv) == 4:
-            sizes.append(max(recv) / (sum(recv) / len(recv)))
-    assert sizes and max(sizes) < 2.0  # no chunk carries most of the bytes
+        p = meta.compile_slot(plan, replica, 0, chunks)
+        segs, base, _ = meta._group_segments(plan, replica, 0)
+        moved = meta._merge_rows(segs.take(np.flatnonzero(segs.owner != segs.exe)))
+        u, _, uhc, _, stream, st_ = meta._units(moved, plan.heads_local // plan.kv_heads_local,
+                                                plan.kv_heads_local)
+        mine = st_["exe"] == replica - base
+        q = np.bincount(stream, weights=(u.b - u.a) * uhc, minlength=len(mine))
+        size = (q + 2 * st_["len"])[mine]
+        recv = {}
+        for sc in p.subchunks:  # a part's two halves (direct, pack)
+            recv[sc.part] = recv.get(sc.part, 0) + sc.n_q_recv + 2 * sc.n_kv_recv
+        assert sum(recv.values()) == size.sum()
+        if size.sum():
+            checked += 1
+            assert max(recv.values()) <= size.sum() / chunks + size.max()
+    assert checked
 
 
 def test_program_refuses_a_per_document_cp_plan_and_a_bad_slot():
@@ -206,19 +237,43 @@ def test_program_refuses_a_per_document_cp_plan_and_a_bad_slot():
         meta.compile_slot(plan, 0, 3)
     with pytest.raises(ValueError, match="chunks must be at least 1"):
         meta.compile_slot(plan, 0, 0, chunks=0)
+    with pytest.raises(ValueError, match=r"cp_rank must be in \[0, cp=2\)"):
+        meta.compile_wlb([8], 2, 2, 4, 2, 8)
 
 
-def test_upload_is_one_host_to_device_copy_of_every_array():
-    plan = _scaled_preset_plan(LengthSource(preset="libra-256k").step(4, 2048, 0, 0), context=2048)
+def test_upload_is_one_copy_of_compact_descriptors_expanded_on_the_device():
+    plan = _scaled_preset_plan(LengthSource(preset="libra-256k").step(4, 2048, 0, 0),
+                               context=2048)
     host = meta.compile_slot(plan, 1, 0, 2)
-    dev = meta.upload(host, "cpu")
-    assert isinstance(dev.send_idx, torch.Tensor) and isinstance(host.send_idx, np.ndarray)
-    storages = {t.untyped_storage().data_ptr() for t in (dev.send_idx, dev.o_out_idx)}
-    if dev.local is not None:
-        storages.add(dev.local.gather.untyped_storage().data_ptr())
-    assert len(storages) == 1  # views of one buffer
-    for b in [dev.local] + [c.block for c in dev.chunks]:
-        if b is not None:
-            for call in b.calls:
-                assert call.seg.cu_q.dtype == torch.int32
-                assert call.seg.max_q == int(np.diff(call.seg.host_q).max())
+    staged = meta.stage(host)
+    dev = meta.upload(staged, "cpu")
+    assert isinstance(dev.send_q.runs, torch.Tensor) and isinstance(host.send_q.runs, np.ndarray)
+    # every descriptor is a view of the one staged buffer
+    base = staged.host.untyped_storage().data_ptr()
+    for call in dev.calls:
+        assert call.seg.cu_q.untyped_storage().data_ptr() == base
+        assert call.seg.cu_q.dtype == torch.int32
+        assert call.seg.max_q >= int(np.diff(call.seg.host_q).max(initial=0))
+        assert call.seg.max_q & (call.seg.max_q - 1) == 0  # a power of two
+    # the staged buffer holds O(runs + segments) integers, the expanded indices far more
+    expanded = sum(g.size for g in (dev.send_q, dev.send_kv))
+    assert staged.host.numel() * 8 < expanded + 8 * staged.host.numel()
+    # expansion on the device gives exactly the vectors the runs describe
+    for g_host, g_dev in ((host.send_q, dev.send_q), (host.send_kv, dev.send_kv)):
+        want = np.concatenate([b + np.arange(r)[:, None] * s + np.arange(w)[None, :]
+                               for b, r, w, s in g_host.runs.tolist()]).reshape(-1) \
+            if len(g_host.runs) else np.zeros(0)
+        assert g_dev.idx.dtype == torch.int32
+        assert np.array_equal(g_dev.idx.numpy(), want)
+
+
+def test_one_cp_rank_runs_one_call_on_the_inputs_themselves():
+    """Ulysses (and wlb) at world 1: the program is one direct call, no pack, no exchange."""
+    plan = _scaled_preset_plan([[100, 28], [50, 50, 28], [128], [1] * 128], system="ulysses",
+                               cp=1, pool=1, context=128)
+    for replica in range(4):
+        p = meta.compile_slot(plan, replica, 0)
+        assert not p.lpacks and not p.subchunks and len(p.calls) == 1
+        L = meta.sequence_lengths(plan, replica, 0)
+        assert p.direct.cu_q.tolist() == np.r_[0, np.cumsum(L)].tolist()
+        assert p.direct.cu_k.tolist() == p.direct.cu_q.tolist()

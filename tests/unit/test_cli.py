@@ -226,10 +226,15 @@ def test_bench_host_reports_the_sampler_lead_over_the_modeled_step(capsys):
     r = json.loads(capsys.readouterr().out)
     assert set(r["layouts"]) == {"256k", "1m"}
     for name, row in r["layouts"].items():
-        parts = row["source_ms"] + row["plan_ms"] + row["compile_ms"] + row["stage_ms"]
+        parts = row["source_ms"] + row["plan_ms"] + row["rank_host_ms"]
         assert row["host_ms"] == pytest.approx(parts)
         assert row["lead_ms"] == pytest.approx(row["gpu_step_ms"] - row["host_ms"])
-        assert row["staged_mib"] > 0 and row["slots"] >= 1
+        assert row["slots"] >= 1
+        # compact descriptors: KiB per rank and step, compiled in milliseconds per slot
+        assert 0 < row["upload_bytes"]["median"] <= row["upload_bytes"]["max"] < 1 << 20
+        ms = row["host_compile_ms"]
+        assert 0 < ms["median"] <= ms["max"]
+        assert "gil" not in row  # (only with --gil)
 
 
 @pytest.mark.parametrize("argv,message", [

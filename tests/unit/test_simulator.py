@@ -69,6 +69,34 @@ def test_two_rank_step_time_equals_the_formula():
     assert np.allclose(t.slot[:, 0], [r0, r1])
 
 
+def test_the_operators_data_path_is_counted_where_ranks_exchange():
+    # cp 2 Ulysses: one layout copy on one side of each all-to-all, 4 (Q + K + V) + 4 O bytes
+    # per rank, layer and step, at the profile's copy bandwidth, plus the launches beyond a
+    # plain call's; at one cp rank nothing (the operator is the plain call)
+    hw = HardwareProfile.from_dict({**FLAT_HW, "operator": {"copy_bandwidth_gbps": 1000.0,
+                                                            "launch_us": 3.0}})
+    assert (hw.copy_bandwidth, hw.launch) == (1e12, 3e-6)
+    model = TINY
+    plan = Planner(LayoutConfig(dp=1, cp=2, pool_size=1, context=1000), model,
+                   PlannerOptions(system="ulysses")).plan([[600, 400]])
+    t = simulate_plan(plan, model, hw)
+    tokens = 1000 / 2  # per cp rank
+    qkv = tokens * (4 + 2 * 2) * 16 * 2  # 4 query, 2 KV heads x 16, bf16
+    o = tokens * 4 * 16 * 2
+    want = ((4 * qkv + 4 * o) / 1e12 + 5 * 3e-6) * model.layers
+    assert np.allclose(t.operator, want, rtol=1e-12)
+    one = Planner(LayoutConfig(dp=1, cp=1, pool_size=1, context=1000), model,
+                  PlannerOptions(system="ulysses")).plan([[600, 400]])
+    assert not simulate_plan(one, model, hw).operator.any()
+    # the pool exchange adds its gathers and scatters to what the ranks of a Libra pool move
+    layout = LayoutConfig(dp=2, cp=2, pool_size=2, context=1000)
+    libra = Planner(layout, model, PlannerOptions(system="libra")).plan([[1000], [100] * 10])
+    ulysses = Planner(layout, model, PlannerOptions(system="ulysses")).plan([[1000], [100] * 10])
+    assert libra.xchg_q.any()
+    assert simulate_plan(libra, model, hw).operator.max() > \
+        simulate_plan(ulysses, model, hw).operator.max()
+
+
 def test_pipeline_exposure_formula():
     comm, attn = np.array([8.0, 8.0, 0.0]), np.array([100.0, 1.0, 5.0])
     # 4 chunks: first and last chunk exposed (2/4 of comm), middle hidden behind 3/4 of attention

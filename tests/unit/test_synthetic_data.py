@@ -34,15 +34,21 @@ def test_an_empty_sequence_becomes_one_padding_document_without_loss():
 
     for cp in (1, 2, 4):
         for rank in range(cp):
-            mb = make_micro_batch([], cp, rank, None)
+            # zigzag (wlb): Megatron's per-document padding, 2C tokens, two per rank
+            mb = make_micro_batch([], cp, rank, None, "zigzag")
             assert mb.tokens.shape == (1, 2) and mb.num_tokens == 0
             assert float(mb.loss_mask.sum()) == 0.0
             assert mb.packed_seq_params.doc_lengths == [2 * cp]
+            # contiguous (the Ulysses family): one slot per rank
+            mb = make_micro_batch([], cp, rank, None, "contiguous")
+            assert mb.tokens.shape == (1, 1) and mb.num_tokens == 0
+            assert mb.packed_seq_params.doc_lengths == [cp]
 
 
 def test_micro_batch_cu_seqlens_follow_megatron_real_and_padded():
     """cu_seqlens_q/kv hold the documents' real lengths (Megatron's meaning); the *_padded ones
-    the lengths padded to multiples of 2 * cp that the zigzag layout and RoPE's split use."""
+    the lengths padded to multiples of 2 * cp that the zigzag layout and RoPE's split use
+    (contiguous: the sequence's tail padding only)."""
     import numpy as np
 
     from megatron.libra.batch import make_micro_batch
@@ -51,8 +57,18 @@ def test_micro_batch_cu_seqlens_follow_megatron_real_and_padded():
     def piece(n):
         return Piece(np.arange(n), np.arange(n), np.ones(n, dtype=np.float32))
 
-    mb = make_micro_batch([piece(5), piece(3)], 2, 0, None)
+    mb = make_micro_batch([piece(5), piece(3)], 2, 0, None, "zigzag")
     psp = mb.packed_seq_params
     assert psp.cu_seqlens_q.tolist() == psp.cu_seqlens_kv.tolist() == [0, 5, 8]
     assert psp.cu_seqlens_q_padded.tolist() == psp.cu_seqlens_kv_padded.tolist() == [0, 8, 12]
     assert psp.doc_lengths == [5, 3] and mb.tokens.shape == (1, 6)
+    # contiguous: no per-document padding; the sequence's tail padding (C t - n = 1 slot of
+    # rank 1) counted in its last document
+    for rank in (0, 1):
+        mb = make_micro_batch([piece(4), piece(3)], 2, rank, None, "contiguous")
+        psp = mb.packed_seq_params
+        assert psp.cu_seqlens_q.tolist() == [0, 4, 7]
+        assert psp.cu_seqlens_q_padded.tolist() == [0, 4, 8]
+        assert mb.tokens.shape == (1, 4)
+        assert mb.position_ids[0].tolist() == ([0, 1, 2, 3] if rank == 0 else [0, 1, 2, 0])
+        assert float(mb.loss_mask.sum()) == (4.0 if rank == 0 else 3.0)

@@ -10,12 +10,14 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from libra_ext import sweep
+from libra_ext.attention import DEFAULT_CHUNKS
 from libra_ext.planner import (
     ORDERS,
     PLAN_PHASES,
@@ -80,6 +82,10 @@ def add_bench_parser(sub) -> None:
     )
     bh.add_argument("--steps", type=int, default=2, help="steps timed per layout")
     bh.add_argument("--seed", type=int, default=0)
+    bh.add_argument("--gil", action="store_true",
+                    help="also measure how much a thread launching small torch ops is slowed "
+                    "while the heaviest rank's programs compile beside it (the GIL)")
+    bh.add_argument("--gil-seconds", type=float, default=2.0)
     bh.add_argument("--json", action="store_true")
     bh.set_defaults(func=run_bench_host)
     bb = bsub.add_parser(
@@ -436,12 +442,60 @@ def run_bench_scaling(args) -> dict | None:
     return None
 
 
-def run_bench_host(args) -> dict | None:
-    """See the `bench host` parser."""
+def _slot_programs(plan, replica: int) -> tuple[list, list, int]:
+    """Replica `replica`'s (cp rank 0's) programs compiled and staged slot by slot: (the host
+    ms of each slot, compile and staging, the staged programs, their bytes)."""
     # deferred: the CLI starts without torch
     from libra_ext.attention import meta
-    from libra_ext.attention.core import compile_rank
 
+    ms, staged = [], []
+    for slot in range(plan.slots):
+        t0 = time.perf_counter()
+        staged.append(meta.stage(meta.compile_slot(plan, replica, slot, DEFAULT_CHUNKS)))
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return ms, staged, sum(x.host.numel() * x.host.element_size() for x in staged)
+
+
+def _launch_loop(stop, lat: list) -> None:
+    """A thread that launches work the way a training loop does: small torch ops, each
+    releasing and retaking the GIL; every iteration's latency recorded."""
+    # deferred: the CLI starts without torch
+    import torch
+
+    x = torch.zeros(64)
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        for _ in range(20):
+            torch.add(x, 1.0, out=x)
+        lat.append(time.perf_counter() - t0)
+
+
+def gil_blocking(work, seconds: float = 1.0) -> dict:
+    """How much a launching thread (`_launch_loop`) is slowed while `work()` runs in another
+    thread of the same process, as the sampler's compile runs beside the training loop:
+    `blocked_fraction` = 1 - its iterations per second with the work / alone, and its longest
+    pause with the work (ms)."""
+    def run(with_work: bool):
+        stop, lat = threading.Event(), []
+        t = threading.Thread(target=_launch_loop, args=(stop, lat))
+        t.start()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            if with_work:
+                work()
+            else:
+                time.sleep(0.01)
+        stop.set()
+        t.join()
+        return len(lat) / (time.perf_counter() - t0), max(lat, default=0.0)
+
+    alone, _ = run(False)
+    busy, pause = run(True)
+    return {"blocked_fraction": max(0.0, 1.0 - busy / alone), "max_pause_ms": pause * 1e3}
+
+
+def run_bench_host(args) -> dict | None:
+    """See the `bench host` parser."""
     positive(args.steps, "steps")
     check_seed(args.seed)
     model, hw = ModelConfig(), HardwareProfile.load("h200-sxm")
@@ -450,37 +504,45 @@ def run_bench_host(args) -> dict | None:
         steps, source_ms = _time_source(preset, gbs, context, args.seed, args.steps)
         planner = Planner(LayoutConfig(dp=dp, cp=cp, pool_size=pool, context=context), model,
                           PlannerOptions(system="libra"))
-        rows = []
+        rows, slot_ms, upload = [], [], []
         for seqs in steps:
             plan = planner.plan(seqs)
-            t0 = time.perf_counter()
-            programs = compile_rank(plan, 0, 0, 2)
-            t1 = time.perf_counter()
-            staged = [meta.stage(p) for p in programs]
-            t2 = time.perf_counter()
+            per_rank = [_slot_programs(plan, r) for r in range(plan.dp)]
+            slot_ms += [x for ms, _, _ in per_rank for x in ms]
+            upload += [n for _, _, n in per_rank]
             rows.append({
-                "plan_ms": plan.plan_ms, "compile_ms": (t1 - t0) * 1e3,
-                "stage_ms": (t2 - t1) * 1e3,
-                "staged_mib": sum(x.host.numel() * x.host.element_size() for x in staged) / 2**20,
+                "plan_ms": plan.plan_ms,
+                "rank_host_ms": max(sum(ms) for ms, _, _ in per_rank),
                 "gpu_step_ms": simulate_plan(plan, model, hw).step * 1e3,
             })
         r = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
         r["source_ms"] = source_ms
         r["slots"] = int(plan.slots)
-        r["host_ms"] = r["source_ms"] + r["plan_ms"] + r["compile_ms"] + r["stage_ms"]
+        r["host_compile_ms"] = {"median": statistics.median(slot_ms), "max": max(slot_ms)}
+        r["upload_bytes"] = {"median": statistics.median(upload), "max": max(upload)}
+        r["host_ms"] = r["source_ms"] + r["plan_ms"] + r["rank_host_ms"]
         r["lead_ms"] = r["gpu_step_ms"] - r["host_ms"]
         r["host_over_step"] = r["host_ms"] / r["gpu_step_ms"]
+        if args.gil:
+            heavy = max(range(plan.dp), key=lambda i: sum(per_rank[i][0]))
+            r["gil"] = gil_blocking(lambda: _slot_programs(plan, heavy), args.gil_seconds)
         out["layouts"][name] = r
     if args.json:
         return out
-    print("libra bench host: the sampler thread's host work per step (one rank) against the "
-          "modeled GPU step (H200), Qwen3-30B-A3B; medians over the timed steps")
-    print(f"  {'layout':7s} {'source':>8s} {'plan':>8s} {'compile':>9s} {'stage':>8s} "
-          f"{'host':>9s} {'GPU step':>10s} {'lead':>10s} {'staged MiB':>11s}")
+    print("libra bench host: the sampler thread's host work per step (the heaviest rank: its "
+          "programs compiled and staged slot by slot) against the modeled GPU step (H200), "
+          "Qwen3-30B-A3B; medians over the timed steps")
+    print(f"  {'layout':7s} {'source':>8s} {'plan':>8s} {'programs':>9s} {'host':>9s} "
+          f"{'GPU step':>10s} {'lead':>10s} {'ms/slot med/max':>16s} {'KiB/rank max':>13s}")
     for name, r in out["layouts"].items():
-        print(f"  {name:7s} {r['source_ms']:8.1f} {r['plan_ms']:8.1f} {r['compile_ms']:9.1f} "
-              f"{r['stage_ms']:8.1f} {r['host_ms']:9.1f} {r['gpu_step_ms']:10.1f} "
-              f"{r['lead_ms']:10.1f} {r['staged_mib']:11.1f}")
+        c, u = r["host_compile_ms"], r["upload_bytes"]
+        print(f"  {name:7s} {r['source_ms']:8.1f} {r['plan_ms']:8.1f} {r['rank_host_ms']:9.1f} "
+              f"{r['host_ms']:9.1f} {r['gpu_step_ms']:10.1f} {r['lead_ms']:10.1f} "
+              f"{c['median']:7.2f}/{c['max']:<8.2f} {u['max'] / 1024:13.1f}")
+        if "gil" in r:
+            print(f"          a launching thread beside the compile: "
+                  f"{100 * r['gil']['blocked_fraction']:.1f}% slower, longest pause "
+                  f"{r['gil']['max_pause_ms']:.1f} ms")
     return None
 
 

@@ -58,7 +58,7 @@ def run_verify_gpu_ready(args):
 
 def run_verify_attention(args):
     # deferred: the CLI starts without torch
-    from libra_ext.measure.verify import COUNTERS, VerifyConfig, run
+    from libra_ext.measure.verify import COUNTERS, LAYER_FIGURES, VerifyConfig, run
 
     if args.nproc <= 0:
         raise ValueError(f"nproc must be positive, got {args.nproc}")
@@ -100,7 +100,7 @@ def run_verify_attention(args):
         "bytes_sent": sum(sum(c["bytes_sent"]) for c in cases),
         "bytes_planned": sum(sum(c["bytes_planned"]) for c in cases),
         # per core-attention call (one layer), the maximum over ranks, calls and cases
-        **{k: max(c[k] for c in cases) for k in COUNTERS},
+        **{k: max(c[k] for c in cases) for k in COUNTERS + LAYER_FIGURES},
         "ok": result["ok"],
         "cases": cases,
     }
@@ -113,7 +113,9 @@ def run_verify_attention(args):
             f"out err {c['max_abs_err_out']:.2e} grad err {c['max_abs_err_grad']:.2e} "
             f"bytes sent {sum(c['bytes_sent'])} planned {sum(c['bytes_planned'])} "
             f"kernel calls {c['kernel_calls_fwd']}/{c['kernel_calls_bwd']} for "
-            f"{c['tiles_executed']} tiles, host copies {c['host_copies']} "
+            f"{c['tiles_executed']} tiles, host copies {c['host_copies']}, device ops "
+            f"{c['device_ops_fwd']}/{c['device_ops_bwd']}, extra {c['extra_over_qkv']:.2f}x "
+            f"kept {c['kept']:.2f}x peak {c['peak']:.2f}x Q/K/V "
             f"{'ok' if c['ok'] else 'FAIL'}"
         )
     print(f"  ok: {result['ok']}")

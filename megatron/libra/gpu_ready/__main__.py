@@ -16,6 +16,7 @@ import sys
 def _args(argv):
     from libra_ext.planner import SYSTEMS
     from megatron.libra.gpu_ready.gate import LAYOUTS
+
     # deferred: the scenarios are imported in the gate's own process (fake CUDA preloaded)
     from megatron.libra.gpu_ready.standins import BACKEND_STANDINS
 
@@ -25,7 +26,8 @@ def _args(argv):
     p.add_argument("--standins", default=",".join(BACKEND_STANDINS),
                    help="kernel entry points to stand in for")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
-    p.add_argument("--tokens", type=int, default=65_536)
+    p.add_argument("--tokens", type=int, default=262_144)
+    p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--no-trainer", action="store_true",
                    help="leave out the training-step scenario (megatron-core's GPTModel)")
     p.add_argument("--mutate", default="", help=argparse.SUPPRESS)  # tests: a planted defect
@@ -59,13 +61,25 @@ def main(argv=None) -> int:
         print(json.dumps(gate.trainer_rank(scenario, int(rank), int(port), args.standins),
                          default=str))
         return 0
-    report = gate.run(
-        systems=tuple(s for s in args.systems.split(",") if s),
-        standin_names=tuple(s for s in args.standins.split(",") if s),
-        layouts=tuple(s for s in args.layouts.split(",") if s),
-        shape=gate.Shape(tokens=args.tokens),
-        trainer=not args.no_trainer,
-    )
+    # with --json the report is the only thing on stdout: what the scenarios print (megatron-
+    # core's notices, log lines) goes to stderr, at the descriptor level
+    stdout = os.dup(1) if args.json else None
+    if stdout is not None:
+        sys.stdout.flush()
+        os.dup2(2, 1)
+    try:
+        report = gate.run(
+            systems=tuple(s for s in args.systems.split(",") if s),
+            standin_names=tuple(s for s in args.standins.split(",") if s),
+            layouts=tuple(s for s in args.layouts.split(",") if s),
+            shape=gate.Shape(tokens=args.tokens, kv_heads=args.kv_heads),
+            trainer=not args.no_trainer,
+        )
+    finally:
+        if stdout is not None:
+            sys.stdout.flush()
+            os.dup2(stdout, 1)
+            os.close(stdout)
     failures = gate.check(report)
     report["failures"] = failures
     if args.json:

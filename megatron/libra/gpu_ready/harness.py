@@ -37,6 +37,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from libra_ext.measure import traffic
+
 SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
 LIB_NAME = "libra_fake_cuda"
 PRELOAD_ENV = "LIBRA_FAKE_CUDA_LIB"
@@ -121,6 +123,8 @@ _NOT_KERNELS = {
 }
 """Ops with a device output that launch no kernel (allocations, metadata) or are counted as
 transfers."""
+_ALLOCATIONS = _NOT_KERNELS - {_aten._to_copy.default, _aten.copy_.default}
+"""Ops that move no device bytes (device-to-device copies do: they count in `op_bytes`)."""
 _HOST_READS = {_aten._local_scalar_dense.default, _aten.nonzero.default,
                _aten.masked_select.default, _aten.unique_consecutive.default,
                _aten._unique2.default}
@@ -190,6 +194,8 @@ class Phase:
     """Live device bytes when the next phase began."""
     at_peak: list = field(default_factory=list)
     """With tracing: the largest live device tensors (bytes, op, where) at the peak."""
+    bytes_by_op: Counter = field(default_factory=Counter)
+    """Device bytes read + written by op name (kernels and views excluded by the caller)."""
 
     @property
     def kernels(self) -> int:
@@ -200,6 +206,12 @@ class Phase:
         """Transfers that make the host wait: copies that are blocking or whose host side is
         not pinned memory, either way (an event's synchronize counts as one)."""
         return [x for x in self.h2d + self.d2h if not (x[1] and x[2])]
+
+
+def op_bytes(func, args, kwargs, out) -> int:
+    """Device bytes an op reads and writes (`libra_ext.measure.traffic.op_bytes` on the fake
+    device)."""
+    return traffic.op_bytes(func, args, kwargs, out, _is_cuda)
 
 
 class Probe(TorchDispatchMode):
@@ -252,11 +264,13 @@ class Probe(TorchDispatchMode):
         out = func(*args, **kwargs)
         outs = [o for o in _outputs(out) if _is_cuda(o)]
         returns = func._schema.returns
-        view = bool(returns) and all(
-            r.alias_info is not None and not r.alias_info.is_write for r in returns
-        )
+        view = traffic.is_view(func)
         if outs and func not in _NOT_KERNELS and not view:
             ph.ops[func.__name__] += 1
+        if outs and not view and func not in _ALLOCATIONS:
+            nb = op_bytes(func, args, kwargs, out)
+            if nb:
+                ph.bytes_by_op[func.__name__] += nb
         aliasing = any(r.alias_info is not None for r in returns)
         if not aliasing:
             for o in outs:

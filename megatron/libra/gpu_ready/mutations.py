@@ -12,25 +12,25 @@ from megatron.libra import batch, moe_layer
 
 
 def _host_index() -> None:
-    original = exchange._run_calls
+    original = exchange._Call.__init__
 
-    def run_calls(pack, block, env, d, counts):
-        # gathers with the host copy of an index array
-        pack = pack.index_select(0, torch.arange(pack.shape[0]))
-        return original(pack, block, env, d, counts)
+    def init(self, call, q, k, v, env, counts):
+        # gathers with a host index tensor
+        q = q.index_select(0, torch.arange(q.shape[0]))
+        original(self, call, q, k, v, env, counts)
 
-    exchange._run_calls = run_calls
+    exchange._Call.__init__ = init
 
 
 def _item() -> None:
-    original = exchange._run_calls
+    original = exchange._Call.__init__
 
-    def run_calls(pack, block, env, d, counts):
-        if float(pack[0, 0].item()) != 0.0:  # a host read of a device value
+    def init(self, call, q, k, v, env, counts):
+        if float(q[0, 0, 0].item()) != 0.0:  # a host read of a device value
             pass
-        return original(pack, block, env, d, counts)
+        original(self, call, q, k, v, env, counts)
 
-    exchange._run_calls = run_calls
+    exchange._Call.__init__ = init
 
 
 def _per_document_loop() -> None:

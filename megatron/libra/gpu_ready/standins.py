@@ -7,8 +7,9 @@ V, O and the LSE for its backward, and checks what every real kernel requires - 
 the query's device, cu_seqlens int32 and 1-D, maximum lengths as host integers (a tensor there
 would be read on the host), GQA only where the entry point supports it. The entry points wrap it
 with the signatures of Transformer Engine's `DotProductAttention` (THD), flash-attn 2's and 3's
-`flash_attn_varlen_func`, and PyTorch's `varlen_attn` of 2.11 (no GQA) and 2.13
-(`enable_gqa`); `use_backend(name)` puts one in place of the real one in `kernels`.
+`flash_attn_varlen_func`, and PyTorch's `varlen_attn` of 2.11 (GQA as ATen's flash kernel
+takes it) and 2.13 (`enable_gqa`); `use_backend(name)` puts one in place of the real one in
+`kernels`.
 
 Collectives. `FakeGroups` stands for the runtime's GroupCache at a given (replica, cp rank); the
 all-to-alls and all-gathers check their buffers (device, split sizes) and move nothing, so each
@@ -117,46 +118,10 @@ def _call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
 # -- entry points, each with its library's signature -------------------------------------------
 
 
-@torch.library.custom_op("libra_gate::varlen_fwd", mutates_args=())
-def varlen_fwd(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
-               max_q: int, max_k: int, is_causal: bool = False, scale: float | None = None,
-               window_size: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    raise StandInError("the gate's stand-in kernels run on fake tensors only")
-
-
-@varlen_fwd.register_fake
-def _varlen_fwd_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
-                     scale=None, window_size=None):
-    _check(query, key, value, cu_seq_q, cu_seq_k)
-    if query.size(1) != key.size(1):  # the 2.11 kernel under varlen_attn: no GQA
-        raise StandInError(f"torch_attn::_varlen_attn (2.11) takes as many KV heads as query "
-                           f"heads, got {key.size(1)} for {query.size(1)}")
-    return (torch.empty_like(query),
-            query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32),
-            query.new_empty(2, dtype=torch.uint64))
-
-
-@torch.library.custom_op("libra_gate::varlen_bwd", mutates_args=())
-def varlen_bwd(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
-               lse: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int, max_k: int,
-               is_causal: bool, rng_state: Tensor, scale: float | None = None,
-               window_size: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    raise StandInError("the gate's stand-in kernels run on fake tensors only")
-
-
-@varlen_bwd.register_fake
-def _varlen_bwd_fake(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k,
-                     is_causal, rng_state, scale=None, window_size=None):
-    _check(query, key, value, cu_seq_q, cu_seq_k)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-
-
 def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
                      scale=None, window_size=(-1, -1)):
-    """torch.nn.attention.varlen.varlen_attn of PyTorch 2.11: no GQA."""
-    if query.size(1) != key.size(1):
-        raise StandInError(f"varlen_attn (2.11) takes as many KV heads as query heads, got "
-                           f"{key.size(1)} for {query.size(1)}")
+    """torch.nn.attention.varlen.varlen_attn of PyTorch 2.11: key and value go to ATen's flash
+    kernel as they are, which takes KV heads dividing the query heads (GQA without a flag)."""
     out, lse = _call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
                      tuple(window_size) == (-1, 0))
     return (out, lse) if return_aux is not None and return_aux.lse else out
@@ -239,16 +204,14 @@ BACKEND_STANDINS = {
     "flash3": ("flash", dict(_flash_varlen=flash_attn_varlen_func_3, HAVE_FLASH=True,
                              FLASH_VERSION=3)),
     "varlen-2.11": ("varlen", dict(_varlen_attn=varlen_attn_2_11, HAVE_VARLEN=True,
-                                   _VARLEN_ARGS=set(inspect.signature(varlen_attn_2_11).parameters),
-                                   _VARLEN_OPS=(torch.ops.libra_gate.varlen_fwd.default,
-                                                torch.ops.libra_gate.varlen_bwd.default))),
+                                   _VARLEN_ARGS=set(inspect.signature(varlen_attn_2_11).parameters))),
     "varlen-2.13": ("varlen", dict(_varlen_attn=varlen_attn_2_13, HAVE_VARLEN=True,
                                    _VARLEN_ARGS=set(inspect.signature(varlen_attn_2_13).parameters))),
 }
 """Stand-in name -> (the runtime's backend it stands for, the kernels-module names it sets)."""
-NATIVE_GQA = {"te", "flash2", "flash3", "varlen-2.13"}
-"""Entry points that run GQA natively; without it (varlen_attn of 2.11) K and V are expanded
-to the query heads while the kernel runs."""
+NATIVE_GQA = set(BACKEND_STANDINS)
+"""Entry points that run GQA natively: all of them (varlen_attn of 2.11 through ATen's flash
+kernel, which takes fewer KV heads; 2.13 with enable_gqa)."""
 
 
 @contextlib.contextmanager
