@@ -51,7 +51,7 @@ if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
   "$vpy" -m pip install -q "torch==2.13.0"
 fi
 "$vpy" -m pip install -q "setuptools>=64" wheel "pybind11>=2.12" numpy pyyaml tqdm matplotlib \
-  $mcore psutil pytest hypothesis ninja "tokenizers>=0.19"
+  $mcore psutil pytest hypothesis ninja "tokenizers>=0.19" tensorboard
 # Build the extension in place and expose the sources to the venv (editable, compat mode: the
 # repository root goes on sys.path, so `megatron.libra` joins the installed `megatron` namespace).
 # Skipped when nothing it depends on changed since the last build: the C++ sources, the build

@@ -20,7 +20,9 @@
 6. train (only when megatron-core imports): ten steps of the tiny model on this GPU, bf16;
 7. train_megatron_lm (only when megatron-core >= 0.19's megatron.training imports): ten
    iterations of pretrain_gpt_libra.py (configs/megatron/cpu_tiny.yaml, NCCL, bf16, 4K-token
-   sequences of Libra's synthetic documents) in Megatron-LM's own loop on this GPU.
+   sequences of Libra's synthetic documents) in Megatron-LM's own loop on this GPU;
+8. train_megatron_hybrid (only with Transformer Engine as well): the same with
+   --libra-system megatron-hybrid, megatron-core's own hybrid CP scheduler.
 
 Each step runs on its own: a step that fails is recorded with its error and the others still
 run, and the JSON is written after every step, so a run cut short keeps what it measured.
@@ -104,6 +106,32 @@ def _train_megatron(out_dir: Path, cpu: bool) -> dict:
     ]
     # the script's folder (the repository) is on its path; PYTHONPATH (gpu_check.sh's, with
     # any WHEELS folder) is inherited as it is
+    return _run_metrics(cmd, metrics)
+
+
+def _train_megatron_hybrid(out_dir: Path, cpu: bool) -> dict:
+    """Ten iterations of pretrain_gpt_libra.py with --libra-system megatron-hybrid
+    (megatron-core's own hybrid CP scheduler, the peer Libra is compared with) where it can
+    run: a GPU with Transformer Engine and megatron.training."""
+    import importlib.util
+
+    if cpu:
+        return {"skipped": "megatron-hybrid needs a GPU (refused on the CPU in one line)"}
+    if not kernels.HAVE_TE:
+        return {"skipped": "Transformer Engine is not installed (megatron-hybrid's THD "
+                           "attention)"}
+    if importlib.util.find_spec("megatron.training") is None:
+        return {"skipped": "megatron.training is not installed (megatron-core >= 0.19)"}
+    metrics = out_dir / "gpu_train_megatron_hybrid.jsonl"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+        str(ROOT / "pretrain_gpt_libra.py"), "--yaml-cfg", "configs/megatron/cpu_tiny.yaml",
+        "--context-parallel-size", "1", "--libra-pool-size", "1", "--libra-data", "synthetic",
+        "--libra-system", "megatron-hybrid", "--transformer-impl", "transformer_engine",
+        "--seq-length", "4096", "--max-position-embeddings", "4096", "--global-batch-size",
+        "2", "--train-iters", "10", "--lr-warmup-iters", "2", "--libra-metrics-file",
+        str(metrics), "--distributed-backend", "nccl", "--bf16",
+    ]
     return _run_metrics(cmd, metrics)
 
 
@@ -220,6 +248,7 @@ def main() -> int:
         steps.append(("train", lambda: _train(out.parent)))
     if not args.skip_train:
         steps.append(("train_megatron_lm", lambda: _train_megatron(out.parent, cpu)))
+        steps.append(("train_megatron_hybrid", lambda: _train_megatron_hybrid(out.parent, cpu)))
     for name, step in steps:
         s0 = time.perf_counter()
         try:
@@ -305,7 +334,7 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
                    "; ".join(f"{c}: " + ", ".join(f"{n} x{s['ratio']:.3f}"
                                                   for n, s in systems.items())
                              for c, systems in ran.items())))
-    for name in ("train", "train_megatron_lm"):
+    for name in ("train", "train_megatron_lm", "train_megatron_hybrid"):
         t = res.get(name)
         if isinstance(t, dict) and "error" in t:
             out[name] = _check(False, t["error"])

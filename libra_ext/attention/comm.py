@@ -105,6 +105,20 @@ class GroupCache:
         self.c, rest = rest % cp, rest // cp
         self.r, self.s = rest % dp, rest // dp
         self.labels: dict = {self.check_group: f"all {dist.get_world_size()} ranks (gloo)"}
+        # The plan-hash check as a stage's micro-batches are served: the ranks of this pipeline
+        # stage (every exchange stays inside a stage), whose data a schedule reads at the same
+        # point - a stage reads its first micro-batch only once the previous stage's
+        # activation has arrived, so a check across stages there would wait on itself.
+        self.stage_check_group = self.check_group
+        if pp > 1:
+            per_stage = tp * cp * dp
+            for s in range(pp):
+                ranks = list(range(s * per_stage, (s + 1) * per_stage))
+                g = dist.new_group(ranks, timeout=datetime.timedelta(
+                    seconds=min(60.0, timeout_s)), backend="gloo")
+                if s == self.s:
+                    self.stage_check_group = g
+                    self.labels[g] = f"pipeline stage {s}'s {per_stage} ranks (gloo)"
         if cp_group is not None:
             want = [self._rank(self.t, c, self.r, self.s) for c in range(cp)]
             have = dist.get_process_group_ranks(cp_group)

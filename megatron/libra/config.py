@@ -281,6 +281,11 @@ class MoeConfig:
 class LoggingConfig:
     log_interval: int = 1
     tensorboard_dir: str | None = None
+    """Write the step's figures (and the validation loss) as TensorBoard scalars here."""
+    wandb_project: str | None = None
+    """Log the same figures to this Weights & Biases project (where wandb is installed)."""
+    wandb_run_name: str | None = None
+    """The W&B run's name (None: W&B picks one)."""
     metrics_file: str | None = None
     """Write one JSON line per step here (used by `libra ab`)."""
     attention_time: bool = True

@@ -1,8 +1,10 @@
 """The local launcher of `libra train --nproc N` (and of the tests and `libra ab`): it spawns N
 gloo worker processes, each running `train.run`, and makes sure that nothing a run starts -
 workers, megatron-core's checkpoint writers, their resource trackers - outlives it: SIGINT or
-SIGTERM ends every worker (SIGTERM, then SIGKILL after a grace period), and orphans of a dead
-worker reparent to the launcher (a child subreaper) so they can be found and ended.
+SIGTERM ends every worker (SIGTERM, then SIGKILL after a grace period), orphans of a dead
+worker reparent to the launcher (a child subreaper) so they can be found and ended, and every
+process started watches its parent (`lifetime`): a launcher or worker killed with SIGKILL takes
+what it started with it.
 
 Under torchrun or Slurm the ranks come from the environment and `launch` trains in this
 process instead."""
@@ -25,12 +27,14 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from libra_ext.distributed import free_port, share_cores
+from megatron.libra import lifetime
 from megatron.libra.config import TrainConfig
 from megatron.libra.logs import LAUNCH_ENV, progress_stream
 from megatron.libra.notices import quiet_megatron_notices
 
 
 def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None) -> None:
+    lifetime.end_children_with_this_process()  # checkpoint writers end with this worker
     # the launcher's --log-level reaches its workers
     level = os.environ.get("LIBRA_LOG_LEVEL", "WARNING")
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
@@ -142,6 +146,7 @@ def _run_workers(mp, args: tuple, nproc: int, grace_s: float = STOP_GRACE_S) -> 
     (SIGTERM, then SIGKILL after STOP_GRACE_S) and exits 130 or 143; on every way out, nothing
     the run started (workers, checkpoint writers) outlives it."""
     _become_subreaper()
+    lifetime.end_children_with_this_process()  # the workers end with this launcher
     # torch's "Terminating process N via signal SIGTERM" per worker once one failed: the line
     # below says which worker failed and why
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -208,4 +213,6 @@ def launch(cfg: TrainConfig, world: int, nproc: int | None, out: str | None = No
     # deferred: megatron-core, once its notices are quiet (in the worker)
     from megatron.libra.train import run
 
+    lifetime.watch_torchrun()  # a torchrun worker ends with its launcher
+    lifetime.end_children_with_this_process()
     return run(cfg)

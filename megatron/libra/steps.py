@@ -275,9 +275,10 @@ def settle_heap() -> None:
 
 
 def check_plan(plan: StepPlan, runtime: Runtime) -> None:
-    """The plan hash compared across all ranks on the runtime's gloo group (a mismatch, or a
-    rank that never arrives, is an error on every rank)."""
-    check_plan_hash(plan, group=runtime.groups.check_group)
+    """The plan hash compared across the ranks of this pipeline stage (all ranks without
+    pipeline parallelism; every exchange stays inside a stage) on the runtime's gloo group (a
+    mismatch, or a rank that never arrives, is an error on every rank)."""
+    check_plan_hash(plan, group=runtime.groups.stage_check_group)
 
 
 def device_micro_batches(batch: StepBatch, runtime: Runtime, device: torch.device, cp: int,
@@ -315,6 +316,8 @@ class AttentionTimer:
 
     def __init__(self, model, enabled: bool = True):
         self.enabled, self.cuda = enabled, torch.cuda.is_available()
+        self.suspended = False
+        """While set (a validation pass between two training steps), nothing is recorded."""
         self._open: dict = {}
         self._pairs: list = []
         self._host = 0.0
@@ -337,7 +340,8 @@ class AttentionTimer:
 
     def _start(self, key):
         def hook(*_args):
-            self._open[key] = self._mark()
+            if not self.suspended:
+                self._open[key] = self._mark()
 
         return hook
 
@@ -412,8 +416,9 @@ class StepStats:
         """The step's metrics record, the keys both trainers write (`logging.metrics_file`,
         `--libra-metrics-file`): the loss over the global batch's labelled tokens (every
         tensor-parallel rank holds the same sums: counted once), tokens/s, the plan's attention
-        work max/mean and inter-pool imbalance, each rank's measured attention time and the
-        bytes sent (pool exchange and CP all-to-all, per rank summed)."""
+        work max/mean, inter-pool imbalance and planning time, each rank's measured attention
+        time and the bytes sent (pool exchange and CP collectives: summed over ranks, and the
+        MB per rank of each)."""
         loss_sum = float(self.column("loss_sum").sum()) / tp if loss_sum is None else loss_sum
         tokens = float(self.column("label_tokens").sum()) / tp if tokens is None else tokens
         t = self.column("attn_seconds")
@@ -430,4 +435,7 @@ class StepStats:
             "attn_time_per_rank": t.tolist() if timed else None,
             "bytes_exchanged": float(self.column("pool_bytes").sum()
                                      + self.column("cp_bytes").sum()),
+            "pool_mb_per_rank": float(self.column("pool_bytes").mean()) / 1e6,
+            "cp_mb_per_rank": float(self.column("cp_bytes").mean()) / 1e6,
+            "plan_ms": float(plan.plan_ms),
         }

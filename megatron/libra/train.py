@@ -302,7 +302,17 @@ class Trainer:
     def _open_sinks(self) -> None:
         cfg = self.cfg
         self.history: list[dict] = []
-        self.log_file, self.tb = None, None
+        self.log_file, self.tb, self.wandb = None, None, None
+        if self.rank == 0 and cfg.logging.wandb_project:
+            try:
+                # optional: wandb
+                import wandb
+
+                self.wandb = wandb.init(project=cfg.logging.wandb_project,
+                                        name=cfg.logging.wandb_run_name, config=cfg.to_dict())
+            except ImportError:
+                logger.warning("logging.wandb_project is set but wandb is not installed; "
+                               "pip install wandb to log the figures there")
         if self.rank == 0 and cfg.logging.tensorboard_dir:
             try:
                 # optional: tensorboard
@@ -443,6 +453,9 @@ class Trainer:
         if self.tb is not None:
             self.tb.add_scalar("lm loss validation", rec["valid_loss"], rec["step"])
             self.tb.add_scalar("lm loss validation ppl", rec["valid_ppl"], rec["step"])
+        if self.wandb is not None:
+            self.wandb.log({"lm loss validation": rec["valid_loss"],
+                            "lm loss validation ppl": rec["valid_ppl"]}, step=rec["step"])
 
     def train_step(self, step: int, stop: "_StopRequest") -> tuple[dict, object, bool]:
         """One optimizer step: (metrics record, the step's batch, whether a rank asked to
@@ -528,20 +541,12 @@ class Trainer:
         if self.log_file:
             self.log_file.write(json.dumps(rec) + "\n")
             self.log_file.flush()
+        scalars = {k: rec[k] for k in SCALARS if rec.get(k) is not None}
         if self.tb is not None:
-            for key in (
-                "loss",
-                "lr",
-                "grad_norm",
-                "tokens_per_s",
-                "step_time",
-                "attn_work_max_over_mean",
-                "attn_time_max_over_mean",
-                "inter_pool_imbalance",
-                "bytes_exchanged",
-            ):
-                if rec[key] is not None:
-                    self.tb.add_scalar(key, rec[key], step)
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def maybe_save(self, step: int, batch, last: bool, stopping: bool) -> None:
         """A checkpoint at the save interval, at the end, or when a rank asked to stop."""
@@ -626,9 +631,17 @@ class Trainer:
             self.log_file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         # megatron-core's parallel state is process-global: release it so that another run can
         # follow in this process (`libra ab` under torchrun trains every system in turn)
         ps.destroy_model_parallel()
+
+
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "attn_work_max_over_mean",
+           "attn_time_max_over_mean", "inter_pool_imbalance", "bytes_exchanged",
+           "pool_mb_per_rank", "cp_mb_per_rank", "plan_ms")
+"""The step record's keys written as TensorBoard scalars and W&B metrics (rank 0)."""
 
 
 class _StopRequest:

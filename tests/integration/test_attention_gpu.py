@@ -58,6 +58,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     checks = r["checks"]
     assert r["ok"] and checks["kernels"]["status"] == checks["no_host_copies"]["status"] == "pass"
     assert checks["train"]["status"] == "skip"  # a skip is reported as one, not as a pass
+    assert checks["train_megatron_hybrid"]["status"] == "skip"  # a GPU with TE only
     # Megatron-LM's loop runs where megatron.training is installed (on the CPU: gloo, fp32)
     import importlib.util
 
@@ -106,6 +107,7 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
     assert {k: c["status"] for k, c in checks.items()} == {
         "kernels": "pass", "alignment": "pass", "sync": "pass", "no_host_copies": "pass",
         "overhead_within_5pct": "pass", "train": "pass", "train_megatron_lm": "pass",
+        "train_megatron_hybrid": "skip",
         "calibration": "pass",
         "replay": "pass", "multi_rank": "skip"}
     bad = {

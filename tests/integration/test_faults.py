@@ -104,6 +104,32 @@ def test_a_dead_worker_leaves_no_checkpoint_writers_behind(tmp_path):
     assert _alive(seen) == [], "processes of the run outlived it"
 
 
+def test_a_launcher_killed_mid_save_takes_every_process_of_the_run_with_it(tmp_path):
+    # SIGKILL to the launcher alone (nothing it can handle) while its workers save
+    # asynchronously: the workers notice their parent is gone and end, and so do their
+    # checkpoint writers and resource trackers (megatron.libra.lifetime)
+    proc, metrics = _start(
+        tmp_path,
+        [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=1",
+         "checkpoint.async_save=true"],
+    )
+    seen: set[int] = set()
+    try:
+        _wait_for_steps(proc, metrics, 2)
+        for _ in range(20):  # the workers and their background writers
+            seen |= set(_below([proc.pid], _process_tree()))
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        time.sleep(3)
+        left = _alive(seen)
+    finally:
+        for pid in _alive(seen):
+            os.kill(pid, signal.SIGKILL)
+    assert len(seen) >= 3  # (two workers and at least one writer)
+    assert left == [], "processes of the run outlived its launcher"
+
+
 def test_a_stalled_rank_ends_the_run_with_a_timeout_not_a_hang(tmp_path):
     # parallel.timeout_minutes = 0.1: six seconds after one worker stops, the other's next
     # collective times out and the run ends with one line saying so

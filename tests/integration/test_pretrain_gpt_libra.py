@@ -53,32 +53,82 @@ def _losses(out: str) -> list[float]:
                                          out)]
 
 
-def test_every_system_trains_to_the_same_losses_at_cp2_pool2():
-    # 4 processes: cp 2 x dp 2, one pool of 2; the same model, weights and samples. WLB-LLM
-    # holds nothing back here (outlier length above the sequence), so its steps hold the
-    # same documents and its losses must equal the others'.
-    runs = {}
-    for system in ("libra", "ulysses", "wlb", "distca"):
+def _validation(out: str) -> dict:
+    """Megatron-LM's validation lines: {prefix after "at ": loss}."""
+    return {m[0]: float(m[1]) for m in re.findall(
+        r"validation loss at (iteration \d+(?: on validation set)?) \| lm loss value: "
+        r"([0-9.E+-]+) \| lm loss PPL: [0-9.E+-]+ \|", out)}
+
+
+def test_every_system_and_two_pipeline_stages_train_and_validate_to_the_same_losses(tmp_path):
+    # 4 processes, cp 2: dp 2 in one pool of 2 per system, and 2 pipeline stages (libra, wlb);
+    # the same model, weights and samples. WLB-LLM holds nothing back here (outlier length
+    # above the sequence), so its steps hold the same documents and its losses must equal the
+    # others'. Validation (--eval-iters 1 --eval-interval 1) at every iteration and at the end
+    # (the same batches each time: the end's equals the last iteration's), planned by each
+    # system with a planner of its own, the same under every system. Under pipeline
+    # parallelism the stages exchange each activation's shape (tokens per rank change from
+    # micro-batch to micro-batch), and per-document CP's padding needs it.
+    runs, vals = {}, {}
+    ck, tb = tmp_path / "ck", tmp_path / "tb"
+    cases = [(s, 1) for s in ("libra", "ulysses", "wlb", "distca")] + [("wlb", 2), ("libra", 2)]
+    for system, pp in cases:
         extra = ["--libra-wlb-outlier-len", "100000"] if system == "wlb" else []
+        if (system, pp) == ("libra", 1):  # checkpoints, TensorBoard, timers (once)
+            extra += ["--save", str(ck), "--save-interval", "1", "--ckpt-format", "torch",
+                      "--tensorboard-dir", str(tb), "--timing-log-level", "2"]
         run = _torchrun(4, [*MOCK, "--global-batch-size", "8", "--train-iters", "2",
-                            "--context-parallel-size", "2", "--libra-pool-size", "2",
+                            "--eval-iters", "1", "--eval-interval", "1",
+                            "--context-parallel-size", "2",
+                            "--libra-pool-size", "2" if pp == 1 else "1",
+                            "--pipeline-model-parallel-size", str(pp),
                             "--libra-system", system, *extra])
         assert run.returncode == 0, run.stderr[-3000:]
         losses = _losses(run.stdout)
         assert len(losses) == 2, run.stdout[-3000:]
-        runs[system] = losses
+        runs[(system, pp)] = losses
+        val = _validation(run.stdout)
+        assert set(val) == {"iteration 1", "iteration 2", "iteration 2 on validation set"}, \
+            run.stdout[-3000:]
+        assert val["iteration 2"] == val["iteration 2 on validation set"]
+        vals[(system, pp)] = val
+        if (system, pp) == ("libra", 1):  # Libra's timers among Megatron-LM's
+            assert re.search(r"libra-plan-wait \.+: \([0-9.]+, [0-9.]+\)", run.stdout)
+            assert re.search(r"libra-pool-exchange-wait \.+: \([0-9.]+, [0-9.]+\)", run.stdout)
+        if pp == 2:
+            continue
         # Megatron-LM's iteration line, and Libra's fields beside it
         assert re.search(r"iteration +2/ +2 \| consumed samples: +16 \|", run.stdout)
-        assert re.search(rf"libra \| iteration +2 \| system: {system} \| attn work max/mean: "
-                         r"[0-9.]+ \| attn time max/mean: [0-9.]+ \(mean [0-9.]+ "
-                         r"ms/iteration\) \| inter-pool imbalance: [0-9.]+ \| pool exchange "
-                         r"MB/rank: [0-9.]+ \| CP all-to-all MB/rank: [0-9.]+ \|", run.stdout), \
-            run.stdout[-2000:]
-    ref = runs["libra"]
+        cp = "CP all-gather \\+ reduce" if system == "wlb" else "CP all-to-all"
+        assert re.search(rf"libra \| iteration +2 \| system: {system} \| tokens/s: [0-9.]+ \| "
+                         r"attn work max/mean: [0-9.]+ \| attn time max/mean: [0-9.]+ \(mean "
+                         r"[0-9.]+ ms/iteration\) \| inter-pool imbalance: [0-9.]+ \| planning "
+                         rf"ms: [0-9.]+ \| pool exchange MB/rank: [0-9.]+ \| {cp} MB/rank: "
+                         r"[0-9.]+ \|", run.stdout), run.stdout[-2000:]
+        # the kernel's pick is one line (rank 0), not one per rank
+        assert (run.stdout + run.stderr).count("attention backend:") == 1
+    ref, ref_val = runs[("libra", 1)], vals[("libra", 1)]
     assert 5.0 < ref[0] < 7.0  # ln(512) = 6.24 at initialisation
-    for system, losses in runs.items():
+    for key, losses in runs.items():
         for a, b in zip(losses, ref):
-            assert abs(a - b) <= 1e-5 * abs(b), (system, losses, ref)
+            assert abs(a - b) <= 1e-5 * abs(b), (key, losses, ref)
+        for k, v in ref_val.items():
+            assert abs(vals[key][k] - v) <= 1e-5 * abs(v), (key, k, vals)
+    # the last iteration's checkpoint, after its validation
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    # TensorBoard: Libra's scalars beside Megatron-LM's (read back from the event file)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("libra/attn work max over mean", "libra/attn time max over mean",
+                "libra/inter-pool imbalance", "libra/pool exchange MB per rank",
+                "libra/CP all-to-all MB per rank", "libra/tokens per s", "libra/planning ms",
+                "lm loss validation"):
+        assert tag in tags, (tag, sorted(tags))
+    rate = acc.Scalars("libra/tokens per s")
+    assert [e.step for e in rate] == [1, 2] and all(e.value > 0 for e in rate)
 
 
 def test_the_same_losses_as_libra_train_on_the_same_model_weights_data_and_layout(tmp_path):
@@ -364,3 +414,117 @@ def test_libra_ab_through_megatron_lm_writes_the_report_of_libra_ab(tmp_path):
     assert "Trainer: Megatron-LM's own loop (`pretrain_gpt_libra.py`" in report
     for fig in ("loss.png", "attention_time.png", "tokens_per_s.png"):
         assert (out / fig).stat().st_size > 1000
+
+
+def test_eval_iters_alone_validates_at_the_end_and_keeps_the_last_checkpoint(tmp_path):
+    # --eval-iters without --eval-interval, Libra's synthetic documents: one validation at the
+    # last iteration (and Megatron-LM's at the end), then the last interval's checkpoint
+    ck = tmp_path / "ck"
+    run = _torchrun(4, ["--libra-data", "synthetic", "--vocab-size", "512", "--tokenizer-type",
+                        "NullTokenizer", "--global-batch-size", "8", "--train-iters", "4",
+                        "--eval-iters", "2", "--context-parallel-size", "2",
+                        "--libra-pool-size", "2", "--save", str(ck), "--save-interval", "2",
+                        "--ckpt-format", "torch"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert set(_validation(run.stdout)) == {"iteration 4", "iteration 4 on validation set"}
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+
+def _ours(token: str) -> list[int]:
+    """Live processes whose environment holds `token`."""
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if token.encode() in (d / "environ").read_bytes():
+                out.append(int(d.name))
+        except OSError:
+            pass
+    return out
+
+
+def _kill_mid_save(cmd: list[str], ck: Path, marker: str, tmp_path: Path) -> list[int]:
+    """Start `cmd` in a session of its own with a token in its environment, SIGKILL the whole
+    session once a checkpoint save is under way (`marker` appears under `ck`), and return what
+    is still alive of it 5 s later."""
+    import signal
+    import time
+    import uuid
+
+    token = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LIBRA_RUN_TOKEN=token)
+    with open(tmp_path / "log", "w") as log:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        t0 = time.monotonic()
+        while not (ck / marker).exists():
+            assert p.poll() is None and time.monotonic() - t0 < 300, \
+                (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.05)
+        assert _ours(token), "the run is not running"
+        os.killpg(p.pid, signal.SIGKILL)  # the launcher (torchrun's workers have sessions of
+        p.wait()  # their own)
+        time.sleep(5)
+    left = _ours(token)
+    for pid in left:  # (whatever a failure leaves behind)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return left
+
+
+def test_a_run_killed_mid_save_leaves_no_process_behind(tmp_path):
+    # scripts/pretrain_gpt_cpu.sh (Megatron-LM's GPT launch shrunk to CPU: 2 pipeline stages x
+    # cp 2, validation, TensorBoard, torch_dist checkpoints) killed with SIGKILL - torchrun -
+    # while its workers save: every worker, megatron-core's writer processes and their result
+    # queue's manager, and the resource trackers end with it
+    from libra_ext.distributed import free_port
+
+    ck = tmp_path / "ck"
+    cmd = ["bash", str(ROOT / "scripts/pretrain_gpt_cpu.sh"), str(ck), str(tmp_path / "tb"),
+           "--train-iters", "50", "--save-interval", "2", "--eval-interval", "2"]
+    os.environ["MASTER_PORT"] = str(free_port())
+    os.environ["PYTHON"] = sys.executable
+    try:
+        assert _kill_mid_save(cmd, ck, "iter_0000004", tmp_path) == []
+    finally:
+        del os.environ["MASTER_PORT"], os.environ["PYTHON"]
+    log = (tmp_path / "log").read_text()
+    assert "validation loss at iteration 2 |" in log and "iteration        2/      50" in log
+
+
+def test_refusals_come_first_once_and_name_what_fails(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
+    base = [sys.executable, str(ROOT / "pretrain_gpt_libra.py"), "--yaml-cfg",
+            str(ROOT / "configs/megatron/cpu_tiny.yaml")]
+
+    def refused(*extra, rank="0"):
+        run = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=300,
+                             cwd=ROOT, env=dict(env, RANK=rank))
+        assert run.returncode == 2, run.stderr[-2000:]
+        return run
+
+    # Megatron-LM's own assertion without a message: the failing statement and where it is
+    run = refused("--min-lr", "1")
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "pretrain_gpt_libra.py: error: assert args.min_lr <= args.lr "
+        "(megatron/training/arguments.py:"), run.stderr[-1000:]
+    # the refusal is the first thing on stdout and stderr (no argument dump before it), once;
+    # another rank says nothing
+    assert "arguments" not in run.stdout and run.stderr.count("error:") == 1
+    assert refused("--min-lr", "1", rank="1").stderr.count("error:") == 0
+    # Libra's checks before Megatron-LM's own (its --dataloader-type check for hybrid CP)
+    for extra, message in (
+            (["--hybrid-context-parallel"], "--hybrid-context-parallel is megatron-core's own "
+             "CP scheduler; use it with --libra-system megatron-hybrid, not libra"),
+            (["--sequence-parallel", "--tensor-model-parallel-size", "2"],
+             "--sequence-parallel needs Transformer Engine layers"),
+            (["--use-distributed-optimizer"], "--use-distributed-optimizer needs a GPU")):
+        last = refused(*extra).stderr.strip().splitlines()[-1]
+        assert last.startswith("pretrain_gpt_libra.py: error: " + message), last
+    # --help lists Megatron-LM's arguments and Libra's (a % in megatron-core's own help text)
+    run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt_libra.py"), "--help"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--num-layers" in run.stdout and "--libra-system" in run.stdout
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in run.stdout

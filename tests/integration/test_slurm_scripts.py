@@ -22,8 +22,10 @@ pytestmark = [
 def _slurm(tmp_path: Path) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    # srun: records its options, then runs the command here
     (bin_dir / "srun").write_text(
-        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n'
+        f'#!/bin/bash\nwhile [[ "$1" == --* ]]; do echo "$1" >> {tmp_path}/srun_args; '
+        'shift; done\nexec "$@"\n'
     )
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
     for f in bin_dir.iterdir():
@@ -38,14 +40,16 @@ def _slurm(tmp_path: Path) -> dict:
         GPUS_PER_NODE="2",
         OMP_NUM_THREADS="1",
         MASTER_PORT=str(free_port()),
+        LIBRA_VENV=str(Path(sys.executable).parent.parent),
     )
 
 
-def _run(script: str, args: list, tmp_path: Path) -> subprocess.CompletedProcess:
+def _run(script: str, args: list, tmp_path: Path, env: dict | None = None) \
+        -> subprocess.CompletedProcess:
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "slurm" / script), *args],
         cwd=tmp_path,
-        env=_slurm(tmp_path),
+        env=env or _slurm(tmp_path),
         capture_output=True,
         text=True,
         timeout=600,
@@ -71,3 +75,27 @@ def test_ab_sbatch_writes_the_report(tmp_path):
     assert set(r["systems"]) == {"libra", "ulysses"} and r["world_size"] == 2
     assert r["systems"]["libra"]["max_rel_loss_diff_vs_ulysses"] <= 1e-4
     assert (tmp_path / "out" / "ab" / "report.md").stat().st_size > 0
+
+
+def test_pretrain_sbatch_runs_megatron_lms_loop_from_a_clean_environment(tmp_path):
+    # env -i: no project environment on PATH; launch.sh calls the venv's torchrun by path and
+    # hands the job's cores to srun
+    full = _slurm(tmp_path)
+    env = {k: full[k] for k in ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_JOB_ID",
+                                "GPUS_PER_NODE", "OMP_NUM_THREADS", "MASTER_PORT",
+                                "LIBRA_VENV")}
+    env.update(PATH=f"{tmp_path / 'bin'}:/usr/bin:/bin", HOME=str(tmp_path),
+               SLURM_CPUS_PER_TASK="2", LIBRA_ROOT=str(ROOT))
+    if os.environ.get("PYTHONPATH"):  # (a checkout run without installing it)
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    out = _run("pretrain_gpt_libra.sbatch",
+               ["--yaml-cfg", str(ROOT / "configs" / "megatron" / "cpu_tiny.yaml"),
+                "--train-iters", "3", "--libra-pool-size", "1", "--log-interval", "1"],
+               tmp_path, env)
+    assert "iteration        3/       3" in out.stdout
+    assert "--cpus-per-task=2" in (tmp_path / "srun_args").read_text().split()
+    # without an environment to run in, one line says what to do
+    env["LIBRA_VENV"] = str(tmp_path / "nowhere")
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "pretrain_gpt_libra.sbatch")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no torchrun in" in bad.stderr

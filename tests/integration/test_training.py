@@ -185,15 +185,38 @@ def test_tensor_parallel_run_matches_the_single_rank_layout():
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (tp2, tp1)
 
 
+WANDB_STANDIN = """
+import json, os
+_log = os.environ["WANDB_STANDIN_LOG"]
+class _Run:
+    def log(self, data, step=None):
+        with open(_log, "a") as f:
+            f.write(json.dumps({"step": step, **data}) + "\\n")
+    def finish(self):
+        pass
+def init(project=None, name=None, config=None):
+    with open(_log, "a") as f:
+        f.write(json.dumps({"init": project, "config": sorted(config or {})}) + "\\n")
+    return _Run()
+"""
+"""A stand-in for the wandb package (not installed here): it writes what it is given."""
+
+
 def test_torchrun_launch_trains_like_the_local_launcher(tmp_path):
-    """The path Slurm uses (torchrun, env:// rendezvous) gives the same losses as --nproc."""
+    """The path Slurm uses (torchrun, env:// rendezvous) gives the same losses as --nproc; its
+    figures reach TensorBoard and Weights & Biases (a stand-in of wandb), validation included."""
     over = ["schedule.train_steps=2", "schedule.warmup_steps=1", "parallel.cp=1"]
     local = launch(TrainConfig.load(CPU_TINY, over), 2, 2)
-    metrics = tmp_path / "m.jsonl"
+    metrics, tb = tmp_path / "m.jsonl", tmp_path / "tb"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "wandb.py").write_text(WANDB_STANDIN)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "megatron.libra.cli", "train", "--config", CPU_TINY, *over]
-    cmd += [f"logging.metrics_file={metrics}", "logging.log_interval=1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd += [f"logging.metrics_file={metrics}", "logging.log_interval=1",
+            f"logging.tensorboard_dir={tb}", "logging.wandb_project=libra-test",
+            "schedule.eval_interval=2", "schedule.eval_iters=1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_STANDIN_LOG=str(tmp_path / "wandb.jsonl"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), *sys.path]))
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iteration        2/       2" in out.stdout
@@ -201,6 +224,20 @@ def test_torchrun_launch_trains_like_the_local_launcher(tmp_path):
     assert [r["step"] for r in runs] == [1, 2]
     for a, b in zip(local, runs):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (local, runs)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("loss", "tokens_per_s", "attn_work_max_over_mean", "attn_time_max_over_mean",
+                "inter_pool_imbalance", "pool_mb_per_rank", "cp_mb_per_rank", "plan_ms",
+                "lm loss validation"):
+        assert tag in tags, (tag, sorted(tags))
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2]
+    logged = [json.loads(x) for x in (tmp_path / "wandb.jsonl").read_text().splitlines()]
+    assert logged[0]["init"] == "libra-test" and "system" in logged[0]["config"]
+    assert [x["step"] for x in logged[1:] if "loss" in x] == [1, 2]
+    assert any("lm loss validation" in x for x in logged)
 
 
 def test_moe_expert_balancer_keeps_the_math_and_evens_expert_load(tmp_path, capsys):

@@ -78,6 +78,21 @@ def test_the_command_line_wins_over_the_file(tmp_path, monkeypatch):
     assert expand_yaml_cfg(["--num-layers", "1"]) == (["--num-layers", "1"], None)
 
 
+def test_a_dataset_on_the_command_line_replaces_the_files_mock_data(tmp_path, monkeypatch):
+    # the README's "a dataset of your own": the tiny YAML with --data-path on the command line
+    path = _write(tmp_path, "num_layers: 2\nmock_data: true\n")
+    import megatron.libra.megatron_lm.yaml_cfg as mlm
+
+    monkeypatch.setattr(mlm, "_megatron_parser", _parser)
+    argv, _ = expand_yaml_cfg(["--yaml-cfg", path, "--data-path", "corpus/x_text_document"])
+    args = _parser().parse_args(argv)
+    assert not args.mock_data and args.data_path == ["corpus/x_text_document"]
+    argv, _ = expand_yaml_cfg(["--yaml-cfg", path, "--data-path=corpus/y"])
+    assert "--mock-data" not in argv
+    argv, _ = expand_yaml_cfg(["--yaml-cfg", path])  # without one, the file's mock data
+    assert _parser().parse_args(argv).mock_data
+
+
 BAD = [
     ("num_layer: 2\n", "num_layer is not a Megatron-LM or Libra argument (did you mean "
                        "num_layers?)"),

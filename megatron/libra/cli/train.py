@@ -430,8 +430,8 @@ def _ab_markdown(r: dict) -> str:
         *(["Overrides: " + (", ".join(f"`{o}`" for o in over) if over else "none") + ".", ""]
           if r.get("trainer") != "megatron" else []),
         f"| run | final loss | max rel. loss diff vs {ref} | max rel. grad-norm diff "
-        "| losses same over repeats | attn work max/mean (mean) | attn time max/mean: median "
-        f"(range) | expert tokens max/mean before → after (mean) | tokens/s: median (range) "
+        "| losses same over repeats | attn work max/mean (mean) | per-step attn time max/mean: "
+        f"median (range) | expert tokens max/mean before → after (mean) | tokens/s: median (range) "
         f"| tokens/s ÷ {ref}: median (range) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -513,7 +513,7 @@ def _ab_figures(r: dict, out: Path) -> None:
         ax.bar(range(len(mean)), mean, color="tab:blue")
         ax.axhline(avg, color="tab:red", linestyle="--", linewidth=1)
         top = max(range(len(mean)), key=mean.__getitem__)
-        ax.annotate(f"max/mean {max(mean) / max(avg, 1e-12):.3f}", (top, mean[top]),
+        ax.annotate(f"slowest rank / mean {max(mean) / max(avg, 1e-12):.3f}", (top, mean[top]),
                     textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
         ax.set_ylabel(name, rotation=0, ha="right", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -257,6 +257,7 @@ class FakeGroups:
         self.tp, self.cp, self.dp, self.pp = tp, cp, dp, pp
         self.t, self.c, self.r, self.s = 0, c, r, 0
         self.check_group = FakeGroup(dp * cp * tp * pp, "all")
+        self.stage_check_group = FakeGroup(dp * cp * tp, "stage")
         self._cp = FakeGroup(cp, "cp")
         self._pool: dict = {}
         self.labels: dict = {}

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 import torch
 
+from libra_ext.attention.kernels import HAVE_TE
 from libra_ext.workload import read_lengths_file
 from megatron.libra.config import (
     DataConfig,
@@ -102,7 +104,79 @@ def add_libra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "Libra's log line.")
     parser.set_defaults(dataloader_type="external", cp_comm_type=["a2a"],
                         calculate_per_token_loss=True, eval_iters=0)
+    escape_help(parser)
+    _check_when_parsed(parser)
     return parser
+
+
+def escape_help(parser: argparse.ArgumentParser) -> None:
+    """A literal % in an argument's help (megatron-core 0.19.2 has "10%)" in one) breaks
+    argparse's --help, which %-formats every help string: escape the ones that are not a
+    %(name)s field."""
+    for a in parser._actions:
+        if a.help and "%" in a.help:
+            a.help = re.sub(r"%%|%\(\w+\)[a-z]|%",
+                            lambda m: m.group(0) if len(m.group(0)) > 1 else "%%", a.help)
+
+
+def _check_when_parsed(parser: argparse.ArgumentParser) -> None:
+    """Run `precheck_args` as soon as the command line is parsed, before Megatron-LM's own
+    validation (whose checks of the same arguments, and its argument dump, would come first)."""
+    for name in ("parse_args", "parse_known_args"):
+        original = getattr(parser, name)
+
+        def parse(*a, _original=original, _name=name, **kw):
+            out = _original(*a, **kw)
+            precheck_args(out[0] if _name == "parse_known_args" else out)
+            return out
+
+        setattr(parser, name, parse)
+
+
+def precheck_args(args) -> None:
+    """The refusals that need only the parsed command line: combinations of Megatron-LM's
+    arguments that Libra's operator replaces or that its micro-batches rule out. Raises
+    ValueError with one line naming the argument."""
+    if args.libra_system == "megatron-hybrid":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "--libra-system megatron-hybrid runs megatron-core's hybrid CP scheduler, which "
+                "needs a GPU with Transformer Engine (its THD attention with per-sequence CP "
+                "groups); run it on a GPU or choose libra, ulysses, wlb or distca")
+        return
+    if getattr(args, "hybrid_context_parallel", False):
+        raise ValueError(
+            f"--hybrid-context-parallel is megatron-core's own CP scheduler; use it with "
+            f"--libra-system megatron-hybrid, not {args.libra_system}")
+    cp_comm = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    if args.context_parallel_size > 1 and any(c != "a2a" for c in cp_comm):
+        raise ValueError(
+            f"--cp-comm-type {' '.join(map(str, cp_comm))}: with --libra-system "
+            f"{args.libra_system} Libra's operator is the core attention and runs its own CP "
+            "(Ulysses all-to-all inside the CP group); leave --cp-comm-type at a2a")
+    if args.micro_batch_size != 1:
+        raise ValueError(
+            f"--micro-batch-size {args.micro_batch_size}: Libra's micro-batch is one packed "
+            "sequence in THD layout (--micro-batch-size 1; the global batch size sets the "
+            "sequences per step)")
+    if args.dataloader_type != "external":
+        raise ValueError(
+            f"--dataloader-type {args.dataloader_type}: Libra serves each rank the samples its "
+            "replica executes under the step plan (leave --dataloader-type at external)")
+    if getattr(args, "rampup_batch_size", None):
+        raise ValueError(
+            f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: Libra plans "
+            "every step's global batch of --global-batch-size sequences; leave it off")
+    if getattr(args, "sequence_parallel", False) and (
+            getattr(args, "transformer_impl", "local") == "local" or not HAVE_TE):
+        raise ValueError(
+            "--sequence-parallel needs Transformer Engine layers (megatron-core's local layer "
+            "norm does not split the sequence): use it on a GPU with Transformer Engine "
+            "(--transformer-impl transformer_engine), or leave it off")
+    if getattr(args, "use_distributed_optimizer", False) and not torch.cuda.is_available():
+        raise ValueError(
+            "--use-distributed-optimizer needs a GPU: megatron-core's distributed optimizer "
+            "takes CUDA tensors only; leave it off on the CPU (on a GPU it runs as usual)")
 
 
 def system_config(args) -> SystemConfig:
@@ -180,32 +254,9 @@ def check_args(args, world_size: int | None = None) -> None:
     """Every refusal knowable from the arguments, before any process group: raises ValueError
     with one line naming the argument."""
     world = world_size or args.world_size
+    precheck_args(args)
     if args.libra_system == "megatron-hybrid":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "--libra-system megatron-hybrid runs megatron-core's hybrid CP scheduler, which "
-                "needs a GPU with Transformer Engine (its THD attention with per-sequence CP "
-                "groups); run it on a GPU or choose libra, ulysses, wlb or distca")
         return
-    cp_comm = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
-    if args.context_parallel_size > 1 and any(c != "a2a" for c in cp_comm):
-        raise ValueError(
-            f"--cp-comm-type {' '.join(map(str, cp_comm))}: with --libra-system "
-            f"{args.libra_system} Libra's operator is the core attention and runs its own CP "
-            "(Ulysses all-to-all inside the CP group); leave --cp-comm-type at a2a")
-    if getattr(args, "hybrid_context_parallel", False):
-        raise ValueError(
-            f"--hybrid-context-parallel is megatron-core's own CP scheduler; use it with "
-            f"--libra-system megatron-hybrid, not {args.libra_system}")
-    if args.micro_batch_size != 1:
-        raise ValueError(
-            f"--micro-batch-size {args.micro_batch_size}: Libra's micro-batch is one packed "
-            "sequence in THD layout (--micro-batch-size 1; the global batch size sets the "
-            "sequences per step)")
-    if args.dataloader_type != "external":
-        raise ValueError(
-            f"--dataloader-type {args.dataloader_type}: Libra serves each rank the samples its "
-            "replica executes under the step plan (leave --dataloader-type at external)")
     cfg = train_config(args)
     if args.libra_data == "synthetic":
         with field_names(arg_names()):
@@ -223,10 +274,14 @@ def check_args(args, world_size: int | None = None) -> None:
             for ext in (".bin", ".idx"):
                 if not Path(p + ext).is_file():
                     raise ValueError(f"--data-path: {p}{ext} does not exist")
-    if args.eval_iters and args.eval_interval and args.eval_interval <= (args.train_iters or 0):
+    if getattr(args, "full_validation", False):
         raise ValueError(
-            f"--eval-iters {args.eval_iters}: validation through the step plan is not served by "
-            "pretrain_gpt_libra.py yet; set --eval-iters 0")
+            "--full-validation: Libra's validation serves --eval-iters global batches planned "
+            "by the run's system (the same at every evaluation); set --eval-iters instead")
+    if getattr(args, "multiple_validation_sets", False):
+        raise ValueError(
+            "--multiple-validation-sets: Libra's validation reads one validation split; leave "
+            "it off")
     with field_names(arg_names()):
         cfg.check_layout(world)
         cfg.system.check()

@@ -22,8 +22,10 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.training import get_args, get_timers, training
 from megatron.training.checkpointing import get_checkpoint_name
+from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 from megatron.training.utils import get_blend_and_blend_per_split
 
+from libra_ext.attention.comm import ByteCounter
 from megatron.libra.megatron_lm.args import changed_settings, libra_settings, train_config
 from megatron.libra.megatron_lm.spec import runtime
 from megatron.libra.sources import GPTDatasetSource, SyntheticSource, held_steps
@@ -34,6 +36,7 @@ from megatron.libra.steps import (
     check_plan,
     device_micro_batches,
     new_planner,
+    settle_heap,
 )
 
 _TRAIN_ITERATOR: list = [None]  # the StepMicroBatches of this process's training run
@@ -73,13 +76,16 @@ class StepMicroBatches:
         self.last = None  # the StepBatch whose micro-batches were served last
         self._micro: deque = deque()
         self.timer = None  # AttentionTimer, on the model Megatron-LM built (attach)
-        self._window: list[tuple[float, float]] = []  # per step: plan metrics
+        self._window: list[tuple] = []  # per step: plan metrics and tokens
         self._gathered = None  # StepStats summed over the log window
         # --libra-metrics-file: the step's loss sum and token count, summed on the device
         self._record = args.libra_metrics_file
         self._loss = torch.zeros(2, dtype=torch.float64, device=self.device) \
             if self._record else None
         self._clock = time.perf_counter()
+        self._saved_counter = None  # the training counter while a validation pass runs
+        self._first_line = True  # Megatron-LM logs this process's first iteration
+        self._line_clock = time.perf_counter()
         if self._record and self.rank0:
             Path(self._record).parent.mkdir(parents=True, exist_ok=True)
             Path(self._record).write_text("")
@@ -99,7 +105,13 @@ class StepMicroBatches:
 
     def __next__(self):
         if not self._micro:
+            if self.last is None:  # the first step: the model and optimizer are built
+                settle_heap()
+            self.end_validation()
+            timers = get_timers()
+            timers("libra-plan-wait", log_level=1).start()
             batch = self.last = self.sampler.next()
+            timers("libra-plan-wait").stop()
             check_plan(batch.plan, self.rt)
             micro = device_micro_batches(batch, self.rt, self.device, self.cfg.parallel.cp,
                                          self.c, self.r)
@@ -121,6 +133,22 @@ class StepMicroBatches:
             cu = cu.pin_memory().to(self.device, non_blocking=True)
         update(cu)
 
+    def begin_validation(self) -> None:
+        """A validation pass starts: its attention time and bytes are not the training steps'
+        (the runtime counts into a scratch counter, the timer records nothing) until the next
+        training step (`end_validation`)."""
+        if self._saved_counter is None:
+            self._saved_counter = self.rt.counter
+            self.rt.counter = ByteCounter()
+            if self.timer is not None:
+                self.timer.suspended = True
+
+    def end_validation(self) -> None:
+        if self._saved_counter is not None:
+            self.rt.counter, self._saved_counter = self._saved_counter, None
+            if self.timer is not None:
+                self.timer.suspended = False
+
     def attach(self, model) -> None:
         """Time this rank's core attention (forward and backward) on the model Megatron-LM
         built: module hooks, CUDA events on a GPU (read once per log interval)."""
@@ -129,18 +157,23 @@ class StepMicroBatches:
 
     def step_end(self) -> None:
         """The end of a step's backward on every rank (Megatron-LM's finalize_model_grads,
-        before the optimizer step): at the log interval, Libra's line over the interval's
-        steps, beside Megatron-LM's iteration line: the plan's attention work max/mean and
-        inter-pool imbalance, the measured attention time per rank (max/mean and the mean
-        per iteration) and the bytes each rank sent per iteration (the pool's tile exchange;
-        the CP group's all-to-alls), gathered on the gloo group of host tensors."""
+        before the optimizer step): at the log interval (and at this run's first iteration, as
+        Megatron-LM's line), Libra's line over the interval's steps, beside Megatron-LM's
+        iteration line: tokens/s, the plan's attention work max/mean, inter-pool imbalance and
+        planning time, the measured attention time per rank (max/mean and the mean per
+        iteration) and the bytes each rank sent per iteration (the pool's tile exchange; the CP
+        group's collectives), gathered on the gloo group of host tensors; the same as
+        TensorBoard / W&B scalars where Megatron-LM writes them, and Libra's timers with
+        Megatron-LM's at --timing-log-level 1 or 2."""
         b = self.last
         if b is None:
             return
         plan = b.plan
-        self._window.append((plan.max_over_mean, plan.inter_pool_imbalance))
+        self._window.append((plan.max_over_mean, plan.inter_pool_imbalance, plan.plan_ms,
+                             float(plan.doc_lengths.sum())))
         it = b.step + 1
-        line = it % max(self.args.log_interval, 1) == 0 or it == self.args.train_iters
+        line = (it % max(self.args.log_interval, 1) == 0 or it == self.args.train_iters
+                or self._first_line)
         if not (line or self._record):
             return
         timed = self.timer is not None and self.timer.enabled
@@ -157,23 +190,61 @@ class StepMicroBatches:
         if not line:
             return
         window, self._gathered = self._gathered, None
+        now = time.perf_counter()
+        figures = self._figures(window, timed, now - self._line_clock)
+        self._line_clock, self._first_line = now, False
         if self.rank0:
-            self._print_line(it, window, timed)
+            self._print_line(it, figures)
+        self._write_scalars(it, figures)
+        if self.args.timing_log_level >= 1:  # Libra's timers beside Megatron-LM's
+            names = ["libra-plan-wait"] + (["libra-pool-exchange-wait"]
+                                           if self.args.timing_log_level >= 2 else [])
+            get_timers().log(names, normalizer=len(self._window))
         self._window.clear()
 
-    def _print_line(self, it: int, stats: StepStats, timed: bool) -> None:
-        """Libra's line beside Megatron-LM's, over the log window's steps."""
+    def _figures(self, stats: StepStats, timed: bool, seconds: float) -> dict:
+        """The log window's figures, per iteration where they add up."""
         n = len(self._window)
-        work, imbalance = (sum(w[i] for w in self._window) / n for i in range(2))
+        mean = lambda i: sum(w[i] for w in self._window) / n  # noqa: E731
         t = stats.column("attn_seconds")
-        attn = (f"{float(t.max() / max(float(t.mean()), 1e-12)):.3f} (mean "
-                f"{1e3 * float(t.mean()) / n:.1f} ms/iteration)" if timed else "off")
-        pool = float(stats.column("pool_bytes").mean()) / n / 1e6
-        cp = float(stats.column("cp_bytes").mean()) / n / 1e6
-        print(f" libra | iteration {it:8d} | system: {self.args.libra_system} | attn work "
-              f"max/mean: {work:.3f} | attn time max/mean: {attn} | inter-pool imbalance: "
-              f"{imbalance:.3f} | pool exchange MB/rank: {pool:.2f} | CP all-to-all MB/rank: "
-              f"{cp:.2f} |", flush=True)
+        out = {"tokens per s": sum(w[3] for w in self._window) / max(seconds, 1e-9),
+               "attn work max over mean": mean(0), "inter-pool imbalance": mean(1),
+               "planning ms": mean(2),
+               "pool exchange MB per rank": float(stats.column("pool_bytes").mean()) / n / 1e6,
+               self._cp_name: float(stats.column("cp_bytes").mean()) / n / 1e6}
+        if timed:
+            out["attn time max over mean"] = float(t.max() / max(float(t.mean()), 1e-12))
+            out["attn time ms per iteration"] = 1e3 * float(t.mean()) / n
+        return out
+
+    @property
+    def _cp_name(self) -> str:
+        """What the CP bytes are: the Ulysses all-to-alls, or per-document CP's K/V all-gather
+        and dK/dV reduction."""
+        return ("CP all-gather + reduce MB per rank" if self.args.libra_system == "wlb"
+                else "CP all-to-all MB per rank")
+
+    def _print_line(self, it: int, f: dict) -> None:
+        """Libra's line beside Megatron-LM's, over the log window's steps."""
+        attn = (f"{f['attn time max over mean']:.3f} (mean {f['attn time ms per iteration']:.1f}"
+                " ms/iteration)" if "attn time max over mean" in f else "off")
+        cp = self._cp_name.replace(" per rank", "/rank")
+        print(f" libra | iteration {it:8d} | system: {self.args.libra_system} | tokens/s: "
+              f"{f['tokens per s']:.1f} | attn work max/mean: {f['attn work max over mean']:.3f}"
+              f" | attn time max/mean: {attn} | inter-pool imbalance: "
+              f"{f['inter-pool imbalance']:.3f} | planning ms: {f['planning ms']:.2f} | "
+              f"pool exchange MB/rank: {f['pool exchange MB per rank']:.2f} | {cp}: "
+              f"{f[self._cp_name]:.2f} |", flush=True)
+
+    def _write_scalars(self, it: int, f: dict) -> None:
+        """The figures as TensorBoard scalars (libra/...) and W&B metrics, on the rank where
+        Megatron-LM writes its own (--tensorboard-dir, --wandb-project)."""
+        writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+        if writer is not None:
+            for k, v in f.items():
+                writer.add_scalar(f"libra/{k}", v, it)
+        if wandb is not None:
+            wandb.log({f"libra/{k}": v for k, v in f.items()}, it)
 
     def count_loss(self, loss: torch.Tensor, tokens: torch.Tensor) -> None:
         """A micro-batch's loss sum and token count into the step's (on the device, read once
@@ -238,12 +309,70 @@ class StepMicroBatches:
         return state
 
 
+class ValidationMicroBatches:
+    """Megatron-LM's validation iterator: the micro-batches of --eval-iters global batches of
+    the validation data, planned by the run's system with a planner of their own (the last batch
+    flushes what WLB-LLM holds, so every document of them is computed), each rank served its
+    replica's in the schedule's order, as `libra train`'s validation does. Megatron-LM's
+    `evaluate` reads exactly --eval-iters batches per evaluation; once they are all served the
+    next evaluation starts them over, so every evaluation sees the same batches."""
+
+    def __init__(self, args, dataset):
+        self.args, self.dataset = args, dataset
+        self.cfg = train_config(args)
+        self.rt = runtime(args)
+        self.r, self.c = self.rt.groups.r, self.rt.groups.c
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        self.sampler, self.served = None, 0
+        self._micro: deque = deque()
+
+    def __iter__(self):
+        return self
+
+    def _start(self) -> StepSampler:
+        cfg = self.cfg
+        planner = new_planner(cfg, ps.get_data_parallel_world_size(),
+                              torch.finfo(torch.bfloat16 if self.args.bf16 else torch.float32)
+                              .bits // 8)
+        src = SyntheticSource(cfg, "valid") if self.dataset is None \
+            else GPTDatasetSource(self.dataset, cfg.data.gbs, held_steps(cfg))
+        return StepSampler(cfg, planner, replica=self.r, cp_rank=self.c, source=src,
+                           stop_step=self.args.eval_iters)
+
+    def __next__(self):
+        if not self._micro:
+            if self.sampler is None:
+                self.sampler, self.served = self._start(), 0
+            if _TRAIN_ITERATOR[0] is not None:
+                _TRAIN_ITERATOR[0].begin_validation()
+            batch = self.sampler.next()
+            check_plan(batch.plan, self.rt)
+            for mb in device_micro_batches(batch, self.rt, self.device, self.cfg.parallel.cp,
+                                           self.c, self.r):
+                mb.validation = True  # (its loss is not the training step's)
+                self._micro.append(mb)
+            self.served += 1
+            if self.served == self.args.eval_iters:  # the next evaluation starts over
+                self.sampler.close()
+                self.sampler = None
+        return self._micro.popleft()
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+
+
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
     """Megatron-LM's dataset provider: the training iterator over GPTDataset (MockGPTDataset
-    with --mock-data) under the step plan; no validation or test iterators."""
+    with --mock-data, Libra's synthetic stream with --libra-data synthetic) under the step plan,
+    and with --eval-iters the validation iterator over the validation split (the synthetic
+    stream's next seed) planned the same way; no test iterator."""
     args = get_args()
+    validate = bool(args.eval_iters)
     if args.libra_data == "synthetic":
-        return StepMicroBatches(args, None, start_step=args.iteration), None, None
+        valid = ValidationMicroBatches(args, None) if validate else None
+        return StepMicroBatches(args, None, start_step=args.iteration), valid, None
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
@@ -256,21 +385,29 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     # a split asked for no samples is built for one epoch (None), not for 0: megatron-core's
     # GPTDataset asks 0 samples for one extra token and never ends on a split without documents
     sizes = [n if n else None for n in train_val_test_num_samples]
-    train, _, _ = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, config).build()
-    return StepMicroBatches(args, train, start_step=args.iteration), None, None
+    if validate:  # every evaluation serves the same --eval-iters global batches
+        sizes[1] = args.eval_iters * args.global_batch_size
+    train, valid_ds, _ = BlendedMegatronDatasetBuilder(kind, sizes, lambda: True, config).build()
+    if validate and (valid_ds is None or len(valid_ds) == 0):
+        raise RuntimeError(
+            f"--eval-iters {args.eval_iters}: --split {args.split} leaves the validation split "
+            "without documents (raise its second weight, or --eval-iters 0)")
+    valid = ValidationMicroBatches(args, valid_ds) if validate else None
+    return StepMicroBatches(args, train, start_step=args.iteration), valid, None
 
 
 datasets_provider.is_distributed = True  # every rank builds it (it reads its replica's samples)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, training: bool = True):
     """Per-token loss: the micro-batch's summed token losses and its token count (Megatron-LM
-    divides by the global batch's count, --calculate-per-token-loss)."""
+    divides by the global batch's count, --calculate-per-token-loss); a training micro-batch's
+    also into the step's metrics record."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     tokens = mask.sum().to(torch.int)
-    if _TRAIN_ITERATOR[0] is not None:
+    if training and _TRAIN_ITERATOR[0] is not None:
         _TRAIN_ITERATOR[0].count_loss(loss, tokens)
     return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1)])}
 
@@ -286,4 +423,5 @@ def forward_step(data_iterator, model):
     timers("batch-generator").stop()
     out = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
                 packed_seq_params=mb.packed_seq_params)
-    return out, functools.partial(loss_func, mb.loss_mask)
+    return out, functools.partial(loss_func, mb.loss_mask,
+                                  training=not getattr(mb, "validation", False))

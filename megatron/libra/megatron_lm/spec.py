@@ -4,9 +4,12 @@ it into megatron-core's GPT layer with the weights `libra train` draws."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from megatron.core import parallel_state as ps
-from megatron.training import get_args
+from megatron.training import get_args, get_timers
 
 from libra_ext.attention.core import Runtime
 from megatron.libra import model as libra_model
@@ -24,7 +27,20 @@ def runtime(args) -> Runtime:
         # the operator's Ulysses all-to-all runs on megatron-core's own CP group
         _RUNTIME[0] = new_runtime(train_config(args), ps.get_data_parallel_world_size(),
                                   ps.get_context_parallel_group())
+        if args.timing_log_level >= 2:  # the exchange's waits among Megatron-LM's timers
+            _RUNTIME[0].wait_timer = functools.partial(_timed, "libra-pool-exchange-wait")
     return _RUNTIME[0]
+
+
+@contextlib.contextmanager
+def _timed(name: str):
+    """Megatron-LM's timer `name` (log level 2) around the block."""
+    timer = get_timers()(name, log_level=2)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.stop()
 
 
 def layer_spec(config=None, vp_stage=None):

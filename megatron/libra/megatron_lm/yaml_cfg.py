@@ -24,6 +24,12 @@ the section takes the keys of a `libra train` config's `system` section (`name`,
 `lengths_file`) and `attention_time`."""
 
 
+DATA_ARGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+             "--data-args-path", "--per-split-data-args-path")
+"""Megatron-LM's arguments that name a dataset: given on the command line, they replace a
+--yaml-cfg file's `mock_data: true`."""
+
+
 def _split_yaml_cfg(argv: list[str]) -> tuple[str | None, list[str]]:
     """(--yaml-cfg's path, the other arguments) of a command line."""
     path, rest, i = None, [], 0
@@ -159,12 +165,18 @@ def yaml_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
 
 def expand_yaml_cfg(argv: list[str]) -> tuple[list[str], str | None]:
     """Megatron-LM's and Libra's arguments with --yaml-cfg replaced by the file's arguments
-    (the command line's own after them, so they win), and the file's path. Megatron-LM's own
+    (the command line's own after them, so they win; a dataset named there replaces the file's
+    mock data), and the file's path. Megatron-LM's own
     --yaml-cfg mode (every argument from the file, the command line ignored) is not used."""
     path, rest = _split_yaml_cfg(argv)
     if path is None:
         return argv, None
-    return yaml_argv(path, _megatron_parser()) + rest, path
+    from_file = yaml_argv(path, _megatron_parser())
+    if "--mock-data" in from_file and any(a.split("=", 1)[0] in DATA_ARGS for a in rest):
+        # a dataset named on the command line wins over the file's mock data (Megatron-LM
+        # refuses both at once)
+        from_file = [a for a in from_file if a != "--mock-data"]
+    return from_file + rest, path
 
 
 def _megatron_parser() -> argparse.ArgumentParser:
