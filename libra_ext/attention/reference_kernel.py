@@ -138,10 +138,11 @@ def _safe(m: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceVarlen(torch.autograd.Function):
-    """Exact varlen attention; backward from the saved output and log-sum-exp."""
+    """Exact varlen attention over `seg` (a `kernels.Segments`); backward from the saved output
+    and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seg: Segments, scale: float):
+    def forward(ctx, q, k, v, seg, scale: float):
         with inside_kernel():
             return ReferenceVarlen._forward(ctx, q, k, v, seg, scale)
 
@@ -151,7 +152,7 @@ class ReferenceVarlen(torch.autograd.Function):
             return ReferenceVarlen._backward(ctx, dout)
 
     @staticmethod
-    def _forward(ctx, q, k, v, seg: Segments, scale: float):
+    def _forward(ctx, q, k, v, seg, scale: float):
         acc = _acc_dtype(q.dtype)
         n_q, hc, d = q.shape
         g = hc // max(1, k.shape[1])

@@ -23,7 +23,6 @@ from libra_ext.pipeline import PP_ORDERS
 from libra_ext.planner import DISTCA_SERVERS, ORDERS, SYSTEMS, PlannerKnobs, PlannerOptions
 from libra_ext.workload import MAX_TOKENS, ModelConfig, check_int, preset_names, read_lengths_file
 
-
 _NAMES: contextvars.ContextVar = contextvars.ContextVar("field_names", default=None)
 
 
@@ -826,7 +825,7 @@ def te_available() -> tuple[bool, str]:
         return False, "no GPU"
     try:
         # optional: Transformer Engine
-        import transformer_engine.pytorch
+        import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # ImportError, or a build that fails to load its CUDA library
         return False, f"transformer_engine does not import ({type(e).__name__}: {e})"
     return True, ""

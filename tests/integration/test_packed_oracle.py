@@ -104,11 +104,11 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+
     from libra_ext.workload import PackedBatch
     from megatron.libra import sources as data_mod
     from megatron.libra.config import TrainConfig
-    from megatron.core import parallel_state
-
     from megatron.libra.train import Trainer
 
     # synthetic data: the step's packed sequences, fixed (every system plans these)

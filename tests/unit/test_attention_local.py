@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from libra_ext.attention import kernels, thd
-from libra_ext.attention import reference_kernel
+from libra_ext.attention import kernels, reference_kernel, thd
 from libra_ext.attention.kernels import KernelParams, select_backend, why_not
 from libra_ext.attention.reference_kernel import reference_attention
 from libra_ext.distributed import free_port, share_cores
@@ -288,9 +287,9 @@ def test_core_attention_reads_megatrons_packed_seq_params_and_refuses_other_mask
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from libra_ext.distributed import ensure_single_process_group
     from libra_ext.attention.comm import GroupCache
     from libra_ext.attention.core import LibraCoreAttention, Runtime
+    from libra_ext.distributed import ensure_single_process_group
 
     ensure_single_process_group()
     runtime = Runtime(groups=GroupCache(tp=1, cp=1, dp=1))

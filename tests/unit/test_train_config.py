@@ -13,7 +13,6 @@ CPU_TINY = "configs/train/cpu_tiny.yaml"
 def test_every_planner_knob_is_reachable_from_the_config():
     from dataclasses import fields
 
-    from libra_ext.planner import PlannerOptions
 
     cfg = TrainConfig.load(CPU_TINY, ["system.max_tile_share=0.2", "system.refine=false",
                                       "system.distca_tolerance=0.1", "system.wlb_release_count=3"])
