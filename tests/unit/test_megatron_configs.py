@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(
     reason="megatron.training ships with megatron-core >= 0.19 (Python >= 3.12)")
 
 # Megatron-LM's parse_and_validate_args on the file, as rank 0 of `world` would run it on an
-# H100/H200 (compute capability 9.0, which --moe-grouped-gemm asks for); the config it stands
-# for as JSON on the last line
+# H100/H200 (compute capability 9.0, which --moe-grouped-gemm asks for; a GPU for Libra's
+# GPU-only refusals); the config it stands for as JSON on the last line
 _READ = r"""
 import dataclasses, json, sys
 from megatron.libra import cpu_shims
@@ -32,6 +32,8 @@ quiet_megatron_notices()
 cpu_shims.apply()
 import megatron.training.arguments as arguments
 arguments.torch.cuda.get_device_capability = lambda device=None: (9, 0)
+from megatron.libra.megatron_lm import args as libra_args
+libra_args.on_gpu = lambda: True  # the distributed optimizer is refused on the CPU only
 from megatron.libra.megatron_lm.args import add_libra_args, train_config
 from megatron.libra.megatron_lm.yaml_cfg import expand_yaml_cfg
 argv, _ = expand_yaml_cfg(["--yaml-cfg", sys.argv[1]])

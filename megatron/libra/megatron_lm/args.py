@@ -133,12 +133,19 @@ def _check_when_parsed(parser: argparse.ArgumentParser) -> None:
         setattr(parser, name, parse)
 
 
+def on_gpu() -> bool:
+    """Whether this process runs on a GPU (the refusals of GPU-only arguments ask only this;
+    tests that read the paper's GPU configs on the CPU stand in for a GPU here)."""
+    return torch.cuda.is_available()
+
+
 def precheck_args(args) -> None:
     """The refusals that need only the parsed command line: combinations of Megatron-LM's
     arguments that Libra's operator replaces or that its micro-batches rule out. Raises
-    ValueError with one line naming the argument."""
+    ValueError with one line naming the argument. Arguments a parser lacks keep Megatron-LM's
+    defaults."""
     if args.libra_system == "megatron-hybrid":
-        if not torch.cuda.is_available():
+        if not on_gpu():
             raise ValueError(
                 "--libra-system megatron-hybrid runs megatron-core's hybrid CP scheduler, which "
                 "needs a GPU with Transformer Engine (its THD attention with per-sequence CP "
@@ -148,18 +155,19 @@ def precheck_args(args) -> None:
         raise ValueError(
             f"--hybrid-context-parallel is megatron-core's own CP scheduler; use it with "
             f"--libra-system megatron-hybrid, not {args.libra_system}")
-    cp_comm = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
-    if args.context_parallel_size > 1 and any(c != "a2a" for c in cp_comm):
+    cp_comm = getattr(args, "cp_comm_type", "a2a")
+    cp_comm = cp_comm if isinstance(cp_comm, list) else [cp_comm]
+    if getattr(args, "context_parallel_size", 1) > 1 and any(c != "a2a" for c in cp_comm):
         raise ValueError(
             f"--cp-comm-type {' '.join(map(str, cp_comm))}: with --libra-system "
             f"{args.libra_system} Libra's operator is the core attention and runs its own CP "
             "(Ulysses all-to-all inside the CP group); leave --cp-comm-type at a2a")
-    if args.micro_batch_size != 1:
+    if getattr(args, "micro_batch_size", 1) != 1:
         raise ValueError(
             f"--micro-batch-size {args.micro_batch_size}: Libra's micro-batch is one packed "
             "sequence in THD layout (--micro-batch-size 1; the global batch size sets the "
             "sequences per step)")
-    if args.dataloader_type != "external":
+    if getattr(args, "dataloader_type", "external") != "external":
         raise ValueError(
             f"--dataloader-type {args.dataloader_type}: Libra serves each rank the samples its "
             "replica executes under the step plan (leave --dataloader-type at external)")
@@ -173,7 +181,7 @@ def precheck_args(args) -> None:
             "--sequence-parallel needs Transformer Engine layers (megatron-core's local layer "
             "norm does not split the sequence): use it on a GPU with Transformer Engine "
             "(--transformer-impl transformer_engine), or leave it off")
-    if getattr(args, "use_distributed_optimizer", False) and not torch.cuda.is_available():
+    if getattr(args, "use_distributed_optimizer", False) and not on_gpu():
         raise ValueError(
             "--use-distributed-optimizer needs a GPU: megatron-core's distributed optimizer "
             "takes CUDA tensors only; leave it off on the CPU (on a GPU it runs as usual)")
