@@ -74,19 +74,23 @@ def test_setup_rebuilds_the_extension_only_when_its_inputs_change(tmp_path):
 
 
 def _slurm_tree(tmp_path: Path) -> tuple[Path, dict]:
-    """The repository's Slurm scripts beside stand-ins for srun, scontrol, torchrun and libra;
-    the stand-in torchrun writes the arguments it got, one per line."""
+    """The repository's Slurm scripts beside stand-ins for srun and scontrol on PATH and an
+    environment (LIBRA_VENV) whose torchrun and libra are stand-ins; the stand-in torchrun writes
+    the arguments it got, one per line. Returns the environment's bin folder and the variables."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     _executable(bindir / "srun", '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
     # the node list arrives in two writes (a long list is many): a reader that stops after the
     # first line must not turn the second write's SIGPIPE into the job's exit status
     _executable(bindir / "scontrol", "#!/bin/bash\necho node001\nsleep 0.2\necho node002\n")
-    _executable(bindir / "torchrun", '#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
-    _executable(bindir / "libra", "#!/bin/bash\n")
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    _executable(venv_bin / "torchrun", '#!/bin/bash\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    _executable(venv_bin / "libra", "#!/bin/bash\n")
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", ARGS_OUT=str(tmp_path / "args"),
-               SLURM_JOB_NODELIST="node[001-002]", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="42")
-    return bindir, env
+               SLURM_JOB_NODELIST="node[001-002]", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="42",
+               LIBRA_VENV=str(tmp_path / "venv"))
+    return venv_bin, env
 
 
 def test_slurm_scripts_keep_each_argument_whole_from_a_spool_copy(tmp_path):
