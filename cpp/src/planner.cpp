@@ -467,8 +467,9 @@ void group_exchange(StepPlan& p, i64 g, const TileList& tiles, ExchangeScratch& 
     xq[src * Px + dst] += qh * d;
     xo[dst * Px + src] += qh * d;
     const auto [kv0, kv1] = kv_heads_of(p, t.head_start, t.head_count);
-    kc[src * Px + dst] += kv1 - kv0 + 1;
-    n_need += kv1 - kv0 + 1;
+    const i64 needs = (kv1 - kv0 + 1) * t.doc_count;  // one per (document, KV head)
+    kc[src * Px + dst] += needs;
+    n_need += needs;
   }
   out.all_tokens = all;
   out.moved_tokens = moved;
@@ -489,8 +490,16 @@ void group_exchange(StepPlan& p, i64 g, const TileList& tiles, ExchangeScratch& 
     send[tile_count[cell]++] = static_cast<i64>(i);
     if (t.owner == t.executor) continue;
     const auto [kv0, kv1] = kv_heads_of(p, t.head_start, t.head_count);
-    for (i64 kh = kv0; kh <= kv1; ++kh)
-      need[kv_count[cell]++] = {(t.doc * kvh + kh) * Px + dst, t.kv_len, t.seq, t.kv_start};
+    // a tile of one document needs the prefix [0, kv_len) of it; a run of whole documents
+    // needs each of them whole (what the operator ships: one stream per document and KV head,
+    // so runs of different heads that share documents share their KV)
+    for (i64 k = 0, start = t.kv_start; k < t.doc_count; ++k) {
+      const i64 doc = t.doc + k;
+      const i64 len = t.doc_count == 1 ? t.kv_len : p.doc_lengths[static_cast<std::size_t>(doc)];
+      for (i64 kh = kv0; kh <= kv1; ++kh)
+        need[kv_count[cell]++] = {(doc * kvh + kh) * Px + dst, len, t.seq, start};
+      start += len;
+    }
   }
   for (std::size_t c = 0, begin = 0; c < cells; ++c) {  // kv_count[c] is now cell c's end
     const std::size_t end = static_cast<std::size_t>(kv_count[c]);
