@@ -209,7 +209,7 @@ def test_a_missing_data_path_is_refused_naming_it(tmp_path):
         f"pretrain_gpt_libra.py: error: --data-path: {tmp_path / 'nothing'}.bin does not exist")
 
 
-def test_trains_on_an_indexed_dataset_made_from_text_with_a_real_tokenizer(tmp_path):
+def test_trains_and_validates_on_an_indexed_dataset_made_from_text_with_a_real_tokenizer(tmp_path):
     # a real text file, tokenized offline by the project's dataset tool (a byte-level BPE
     # trained on it), read back by Megatron-LM's own HuggingFaceTokenizer (--tokenizer-type)
     # from the folder the tool keeps beside the data and served by Megatron's own GPTDataset;
@@ -237,9 +237,11 @@ def test_trains_on_an_indexed_dataset_made_from_text_with_a_real_tokenizer(tmp_p
     # Megatron-LM's tokenizer gives the dataset's ids, and its eod closes every document
     assert tok.text_to_ids(paras[0]) == data[0][:-1].tolist()
     assert all(int(data[i][-1]) == tok.eod for i in range(len(data)))
-    run = _torchrun(2, ["--data-path", str(prefix), "--split", "99,1,0", "--tokenizer-type",
+    # validation on the index's held-out split, at iteration 2 and at the end
+    run = _torchrun(2, ["--data-path", str(prefix), "--split", "90,10,0", "--tokenizer-type",
                         "HuggingFaceTokenizer", "--tokenizer-model", hf,
                         "--global-batch-size", "4", "--train-iters", "2",
+                        "--eval-iters", "2", "--eval-interval", "2",
                         "--context-parallel-size", "2"], env={"HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"tokenizer_type \.+ HuggingFaceTokenizer", run.stdout)
@@ -247,6 +249,10 @@ def test_trains_on_an_indexed_dataset_made_from_text_with_a_real_tokenizer(tmp_p
     losses = _losses(run.stdout)
     assert len(losses) == 2 and all(0 < x < 10 for x in losses), run.stdout[-2000:]
     assert "libra | iteration        2 | system: libra" in run.stdout
+    val = _validation(run.stdout)
+    assert set(val) == {"iteration 2", "iteration 2 on validation set"}, run.stdout[-3000:]
+    assert val["iteration 2"] == val["iteration 2 on validation set"]  # the same batches
+    assert all(0 < x < 10 for x in val.values())
 
 
 def test_a_resume_with_other_libra_settings_is_refused_naming_old_and_new(tmp_path):
