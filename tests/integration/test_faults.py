@@ -74,26 +74,33 @@ def test_signal_to_the_launcher_alone_stops_every_worker(tmp_path, sig, code):
     assert len(metrics.read_text().splitlines()) == steps  # nobody trains on
 
 
+def _start_saving_every_step(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A run that saves asynchronously after every step (workers with checkpoint writers)."""
+    return _start(tmp_path, [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=1",
+                             "checkpoint.async_save=true"])
+
+
+def _gather_run(proc) -> set[int]:
+    """Every process below the launcher, seen over a second (writers come and go)."""
+    seen: set[int] = set()
+    for _ in range(20):
+        seen |= set(_below([proc.pid], _process_tree()))
+        time.sleep(0.05)
+    return seen
+
+
 def test_a_dead_worker_leaves_no_checkpoint_writers_behind(tmp_path):
-    proc, metrics = _start(
-        tmp_path,
-        [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=1",
-         "checkpoint.async_save=true"],
-    )
+    proc, metrics = _start_saving_every_step(tmp_path)
     seen: set[int] = set()
     try:
         _wait_for_steps(proc, metrics, 2)
-        for _ in range(20):  # collect the workers and their background writers
-            seen |= set(_below([proc.pid], _process_tree()))
-            time.sleep(0.05)
+        seen |= _gather_run(proc)  # the workers and their background writers
         workers = [
             p for p in _process_tree().get(proc.pid, [])
             if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
         os.kill(workers[-1], signal.SIGKILL)
-        for _ in range(20):
-            seen |= set(_below([proc.pid], _process_tree()))
-            time.sleep(0.05)
+        seen |= _gather_run(proc)
         rc = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -108,17 +115,11 @@ def test_a_launcher_killed_mid_save_takes_every_process_of_the_run_with_it(tmp_p
     # SIGKILL to the launcher alone (nothing it can handle) while its workers save
     # asynchronously: the workers notice their parent is gone and end, and so do their
     # checkpoint writers and resource trackers (megatron.libra.lifetime)
-    proc, metrics = _start(
-        tmp_path,
-        [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.save_interval=1",
-         "checkpoint.async_save=true"],
-    )
+    proc, metrics = _start_saving_every_step(tmp_path)
     seen: set[int] = set()
     try:
         _wait_for_steps(proc, metrics, 2)
-        for _ in range(20):  # the workers and their background writers
-            seen |= set(_below([proc.pid], _process_tree()))
-            time.sleep(0.05)
+        seen |= _gather_run(proc)  # the workers and their background writers
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         time.sleep(3)
