@@ -341,6 +341,13 @@ class Planner:
             raw = _core.plan_step(sequences, *core)
         return StepPlan(raw)
 
+    def set_cost_model(self, table) -> None:
+        """Balance `table`'s predicted time (a `costmodel.CostTable`) from the next plan on, or
+        causal pairs with None. Only libra and distca balance attention work; the others' plans
+        do not change."""
+        self._options.cost = _core.CostModel() if table is None else table.to_core()
+        self._options.validate()
+
     @property
     def pending_documents(self) -> int:
         """Documents held back in WLB-LLM's delay queue or overflow."""

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "libra/batch.h"
+#include "libra/cost.h"
 #include "libra/generators.h"
 #include "libra/moe.h"
 #include "libra/packing.h"
@@ -219,6 +220,57 @@ void bind_types(py::module_& m) {
       .def_readwrite("context", &Layout::context)
       .def("validate", &Layout::validate);
 
+  m.attr("COST_BINS") = kCostBins;
+  m.attr("COST_FEATURES") = kCostFeatures;
+  m.def("cost_bin", [](i64 kv_len) {
+    if (kv_len < 1 || kv_len > kMaxTokens) fail("kv_len must be in [1, 2^30], got " + std::to_string(kv_len));
+    return cost_bin(kv_len);
+  }, py::arg("kv_len"), "The half-octave bin of an attended length (see cpp/include/libra/cost.h).");
+  m.def("cost_features", [](i64 q_len, i64 kv_len, i64 heads) {
+    if (kv_len < 1 || kv_len > kMaxTokens) fail("kv_len must be in [1, 2^30], got " + std::to_string(kv_len));
+    if (q_len < 0 || q_len > kv_len) fail("q_len must be in [0, kv_len], got " + std::to_string(q_len));
+    if (heads < 1 || heads > kMaxSplit) fail("heads must be in [1, 2^16], got " + std::to_string(heads));
+    std::vector<double> f(static_cast<std::size_t>(kCostFeatures), 0.0);
+    add_segment_features(f.data(), q_len, kv_len, heads);
+    return f;
+  }, py::arg("q_len"), py::arg("kv_len"), py::arg("heads"),
+  "One segment's features as the core computes them (see cpp/include/libra/cost.h).");
+  py::class_<CostModel>(m, "CostModel")
+      .def(py::init<>())
+      .def_readwrite("per_pair", &CostModel::per_pair)
+      .def_readwrite("per_row", &CostModel::per_row)
+      .def_readwrite("per_segment", &CostModel::per_segment)
+      .def_readwrite("per_rank", &CostModel::per_rank)
+      .def_property_readonly("active", &CostModel::active)
+      .def("validate", &CostModel::validate)
+      .def("segment", [](const CostModel& c, i64 q_len, i64 kv_len, i64 heads) {
+        c.validate();
+        if (!c.active()) fail("segment: the cost model has no table");
+        if (kv_len < 1 || kv_len > kMaxTokens) fail("kv_len must be in [1, 2^30], got " + std::to_string(kv_len));
+        if (q_len < 0 || q_len > kv_len) fail("q_len must be in [0, kv_len], got " + std::to_string(q_len));
+        if (heads < 1 || heads > kMaxSplit) fail("heads must be in [1, 2^16], got " + std::to_string(heads));
+        return c.segment(q_len, kv_len, heads);
+      }, py::arg("q_len"), py::arg("kv_len"), py::arg("heads"))
+      .def("rows", [](const CostModel& c, i64 a, i64 b, i64 heads) {
+        c.validate();
+        if (!c.active()) fail("rows: the cost model has no table");
+        if (b < 1 || b > kMaxTokens) fail("b must be in [1, 2^30], got " + std::to_string(b));
+        if (a < 0 || a >= b) fail("a must be in [0, b), got " + std::to_string(a));
+        if (heads < 1 || heads > kMaxSplit) fail("heads must be in [1, 2^16], got " + std::to_string(heads));
+        return c.rows(a, b, heads);
+      }, py::arg("a"), py::arg("b"), py::arg("heads"),
+      "Rows [a, b) of a document as the planner prices a tile (see cost.h).");
+  m.def("nnls_normal", [](const std::vector<double>& G, const std::vector<double>& b,
+                          const std::vector<double>& prior, double alpha, i64 max_sweeps) {
+    NnlsResult r;
+    {
+      py::gil_scoped_release release;
+      r = nnls_normal(G, b, prior, alpha, max_sweeps);
+    }
+    return py::make_tuple(r.x, r.sweeps, r.converged);
+  }, py::arg("G"), py::arg("b"), py::arg("prior"), py::arg("alpha"), py::arg("max_sweeps") = 20000,
+  "Non-negative least squares on normal equations, pulled towards prior (see cost.h): (x, sweeps, converged).");
+
   py::class_<PlanOptions>(m, "PlanOptions")
       .def(py::init<>())
       .def_property(
@@ -249,6 +301,7 @@ void bind_types(py::module_& m) {
           "order", [](const PlanOptions& o) { return order_name(o.order); },
           [](PlanOptions& o, const std::string& s) { o.order = parse_order(s); })
       .def_readwrite("micro_batch_size", &PlanOptions::micro_batch)
+      .def_readwrite("cost", &PlanOptions::cost)
       .def("validate", &PlanOptions::validate);
 
   py::class_<MoeOptions>(m, "MoeOptions")

@@ -92,6 +92,7 @@ void PlanOptions::validate() const {
   require_positive(micro_batch, "micro_batch_size");
   if (threads < 0 || threads > 1024)
     fail("threads must be in [0, 1024] (0 = the machine's cores), got " + std::to_string(threads));
+  cost.validate();
 }
 
 std::size_t plan_workers(const PlanOptions& options, std::size_t n_docs) {
@@ -323,6 +324,24 @@ std::vector<double> sequence_flops(const StepPlan& p, const std::vector<i64>& se
   for (std::size_t s = 0; s < seq_pairs.size(); ++s)
     out[s] = attn_fwd_flops(static_cast<double>(seq_pairs[s]), p.heads_local, p.head_dim) *
              (1.0 + kAttnBwdFactor);
+  return out;
+}
+
+// The work of each sequence over the slice's heads that TAP and DistCA balance: pairs x heads,
+// or with a cost model the predicted time of its documents (one segment each).
+std::vector<double> sequence_work(const StepPlan& p, const std::vector<i64>& seq_pairs,
+                                  const CostModel& m) {
+  std::vector<double> out(seq_pairs.size());
+  for (std::size_t s = 0; s < seq_pairs.size(); ++s) {
+    if (!m.active()) {
+      out[s] = static_cast<double>(seq_pairs[s]) * static_cast<double>(p.heads_local);
+      continue;
+    }
+    double w = 0;
+    for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
+      w += m.segment(p.doc_lengths[d], p.doc_lengths[d], p.heads_local);
+    out[s] = w;
+  }
   return out;
 }
 
@@ -755,8 +774,14 @@ inline double tile_flops(const StepPlan& p, i64 pairs, i64 heads) {
   return attn_fwd_flops(static_cast<double>(pairs), heads, p.head_dim) * (1.0 + kAttnBwdFactor);
 }
 
+// A tile's load in the metrics: its FLOPs, or with a cost model its predicted time.
+inline double tile_load(const StepPlan& p, const CostModel& m, const StepPlan::Tile& t) {
+  return m.active() ? tile_work(p, m, t) : tile_flops(p, t.pairs, t.head_count);
+}
+
 // The loads of layout group g from its tiles (all with cp == -1), in tile order.
-void add_group_loads(const StepPlan& p, std::size_t g, const GroupTileList& tiles, GroupLoads& loads) {
+void add_group_loads(const StepPlan& p, const CostModel& m, std::size_t g, const GroupTileList& tiles,
+                     GroupLoads& loads) {
   const i64 first_replica = static_cast<i64>(g) / p.slots * p.pool;
   // summed here, then stored once: neighbouring groups' entries share cache lines and are
   // summed on other threads
@@ -764,7 +789,7 @@ void add_group_loads(const StepPlan& p, std::size_t g, const GroupTileList& tile
   member.assign(static_cast<std::size_t>(p.pool), 0.0);
   double total = 0;
   for (const StepPlan::Tile& t : tiles) {
-    const double f = tile_flops(p, t.pairs, t.head_count);
+    const double f = tile_load(p, m, t);
     member[t.executor - first_replica] += f;
     total += f * static_cast<double>(p.cp);
   }
@@ -775,8 +800,8 @@ void add_group_loads(const StepPlan& p, std::size_t g, const GroupTileList& tile
 // The metrics (`longest`: the longest executed document); `known` holds the group loads when
 // the tiles' groups already summed them (TAP), else they are summed here from the tile arrays,
 // the same way.
-void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrder order,
-                     i64 micro_batch, i64 longest, GroupLoads* known) {
+void compute_metrics(StepPlan& p, const CostModel& cost, const std::vector<i64>& input_pairs,
+                     SampleOrder order, i64 micro_batch, i64 longest, GroupLoads* known) {
   const i64 C = p.cp, m = p.slots, P = p.pool;
   p.rank_load.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   std::optional<GroupLoads> own;
@@ -789,7 +814,8 @@ void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrd
     std::vector<i64> group_base(static_cast<std::size_t>(p.dp));
     for (i64 r = 0; r < p.dp; ++r) group_base[r] = (r / P) * m;
     for (i64 t = 0; t < p.n_tiles(); ++t) {
-      const double f = tile_flops(p, p.tile_pairs[t], p.tile_head_count[t]);
+      const double f = cost.active() ? tile_work(p, cost, p.tile(static_cast<std::size_t>(t)))
+                                     : tile_flops(p, p.tile_pairs[t], p.tile_head_count[t]);
       const i64 e = p.tile_executor[t];
       const i64 g = group_base[e] + p.seq_slot[p.tile_seq[t]];
       if (p.tile_cp[t] < 0) {
@@ -813,8 +839,13 @@ void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrd
   // Before: the input in Megatron's production order under Ulysses (no balancing, no moves).
   p.rank_load_before.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   std::vector<double> group_before(p.group_load.size(), 0.0);
+  // (with a cost model the input is the executed sequences: only libra and distca take one)
+  const std::vector<double> before_work =
+      cost.active() ? sequence_work(p, input_pairs, cost) : std::vector<double>();
   for (std::size_t s = 0; s < input_pairs.size(); ++s) {
-    const double f = attn_fwd_flops(static_cast<double>(input_pairs[s]), p.heads_local, p.head_dim) * bwd;
+    const double f =
+        cost.active() ? before_work[s]
+                      : attn_fwd_flops(static_cast<double>(input_pairs[s]), p.heads_local, p.head_dim) * bwd;
     const auto [r, slot] = production_slot(static_cast<i64>(s), p.dp, m, order, micro_batch);
     for (i64 c = 0; c < C; ++c) p.rank_load_before[r * C + c] += f;
     group_before[(r / P) * m + slot] += f * static_cast<double>(C);
@@ -829,7 +860,9 @@ void compute_metrics(StepPlan& p, const std::vector<i64>& input_pairs, SampleOrd
   // or the largest piece TAP cannot cut (the last min-split rows of the longest document, one
   // head), whichever is larger.
   const i64 rows = std::min(longest, min_split_rows(p.context));
-  const double unit = attn_fwd_flops(static_cast<double>(block_pairs(longest - rows, longest)), 1,
+  const double unit =
+      cost.active() ? cost.segment(rows, longest, 1)
+                    : attn_fwd_flops(static_cast<double>(block_pairs(longest - rows, longest)), 1,
                                      p.head_dim) * bwd;
   const double mean_rank =
       std::accumulate(p.rank_load.begin(), p.rank_load.end(), 0.0) / static_cast<double>(p.rank_load.size());
@@ -942,6 +975,8 @@ struct StepBuilder {
     p.head_dim = model.head_dim;
     p.dtype_bytes = options.dtype_bytes;
     if (opt.block == 0) opt.block = std::max<i64>(1024, layout.context / 16);
+    // only the systems that balance attention work take a cost model
+    if (options.system != System::Libra && options.system != System::Distca) opt.cost = CostModel{};
     hg = opt.head_group > 0 ? std::min(opt.head_group, p.heads_local) : p.heads_local;
   }
 
@@ -1008,7 +1043,9 @@ struct StepBuilder {
                                  static_cast<double>((p.heads_local + hg - 1) / hg);
     check_budget(tile_estimate);
     phase_done(PlanPhase::Input);
-    const std::vector<double> loads = sequence_flops(p, input_pairs);
+    const std::vector<double> seq_work = sequence_work(p, input_pairs, opt.cost);
+    const std::vector<double> loads =
+        opt.cost.active() ? seq_work : sequence_flops(p, input_pairs);
     // While the sequences are placed, a second thread finishes the documents' arrays (and
     // hashes them) and computes the placement's lower bounds, which only the metrics need.
     SideTask side(workers > 1, [&] {
@@ -1025,10 +1062,10 @@ struct StepBuilder {
     phase_done(PlanPhase::Placement);
     p.seq_replica.assign(placement.replica.begin(), placement.replica.end());
     p.seq_slot.assign(placement.slot.begin(), placement.slot.end());
-    place_tiles(tile_estimate);
+    place_tiles(tile_estimate, seq_work);
   }
 
-  void place_tiles(double tile_estimate) {
+  void place_tiles(double tile_estimate, const std::vector<double>& seq_work) {
     if (options.system == System::Libra && options.tap) {
       // The worker that places a group also builds its exchange and sums its loads while its
       // tiles are in cache; groups are laid out into the plan in order as they are placed.
@@ -1037,11 +1074,11 @@ struct StepBuilder {
       start_exchange(p, static_cast<i64>(G));
       tap_loads.emplace(p);
       OrderedLayout ordered(p, G, static_cast<std::size_t>(std::min(tile_estimate, kMaxPlanTiles)));
-      tap_place(p, opt, groups_of(p, p.pool), input_pairs, workers,
+      tap_place(p, opt, groups_of(p, p.pool), seq_work, workers,
                 [&](std::size_t g, GroupTileList& tiles) {
                   thread_local ExchangeScratch scratch;
                   group_exchange(p, static_cast<i64>(g), tiles, scratch, ordered.part(g));
-                  add_group_loads(p, g, tiles, *tap_loads);
+                  add_group_loads(p, opt.cost, g, tiles, *tap_loads);
                   ordered.placed(g, tiles);
                 });
       ordered.finish(digests);
@@ -1065,7 +1102,7 @@ struct StepBuilder {
     p.vrsp_pool_lower_bound = bounds.pool;
     if (!tap_loads) build_exchange(p, workers);
     phase_done(PlanPhase::Exchange);
-    compute_metrics(p, input_pairs, options.order, options.micro_batch, longest,
+    compute_metrics(p, opt.cost, input_pairs, options.order, options.micro_batch, longest,
                     tap_loads ? &*tap_loads : nullptr);
     phase_done(PlanPhase::Metrics);
     p.hash = p.compute_hash(workers, digests);

@@ -24,12 +24,39 @@ void push_tile(StepPlan& p, i64 seq, i64 doc, i64 doc_off, i64 a, i64 b, i64 h0,
 // the member mean (see place_group).
 constexpr double kRefineMinGain = 5e-4;
 
+// The work of query rows [a, b) of a document against their causal prefix, over hc heads:
+// pairs x heads, or the cost model's predicted time.
+inline double rows_work(const CostModel& m, i64 a, i64 b, i64 hc) {
+  if (!m.active()) return static_cast<double>(block_pairs(a, b)) * static_cast<double>(hc);
+  return m.rows(a, b, hc);
+}
+
+// The work of a whole document of l tokens over hc heads.
+inline double doc_work(const CostModel& m, i64 l, i64 hc) {
+  if (!m.active()) return static_cast<double>(causal_pairs(l)) * static_cast<double>(hc);
+  return m.segment(l, l, hc);
+}
+
+}  // namespace
+
+double tile_work(const StepPlan& p, const CostModel& m, const StepPlan::Tile& t) {
+  if (!m.active()) return static_cast<double>(t.pairs) * static_cast<double>(t.head_count);
+  if (t.doc_count == 1) return m.rows(t.kv_len - t.q_len, t.kv_len, t.head_count);
+  double w = 0;
+  for (i64 d = 0; d < t.doc_count; ++d) w += doc_work(m, p.doc_lengths[t.doc + d], t.head_count);
+  return w;
+}
+
+namespace {
+
 // One-document tile t (rows of the document starting at doc_off against their causal prefix):
 // emitted as it is while its load is within max_load; else cut by rows at the midpoint of work
 // (pieces of at least min_rows rows), then by heads in halves.
 template <typename Emit>
-void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows, Emit& emit) {
-  const double load = static_cast<double>(t.pairs) * static_cast<double>(t.head_count);
+void split_tile(const CostModel& m, StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows,
+                Emit& emit) {
+  const double load = max_load <= 0 ? 0.0 : rows_work(m, t.q_start - doc_off, t.q_start - doc_off + t.q_len,
+                                                     t.head_count);
   if (max_load <= 0 || load <= max_load || (t.head_count == 1 && t.q_len < 2 * min_rows)) {
     emit(t);
     return;
@@ -39,8 +66,8 @@ void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows, Em
     lo.head_count = t.head_count / 2;
     hi.head_start = t.head_start + lo.head_count;
     hi.head_count = t.head_count - lo.head_count;
-    split_tile(lo, doc_off, max_load, min_rows, emit);
-    split_tile(hi, doc_off, max_load, min_rows, emit);
+    split_tile(m, lo, doc_off, max_load, min_rows, emit);
+    split_tile(m, hi, doc_off, max_load, min_rows, emit);
     return;
   }
   const i64 a = t.q_start - doc_off, b = a + t.q_len;
@@ -54,20 +81,21 @@ void split_tile(StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows, Em
   hi.q_start = doc_off + c;
   hi.q_len = b - c;
   hi.pairs = block_pairs(c, b);
-  split_tile(lo, doc_off, max_load, min_rows, emit);
-  split_tile(hi, doc_off, max_load, min_rows, emit);
+  split_tile(m, lo, doc_off, max_load, min_rows, emit);
+  split_tile(m, hi, doc_off, max_load, min_rows, emit);
 }
 
 // A run of t.doc_count whole documents (plan documents t.doc, ...): split at the document
 // boundary that best halves its work while heavier than max_load; one document is a one-document
 // tile (its own prefix), split further by split_tile.
 template <typename Emit>
-void split_run(const StepPlan& p, StepPlan::Tile t, double max_load, i64 min_rows, Emit& emit) {
+void split_run(const StepPlan& p, const CostModel& m, StepPlan::Tile t, double max_load,
+               i64 min_rows, Emit& emit) {
   if (t.doc_count == 1) {
-    split_tile(t, t.q_start, max_load, min_rows, emit);
+    split_tile(m, t, t.q_start, max_load, min_rows, emit);
     return;
   }
-  const double load = static_cast<double>(t.pairs) * static_cast<double>(t.head_count);
+  const double load = max_load <= 0 ? 0.0 : tile_work(p, m, t);
   if (max_load <= 0 || load <= max_load) {
     emit(t);
     return;
@@ -95,8 +123,8 @@ void split_run(const StepPlan& p, StepPlan::Tile t, double max_load, i64 min_row
   hi.q_start = hi.kv_start = t.q_start + best_len;
   hi.q_len = hi.kv_len = t.q_len - best_len;
   hi.pairs = t.pairs - best_pairs;
-  split_run(p, lo, max_load, min_rows, emit);
-  split_run(p, hi, max_load, min_rows, emit);
+  split_run(p, m, lo, max_load, min_rows, emit);
+  split_run(p, m, hi, max_load, min_rows, emit);
 }
 
 // Cut sequence s into SH-tiles: documents of at least `block` tokens into query blocks of `block`
@@ -107,24 +135,25 @@ void split_run(const StepPlan& p, StepPlan::Tile t, double max_load, i64 min_row
 // tile); a one-document tile by rows at the midpoint of work while it has at least 2 * min_rows
 // rows, then by heads in halves. Calls emit(tile) for each, executor = owner.
 template <typename Emit>
-void sequence_tiles(const StepPlan& p, i64 s, i64 block, i64 head_group, double max_load,
-                    Emit&& emit) {
+void sequence_tiles(const StepPlan& p, const CostModel& m, i64 s, i64 block, i64 head_group,
+                    double max_load, Emit&& emit) {
   const i64 owner = p.seq_replica[s];
-  const double whole = static_cast<double>(p.heads_local);
   auto heads = [&](StepPlan::Tile t, i64 doc_off) {
-    if (head_group >= p.heads_local && (max_load <= 0 || static_cast<double>(t.pairs) * whole <= max_load)) {
+    if (head_group >= p.heads_local) {
       t.head_start = 0;  // the common case: one head group, light enough to stay whole
       t.head_count = p.heads_local;
-      emit(t);
-      return;
+      if (max_load <= 0 || tile_work(p, m, t) <= max_load) {
+        emit(t);
+        return;
+      }
     }
     for (i64 h0 = 0; h0 < p.heads_local; h0 += head_group) {
       t.head_start = h0;
       t.head_count = std::min(head_group, p.heads_local - h0);
       if (t.doc_count == 1) {
-        split_tile(t, doc_off, max_load, min_split_rows(p.context), emit);
+        split_tile(m, t, doc_off, max_load, min_split_rows(p.context), emit);
       } else {
-        split_run(p, t, max_load, min_split_rows(p.context), emit);
+        split_run(p, m, t, max_load, min_split_rows(p.context), emit);
       }
     }
   };
@@ -193,7 +222,7 @@ struct GroupTiles {
   std::vector<StepPlan::Tile> tile;
   std::vector<i64> owner;      // member index
   std::vector<i64> local_doc;  // document index inside the group
-  std::vector<double> load;    // pairs * heads
+  std::vector<double> load;    // work (tile_work)
   // As made (before any cut): member i's tiles are [first[i], first[i + 1]), their loads summed
   // in tile order own[i]; all loads summed in tile order, total.
   std::vector<std::size_t> first;
@@ -209,11 +238,11 @@ struct GroupTiles {
     own.clear();
     total = 0;
   }
-  void push(const StepPlan::Tile& t, i64 member, i64 doc) {
+  void push(const StepPlan::Tile& t, i64 member, i64 doc, double work) {
     tile.push_back(t);
     owner.push_back(member);
     local_doc.push_back(doc);
-    load.push_back(static_cast<double>(t.pairs) * static_cast<double>(t.head_count));
+    load.push_back(work);
   }
 };
 
@@ -302,9 +331,9 @@ struct Cut {
 // Tile k gives up its tail - the documents from index `at` on of a multi-document tile, or the
 // rows [at, b) of a one-document tile - as a new tile appended to the group, executed nowhere
 // yet; tile k's executor (if any) loses the tail's load. Returns its index.
-std::size_t split_tail(const StepPlan& plan, GroupTiles& gt, Placer& placer, std::size_t k, i64 at) {
+std::size_t split_tail(const StepPlan& plan, const CostModel& m, GroupTiles& gt, Placer& placer,
+                       std::size_t k, i64 at) {
   StepPlan::Tile& t = gt.tile[k];
-  const double hc = static_cast<double>(t.head_count);
   StepPlan::Tile tail{t.seq, t.doc, 1, 0, 0, t.head_start, t.head_count, 0, 0, t.owner, t.owner,
                       -1, 0};
   i64 tail_doc = gt.local_doc[k];
@@ -335,18 +364,24 @@ std::size_t split_tail(const StepPlan& plan, GroupTiles& gt, Placer& placer, std
     t.kv_len = at;
     t.pairs = block_pairs(a, at);
   }
-  const double w = static_cast<double>(tail.pairs) * hc;
-  gt.load[k] -= w;
-  placer.shrink(k, w);
+  const double w = tile_work(plan, m, tail);
+  if (m.active()) {  // the head keeps its own fixed costs: its work anew
+    const double head = tile_work(plan, m, t);
+    placer.shrink(k, gt.load[k] - head);
+    gt.load[k] = head;
+  } else {
+    gt.load[k] -= w;
+    placer.shrink(k, w);
+  }
   const i64 owner = gt.owner[k];
-  gt.push(tail, owner, tail_doc);  // (t is not used after this: push may move the tiles)
+  gt.push(tail, owner, tail_doc, w);  // (t is not used after this: push may move the tiles)
   placer.add_tile();
   return gt.size() - 1;
 }
 
 // Best tail cut of a tile on member hi towards member lo (see the refinement): the last rows of
 // a one-document tile, or the last documents of a multi-document tile.
-Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
+Cut best_cut(const StepPlan& plan, const CostModel& m, const GroupTiles& gt, const Placer& placer,
              const std::vector<std::size_t>& on_hi, i64 hi, i64 lo, const std::vector<double>& load,
              double min_gain, i64 min_rows) {
   Cut best{gt.size()};
@@ -370,7 +405,7 @@ Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
       for (i64 i = t.doc_count - 1; i >= 1; --i) {
         const i64 l = plan.doc_lengths[t.doc + i];
         const double prev = acc;
-        acc += static_cast<double>(causal_pairs(l)) * hc;
+        acc += doc_work(m, l, t.head_count);
         tail += l;
         if (acc >= want || i == 1) {
           consider(k, i, acc, gt.local_doc[k] + i, tail, tail);
@@ -383,36 +418,46 @@ Cut best_cut(const StepPlan& plan, const GroupTiles& gt, const Placer& placer,
     }
     if (t.q_len < 2 * min_rows) continue;
     const i64 a = t.q_start - t.kv_start, b = a + t.q_len;
-    // smallest c with pairs(c, b) * hc <= want: c(c+1) >= b(b+1) - 2 want / hc
-    const double x = static_cast<double>(b) * static_cast<double>(b + 1) - 2.0 * want / hc;
-    i64 c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
-    c = std::min(std::max(c, a + min_rows), b - min_rows);
-    while (c > a + min_rows && static_cast<double>(block_pairs(c - 1, b)) * hc <= want) --c;
-    while (c < b - min_rows && static_cast<double>(block_pairs(c, b)) * hc > want) ++c;
+    const i64 h = t.head_count;
+    i64 c;
+    if (!m.active()) {
+      // smallest c with pairs(c, b) * hc <= want: c(c+1) >= b(b+1) - 2 want / hc
+      const double x = static_cast<double>(b) * static_cast<double>(b + 1) - 2.0 * want / hc;
+      c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
+      c = std::min(std::max(c, a + min_rows), b - min_rows);
+    } else {  // the work of rows [c, b) falls as c rises: the smallest c within want, by halving
+      i64 lo_c = a + min_rows, hi_c = b - min_rows;
+      while (lo_c < hi_c) {
+        const i64 mid = lo_c + (hi_c - lo_c) / 2;
+        if (rows_work(m, mid, b, h) <= want) hi_c = mid; else lo_c = mid + 1;
+      }
+      c = lo_c;
+    }
+    while (c > a + min_rows && rows_work(m, c - 1, b, h) <= want) --c;
+    while (c < b - min_rows && rows_work(m, c, b, h) > want) ++c;
     for (i64 cc : {c, c - 1}) {  // just under and just over half the gap
       if (cc < a + min_rows || cc > b - min_rows) continue;
-      consider(k, cc, static_cast<double>(block_pairs(cc, b)) * hc, gt.local_doc[k], b - cc, b);
+      consider(k, cc, rows_work(m, cc, b, h), gt.local_doc[k], b - cc, b);
     }
   }
   return best;
 }
 
-void make_group_tiles(const StepPlan& plan, const std::vector<i64>& members,
-                      const std::vector<i64>& seq_pairs, i64 block, i64 head_group,
+void make_group_tiles(const StepPlan& plan, const CostModel& m, const std::vector<i64>& members,
+                      const std::vector<double>& seq_work, i64 block, i64 head_group,
                       double max_tile_share, GroupTiles& gt, i64& n_docs) {
   gt.clear();
   n_docs = 0;
   double total = 0;  // the group's load, to size the largest tile against the member mean
-  for (i64 s : members)
-    total += static_cast<double>(seq_pairs[s]) * static_cast<double>(plan.heads_local);
+  for (i64 s : members) total += seq_work[s];
   const double max_load = max_tile_share * total / static_cast<double>(members.size());
   double all = 0;
   for (std::size_t i = 0; i < members.size(); ++i) {
     const i64 first_doc = plan.seq_doc_offsets[members[i]];
     double own = 0;
     gt.first.push_back(gt.size());
-    sequence_tiles(plan, members[i], block, head_group, max_load, [&](const StepPlan::Tile& t) {
-      gt.push(t, static_cast<i64>(i), n_docs + t.doc - first_doc);
+    sequence_tiles(plan, m, members[i], block, head_group, max_load, [&](const StepPlan::Tile& t) {
+      gt.push(t, static_cast<i64>(i), n_docs + t.doc - first_doc, tile_work(plan, m, t));
       own += gt.load.back();
       all += gt.load.back();
     });
@@ -515,7 +560,7 @@ void place_rest(i64 P, double cap, GroupScratch& scratch, Placer& placer) {
 // Whole documents are too coarse to move: give the heaviest document of a multi-document tile
 // on hi that is heavier than half the gap (and long enough to cut) a tile of its own, so that
 // the next refinement round can cut its rows. Returns false when there is none.
-bool isolate_heavy_document(const StepPlan& plan, GroupTiles& gt, Placer& placer,
+bool isolate_heavy_document(const StepPlan& plan, const CostModel& m, GroupTiles& gt, Placer& placer,
                             std::vector<std::size_t>& on_hi, i64 hi, double want, i64 min_rows) {
   const std::size_t n = gt.size();
   std::size_t pk = n;
@@ -526,7 +571,7 @@ bool isolate_heavy_document(const StepPlan& plan, GroupTiles& gt, Placer& placer
     if (t.doc_count < 2 || !(gt.load[k] > want)) continue;
     for (i64 i = 0; i < t.doc_count; ++i) {
       const i64 l = plan.doc_lengths[t.doc + i];
-      const double w = static_cast<double>(causal_pairs(l)) * static_cast<double>(t.head_count);
+      const double w = doc_work(m, l, t.head_count);
       if (l >= 2 * min_rows && w > want && w > pw) {
         pk = k;
         pi = i;
@@ -538,9 +583,9 @@ bool isolate_heavy_document(const StepPlan& plan, GroupTiles& gt, Placer& placer
   // tile pk keeps the documents before pi (or document pi alone when pi == 0); new tiles take
   // document pi and the documents after it, all still on hi
   std::vector<std::size_t> fresh;
-  if (pi > 0) fresh.push_back(split_tail(plan, gt, placer, pk, pi));
+  if (pi > 0) fresh.push_back(split_tail(plan, m, gt, placer, pk, pi));
   const std::size_t single = pi > 0 ? fresh.back() : pk;
-  if (gt.tile[single].doc_count > 1) fresh.push_back(split_tail(plan, gt, placer, single, 1));
+  if (gt.tile[single].doc_count > 1) fresh.push_back(split_tail(plan, m, gt, placer, single, 1));
   for (const std::size_t k : fresh) {
     placer.assign(k, hi);
     on_hi.push_back(k);
@@ -597,15 +642,15 @@ void refine_group(const StepPlan& plan, const PlanOptions& opt, i64 P, double to
     // No whole tile lowers the maximum: cut the tail rows [c, b) off a one-document tile on
     // hi so that about half the gap moves to lo (pieces keep min_rows rows); the lowest new
     // maximum, then fewest bytes, then the earliest tile.
-    const Cut cut = best_cut(plan, gt, placer, on[hi], hi, lo, load, min_gain, min_rows);
+    const Cut cut = best_cut(plan, opt.cost, gt, placer, on[hi], hi, lo, load, min_gain, min_rows);
     if (cut.k == n) {
-      if (!isolate_heavy_document(plan, gt, placer, on[hi], hi, (load[hi] - load[lo]) / 2.0,
-                                  min_rows))
+      if (!isolate_heavy_document(plan, opt.cost, gt, placer, on[hi], hi,
+                                  (load[hi] - load[lo]) / 2.0, min_rows))
         break;
       n = gt.size();
       continue;
     }
-    const std::size_t piece = split_tail(plan, gt, placer, cut.k, cut.c);
+    const std::size_t piece = split_tail(plan, opt.cost, gt, placer, cut.k, cut.c);
     placer.assign(piece, lo);
     on[lo].push_back(piece);  // the newest tile: the highest index
     n = gt.size();
@@ -637,7 +682,7 @@ void settle_executors(const StepPlan& plan, const std::vector<i64>& members, i64
 // (empty on entry). The tiles are built in `out`'s own buffer, reserved a quarter above the
 // previous group's count, so that they are never copied out of the scratch.
 void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
-                 const std::vector<i64>& members, const std::vector<i64>& seq_pairs,
+                 const std::vector<i64>& members, const std::vector<double>& seq_work,
                  GroupScratch& scratch, std::vector<StepPlan::Tile>& out) {
   const TileBytes bytes{plan.head_dim, plan.dtype_bytes};
   const i64 P = static_cast<i64>(members.size());
@@ -655,7 +700,8 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
       a.swap(b);
     }
   } give_back{out, gt.tile, scratch.last_count};
-  make_group_tiles(plan, members, seq_pairs, opt.block, head_group, opt.max_tile_share, gt, n_docs);
+  make_group_tiles(plan, opt.cost, members, seq_work, opt.block, head_group, opt.max_tile_share, gt,
+                   n_docs);
   if (gt.size() == 0) return;
   const double total = gt.total;
   const double cap = (1.0 + opt.epsilon) * total / static_cast<double>(P);
@@ -671,12 +717,12 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
 
 void owner_tiles(StepPlan& plan, i64 block) {
   for (i64 s = 0; s < plan.n_seq(); ++s)
-    sequence_tiles(plan, s, block, plan.heads_local, 0.0,
+    sequence_tiles(plan, CostModel{}, s, block, plan.heads_local, 0.0,
                    [&](const StepPlan::Tile& t) { plan.add_tile(t); });
 }
 
 void tap_place(const StepPlan& plan, const PlanOptions& opt,
-               const std::vector<std::vector<i64>>& groups, const std::vector<i64>& seq_pairs,
+               const std::vector<std::vector<i64>>& groups, const std::vector<double>& seq_work,
                std::size_t workers, const std::function<void(std::size_t, GroupTileList&)>& placed) {
   const i64 head_group = opt.head_group > 0 ? std::min(opt.head_group, plan.heads_local)
                                             : plan.heads_local;
@@ -687,7 +733,7 @@ void tap_place(const StepPlan& plan, const PlanOptions& opt,
     GroupTileList tiles;
     for (std::size_t g; queue.take(g);) {
       tiles.clear();
-      place_group(plan, opt, head_group, groups[g], seq_pairs, scratch, tiles);
+      place_group(plan, opt, head_group, groups[g], seq_work, scratch, tiles);
       placed(g, tiles);
     }
   });
@@ -740,7 +786,7 @@ void distca_place(StepPlan& plan, const PlanOptions& opt,
       for (i64 doc = plan.seq_doc_offsets[s]; doc < plan.seq_doc_offsets[s + 1]; ++doc) {
         const i64 l = plan.doc_lengths[doc];
         shards.push_back({s, doc, off, 0, l, i, i});
-        load[i] += static_cast<double>(causal_pairs(l)) * hl;
+        load[i] += doc_work(opt.cost, l, plan.heads_local);
         off += l;
       }
     }
@@ -754,12 +800,24 @@ void distca_place(StepPlan& plan, const PlanOptions& opt,
     };
     // Rows [c, b) of a shard hold at most `amount` of work: the smallest such c (b if not even
     // the last row fits).
+    const CostModel& m = opt.cost;
+    const i64 H = plan.heads_local;
     auto cut_for = [&](const Shard& sh, double amount) {
-      const double x = static_cast<double>(sh.b) * static_cast<double>(sh.b + 1) - 2.0 * amount / hl;
-      i64 c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
-      c = std::min(std::max(c, sh.a), sh.b);
-      while (c < sh.b && static_cast<double>(block_pairs(c, sh.b)) * hl > amount) ++c;
-      while (c > sh.a && static_cast<double>(block_pairs(c - 1, sh.b)) * hl <= amount) --c;
+      i64 c;
+      if (!m.active()) {
+        const double x = static_cast<double>(sh.b) * static_cast<double>(sh.b + 1) - 2.0 * amount / hl;
+        c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
+        c = std::min(std::max(c, sh.a), sh.b);
+      } else {  // the smallest c in [a, b - 1] whose rows [c, b) are within amount, by halving
+        i64 lo_c = sh.a, hi_c = sh.b;
+        while (lo_c < hi_c) {
+          const i64 mid = lo_c + (hi_c - lo_c) / 2;
+          if (mid < sh.b && rows_work(m, mid, sh.b, H) <= amount) hi_c = mid; else lo_c = mid + 1;
+        }
+        c = lo_c;
+      }
+      while (c < sh.b && rows_work(m, c, sh.b, H) > amount) ++c;
+      while (c > sh.a && rows_work(m, c - 1, sh.b, H) <= amount) --c;
       return c;
     };
     // Bytes of sending rows [c, b) of a shard to dst: Q/O of the rows, K/V of the prefix [0, b)
@@ -789,10 +847,10 @@ void distca_place(StepPlan& plan, const PlanOptions& opt,
         for (std::size_t k = 0; k < shards.size(); ++k) {
           const Shard& sh = shards[k];
           if (sh.a >= sh.b || !(surplus[sh.exec] > 0)) continue;
-          const double work = static_cast<double>(block_pairs(sh.a, sh.b)) * hl;
+          const double work = rows_work(m, sh.a, sh.b, H);
           const double amount = std::min({surplus[sh.exec], need, work});
           const i64 c = cut_for(sh, amount);
-          const double moved = static_cast<double>(block_pairs(c, sh.b)) * hl;
+          const double moved = c < sh.b ? rows_work(m, c, sh.b, H) : 0.0;
           // bytes per unit of work the recipient can get (a shard that cannot give a row
           // ranks last: the greedy stops for this recipient if it is the best there is)
           const double cost = moved > 0 ? static_cast<double>(move_bytes(sh, c, lo)) / moved

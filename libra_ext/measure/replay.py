@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from libra_ext import hostmem
+from libra_ext import costmodel, hostmem
 from libra_ext.attention import meta
 from libra_ext.attention.kernels import backend_for, segments_on
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions, StepPlan
@@ -210,6 +210,8 @@ def replay_plan(
         "untiled_total_ms": untiled_total,
         "tiling_efficiency": untiled_total / tiled_total if tiled_total > 0 else 1.0,
         "kernel_calls": int(sum(len(c) for c in calls_of.values())),
+        # each rank's cost-model features (costmodel.call_features), beside its rank_ms
+        "features": [costmodel.call_features(calls_of[rank]).tolist() for rank in ranks],
         "bytes_sent_per_rank": float(plan.rank_bytes_sent.mean()),
         "bytes_sent_max_rank": float(plan.rank_bytes_sent.max()),
     }
@@ -226,8 +228,23 @@ def run(
     progress: bool = False,
     order: str = "megatron",
     rounds: int = 3,
+    cost_models: tuple = ("pairs",),
+    repeats: int = 1,
+    profile=None,
 ) -> dict:
-    """Replay every step under every system; per system, per-step figures and their mean."""
+    """Replay every step under every system and cost model (`costmodel.COST_MODELS`; `profile`:
+    the hardware profile the `profile` model's table comes from, and the `online` fit's prior),
+    `repeats` times interleaved (each repeat runs every cost model and system in turn); per
+    entry (the system's name under pairs, `system+model` otherwise) per-step figures and their
+    mean over steps of the median over repeats."""
+    for i, m in enumerate(cost_models):
+        if m not in costmodel.COST_MODELS:
+            raise ValueError(f"cost_models[{i}] = {m!r} is not one of "
+                             f"{', '.join(costmodel.COST_MODELS)}")
+    if "profile" in cost_models and profile is None:
+        raise ValueError("cost model 'profile' needs a hardware profile (libra calibrate's)")
+    if repeats <= 0:
+        raise ValueError(f"repeats must be positive, got {repeats}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     for i, s in enumerate(systems):
@@ -249,12 +266,29 @@ def run(
         torch.set_num_threads(1)
     try:
         return _run(steps_data, layout, model, systems, dev, dtype, backend, progress, order,
-                    rounds)
+                    rounds, tuple(cost_models), repeats, profile)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(steps_data, layout, model, systems, dev, dtype, backend, progress, order, rounds):
+def _entry_name(system: str, cost_model: str) -> str:
+    return system if cost_model == "pairs" else f"{system}+{cost_model}"
+
+
+def _predicted(step: dict, table) -> np.ndarray:
+    """Each rank's predicted seconds: the table's, or under pairs the ranks' pairs x heads
+    scaled to their measured times (one least-squares factor)."""
+    f = np.asarray(step["features"])
+    y = np.asarray(step["rank_ms"]) / 1e3
+    if table is not None:
+        return table.predict(f)
+    pairs = f[:, : costmodel.BINS].sum(axis=1)
+    c = float(pairs @ y) / max(float(pairs @ pairs), 1e-300)
+    return c * pairs
+
+
+def _run(steps_data, layout, model, systems, dev, dtype, backend, progress, order, rounds,
+         cost_models=("pairs",), repeats=1, profile=None):
     timer = Timer(dev, DTYPES[dtype], model.head_dim, backend)
     timer.ms(untiled_calls(  # warm-up: the kernel's first call (allocator, dispatch) untimed
         Planner(layout, model, PlannerOptions(system="ulysses")).plan(steps_data[0])
@@ -265,21 +299,59 @@ def _run(steps_data, layout, model, systems, dev, dtype, backend, progress, orde
         "dtype": dtype,
         "steps": len(steps_data),
         "rounds": rounds,
+        "repeats": repeats,
+        "cost_models": list(cost_models),
         "threads": torch.get_num_threads() if dev.type == "cpu" else None,
         "systems": {},
     }
-    for name in systems:
-        planner = Planner(layout, model, PlannerOptions(**SYSTEM_OPTIONS[name], order=order))
-        per_step = [
-            replay_plan(planner.plan(seqs), name, model, timer, progress, rounds)
-            for seqs in steps_data
+    prior = (costmodel.CostTable.from_profile(profile, model.head_dim)
+             if profile is not None else None)
+    # one fit for the whole run: every replayed rank adds its (features, seconds) row, so the
+    # online table at a step has learned from every replay before it (pairs' first)
+    fit = costmodel.OnlineFit(prior=prior)
+    runs: dict = {}
+    for _ in range(repeats):
+        for cm in cost_models:
+            for name in systems:
+                planner = Planner(layout, model,
+                                  PlannerOptions(**SYSTEM_OPTIONS[name], order=order))
+                out = []
+                for seqs in steps_data:
+                    table = {"pairs": None, "profile": prior}.get(cm) if cm != "online" \
+                        else fit.fit()
+                    planner.set_cost_model(table)
+                    step = replay_plan(planner.plan(seqs), name, model, timer, progress, rounds)
+                    pred = _predicted(step, table)
+                    meas = np.asarray(step["rank_ms"]) / 1e3
+                    step["predicted_max_over_mean"] = float(pred.max() / max(pred.mean(), 1e-300))
+                    step["prediction_error"] = costmodel.error_of(pred, meas)
+                    step["predicted_s"] = pred.tolist()
+                    fit.add(step["features"], meas)
+                    out.append(step)
+                runs.setdefault(_entry_name(name, cm), []).append(out)
+    result["online_fits"] = fit.fits
+    result["online_dropped_rows"] = fit.dropped
+    if fit.table is not None:
+        result["online_table"] = fit.table.to_dict()
+    for key, reps in runs.items():
+        # per step: the median over repeats of each figure; then the mean over steps
+        per_step = reps[0] if len(reps) == 1 else [
+            {k: (float(np.median([r[i][k] for r in reps]))
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+             for k, v in reps[0][i].items()}
+            for i in range(len(steps_data))
         ]
-        keys = ("measured_max_over_mean", "modeled_max_over_mean", "tiling_efficiency",
-                "bytes_sent_per_rank", "bytes_sent_max_rank", "round_spread")
+        keys = ("measured_max_over_mean", "modeled_max_over_mean", "predicted_max_over_mean",
+                "prediction_error", "tiling_efficiency", "bytes_sent_per_rank",
+                "bytes_sent_max_rank", "round_spread")
         out = {k: float(np.mean([s[k] for s in per_step])) for k in keys}
         out["measured_max_over_mean_worst"] = max(s["measured_max_over_mean"] for s in per_step)
+        out["measured_max_over_mean_repeats"] = [
+            float(np.mean([s["measured_max_over_mean"] for s in r])) for r in reps]
         out["rank_ms"] = np.sum([s["rank_ms"] for s in per_step], axis=0).tolist()
         out["kernel_calls"] = int(sum(s["kernel_calls"] for s in per_step))
+        for s in per_step:
+            s.pop("features", None)
         out["per_step"] = per_step
-        result["systems"][name] = out
+        result["systems"][key] = out
     return result

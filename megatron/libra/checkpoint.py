@@ -256,6 +256,7 @@ class Resumed:
     doc_base: int
     planner_state: dict
     recent_bases: dict  # step -> first document id, of the steps WLB-LLM may still draw from
+    cost_model: dict | None = None  # steps.CostModels.state_dict() (libra train)
 
 
 def _rng_object(rank: int, world: int):
@@ -319,7 +320,7 @@ class Checkpointer:
 
             self._queue = AsyncCallsQueue()
 
-    def save(self, step: int, model, opt, sched, batch) -> Path:
+    def save(self, step: int, model, opt, sched, batch, cost_model: dict | None = None) -> Path:
         """Save step `step` (collective: every rank calls it with the same step)."""
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -338,6 +339,7 @@ class Checkpointer:
             "doc_base": batch.doc_base + batch.n_inputs,
             "planner": batch.planner_state,
             "recent_doc_bases": batch.recent_bases,
+            "cost_model": cost_model,
             "model_config": self.model_config,
             "run_config": self.run_config,
         }
@@ -684,4 +686,5 @@ def load(
         doc_base=int(meta["doc_base"]),
         planner_state=meta["planner"],
         recent_bases={int(k): int(v) for k, v in meta.get("recent_doc_bases", {}).items()},
+        cost_model=meta.get("cost_model"),
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from libra_ext.attention import BACKENDS, DEFAULT_CHUNKS
+from libra_ext.costmodel import COST_MODELS
 from libra_ext.pipeline import PP_ORDERS
 from libra_ext.planner import DISTCA_SERVERS, ORDERS, SYSTEMS, PlannerKnobs, PlannerOptions
 from libra_ext.workload import MAX_TOKENS, ModelConfig, check_int, preset_names, read_lengths_file
@@ -90,6 +91,16 @@ class SystemConfig(PlannerKnobs):
     """With pipeline parallelism: none (micro-batches in the plan's slot order) or balanced
     (each exchange pool's slots reordered to shorten the modeled 1F1B step; the same samples,
     only their order changes; see `libra plan --pp`)."""
+    cost_model: str = "pairs"
+    """What libra and distca balance: pairs (causal pairs x heads), profile (the table of the
+    hardware profile system.cost_profile, e.g. `libra calibrate`'s) or online (a table fitted
+    every system.cost_fit_interval steps from the run's measured attention times, the same on
+    every rank, saved with checkpoints; its prior: system.cost_profile's table where set, else
+    pairs). ulysses and wlb plan as before under any setting."""
+    cost_fit_interval: int = 10
+    """online: steps between fits; a fit made after step k plans steps k + 3 on."""
+    cost_profile: str | None = None
+    """profile (and online's prior): a hardware profile, a name in configs/hardware or a file."""
 
     def check(self) -> None:
         """The system section's own checks: the system, the exchange chunks, the kernel."""
@@ -98,6 +109,15 @@ class SystemConfig(PlannerKnobs):
                 f"{name('system.name')} must be one of {', '.join(SYSTEMS)}, got {self.name!r}")
         if self.chunks < 1:
             raise ValueError(f"{name('system.chunks')} must be >= 1, got {self.chunks}")
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"{name('system.cost_model')} must be one of "
+                             f"{', '.join(COST_MODELS)}, got {self.cost_model!r}")
+        if self.cost_model == "profile" and not self.cost_profile:
+            raise ValueError(f"{name('system.cost_model')} = profile needs "
+                             f"{name('system.cost_profile')} (a hardware profile)")
+        if self.cost_fit_interval < 1:
+            raise ValueError(f"{name('system.cost_fit_interval')} must be >= 1, got "
+                             f"{self.cost_fit_interval}")
         if self.attention_backend not in ("auto",) + BACKENDS:
             raise ValueError(
                 f"{name('system.attention_backend')} must be auto or one of {', '.join(BACKENDS)}, "
@@ -547,6 +567,9 @@ class TrainConfig:
         lg, d = self.logging, self.data
         if lg.log_interval < 1:
             raise ValueError(f"{name('logging.log_interval')} must be >= 1, got {lg.log_interval}")
+        if self.system.cost_model == "online" and not lg.attention_time:
+            raise ValueError(f"{name('system.cost_model')} = online fits the measured attention "
+                             f"times: it needs {name('logging.attention_time')} = true")
         if d.source == "synthetic" and d.lengths_file is not None:
             read_lengths_file(d.lengths_file)  # names the file and line of a bad entry
         self._check_moe(impl)
@@ -795,6 +818,9 @@ SCHEDULE_FIELDS = (
 """Learning-rate schedule settings a checkpoint records (checkpoint.override_scheduler)."""
 STREAM_FIELDS = (
     "system.name",
+    "system.cost_model",
+    "system.cost_fit_interval",
+    "system.cost_profile",
     "data.source",
     "data.workload",
     "data.lengths_file",

@@ -89,6 +89,11 @@ def log_line(window: list, total: int, gbs: int, world: int) -> str:
     loss = sum(w["loss"] for w in window) / n
     attn = [w["attn_time_max_over_mean"] for w in window if w["attn_time_max_over_mean"]]
     nan = sum(1 for w in window if w["loss"] != w["loss"])
+    pred = [w for w in window if w.get("cost_model_error") is not None]
+    cost = (f"attn predicted max/mean: "
+            f"{sum(w['attn_time_predicted_max_over_mean'] for w in pred) / len(pred):.3f} | "
+            f"cost model error: {sum(w['cost_model_error'] for w in pred) / len(pred):.3f} | "
+            if pred else "")
     return (
         f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {rec['step']:8d}/"
         f"{total:8d} | consumed samples: {rec['step'] * gbs:12d} | elapsed time per iteration "
@@ -99,6 +104,7 @@ def log_line(window: list, total: int, gbs: int, world: int) -> str:
         f"{sum(1 for w in window if w['skipped']):3d} | number of nan iterations: {nan:3d} | "
         f"attn work max/mean: {sum(w['attn_work_max_over_mean'] for w in window) / n:.3f} | "
         f"attn time max/mean: {f'{sum(attn) / len(attn):.3f}' if attn else 'off'} | "
+        f"{cost}"
         f"inter-pool imbalance: {rec['inter_pool_imbalance']:.3f} | "
         f"exchange MB/rank: {sum(w['bytes_exchanged'] for w in window) / n / world / 1e6:.2f} | "
         f"tokens/s: {sum(w['tokens'] for w in window) / sum(w['step_time'] for w in window):.1f} |"

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from libra_ext import costmodel
 from libra_ext.attention import meta, thd
 from libra_ext.attention.comm import GroupCache
 from libra_ext.attention.core import LibraCoreAttention, Runtime, check_plan_hash
@@ -127,6 +128,134 @@ class StepBatch:
     """Per slot, this rank's StagedSlot (None: a sampler without this rank's cp index)."""
     epochs: tuple = (0, 0)
     """The pass over the data it starts in, and the one the next starts in."""
+    features: np.ndarray | None = None
+    """This rank's cost-model features of the step, one layer (`costmodel.call_features` over
+    its programs' calls; None without a cost model)."""
+    cost_table: object = None
+    """The cost table the step was planned with (None: pairs)."""
+
+
+# ------------------------------------------------------------------------------ cost model
+
+
+class CostModels:
+    """system.cost_model on one rank: the table each step is planned with, and (online) its fit
+    from the measured attention times.
+
+    The sampler's thread asks `table_for(step)` before planning a step; the training loop calls
+    `step_end` after every step with this rank's features and measured seconds. Every
+    `cost_fit_interval` steps the ranks all-gather their rows (one collective of a few KB on the
+    gloo group of host tensors), and every rank folds the same rows in the same order into the
+    same fit (`costmodel.OnlineFit`), so every rank gets the same table bit for bit and plan
+    hashes keep agreeing. A fit made after step k plans steps k + LAG on: the sampler plans at
+    most two steps ahead of the step that trains, and `table_for` waits until the table of its
+    step is settled, so which table a step gets never depends on timing."""
+
+    LAG = 3
+
+    def __init__(self, cfg: TrainConfig, start_step: int = 0, layers: int = 1, group=None):
+        s = cfg.system
+        self.mode, self.interval = s.cost_model, s.cost_fit_interval
+        self.balances = s.name in ("libra", "distca")
+        self.layers, self.group = max(1, int(layers)), group
+        profile = (costmodel.CostTable.from_profile(HardwareProfile.load(s.cost_profile),
+                                                    cfg.model.head_dim)
+                   if s.cost_profile else None)
+        self.fit = costmodel.OnlineFit(prior=profile) if self.mode == "online" else None
+        start_table = profile if self.mode in ("profile", "online") else None
+        # (first step, table) in step order: the table of step k is the last entry at or
+        # before it
+        self._tables: list = [(0, start_table)]
+        self._settled = start_step + self.LAG - 1  # tables of steps up to here are known
+        self._cond = threading.Condition()
+        self._stop = False
+        self._pending: list = []  # this rank's rows since the last fit
+        self.fit_ms: list = []
+
+    @property
+    def active(self) -> bool:
+        """Whether plans depend on it (libra or distca with a table, or one to come)."""
+        return self.balances and self.mode != "pairs"
+
+    def table_for(self, step: int, stop: threading.Event | None = None):
+        """The table step `step` is planned with (None: pairs); waits until it is settled."""
+        with self._cond:
+            while step > self._settled and not self._stop and not (stop and stop.is_set()):
+                self._cond.wait(0.1)
+            table = None
+            for first, t in self._tables:
+                if first <= step:
+                    table = t
+            return table
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def step_end(self, step: int, features, seconds: float) -> None:
+        """After step `step` (0-based) on every rank: its row, and at the fit interval the fit
+        (collective). Tables of steps up to step + LAG are then settled."""
+        table = None
+        if self.fit is not None and self.active:
+            if features is not None:
+                self._pending.append(np.r_[np.asarray(features) * self.layers, seconds])
+            if (step + 1) % self.interval == 0:
+                table = self._fit()
+        with self._cond:
+            if table is not None:
+                self._tables = [e for e in self._tables if e[0] < step + self.LAG]
+                self._tables.append((step + self.LAG, table))
+            self._settled = step + self.LAG
+            self._cond.notify_all()
+
+    def _fit(self):
+        mine = torch.tensor(np.array(self._pending, dtype=np.float64).reshape(-1),
+                            dtype=torch.float64)
+        self._pending = []
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        if world > 1:
+            dist.all_gather(every, mine, group=self.group)
+        else:
+            every = [mine]
+        t0 = time.perf_counter()
+        for rows in every:  # rank order, then step order: the same on every rank
+            r = rows.numpy().reshape(-1, costmodel.FEATURES + 1)
+            self.fit.add(r[:, :-1], r[:, -1])
+        table = self.fit.fit()
+        self.fit_ms.append((time.perf_counter() - t0) * 1e3)
+        return table
+
+    def predicted(self, table, features) -> float:
+        """This rank's predicted seconds of a step under `table` (0 without one)."""
+        if table is None or features is None:
+            return 0.0
+        return float(table.predict(np.asarray(features) * self.layers))
+
+    def state_dict(self) -> dict:
+        with self._cond:
+            tables = [(int(k), None if t is None else t.to_dict()) for k, t in self._tables]
+        return {"mode": self.mode, "tables": tables,
+                "fit": None if self.fit is None else self.fit.state_dict()}
+
+    def load_state_dict(self, sd: dict | None, where: str = "cost_model") -> None:
+        """Restore `state_dict` (a checkpoint's; refused naming the field)."""
+        if sd is None:
+            return
+        mode = sd.get("mode") if isinstance(sd, dict) else repr(sd)
+        if mode != self.mode:
+            raise ValueError(f"{where}: saved for system.cost_model = {mode}, this run has "
+                             f"{self.mode}")
+        tables = []
+        for i, entry in enumerate(sd.get("tables", [])):
+            first, t = entry
+            tables.append((int(first), None if t is None else
+                           costmodel.CostTable.from_dict(t, f"{where}.tables[{i}]")))
+        if self.fit is not None and sd.get("fit") is not None:
+            self.fit.load_state_dict(sd["fit"], f"{where}.fit")
+        with self._cond:
+            self._tables = tables or self._tables
 
 
 def micro_batch_order(cfg: TrainConfig):
@@ -166,8 +295,10 @@ class StepSampler:
         split: str = "train",
         stop_step: int | None = None,
         source=None,
+        costs: "CostModels | None" = None,
     ):
         self.cfg, self.planner, self.replica, self.cp_rank = cfg, planner, replica, cp_rank
+        self.costs = costs if costs is not None and costs.active else None
         self._pin = torch.cuda.is_available()  # staged buffers in pinned memory on a GPU
         self._order = micro_batch_order(cfg)
         self.source = make_source(cfg, split) if source is None else source
@@ -190,6 +321,10 @@ class StepSampler:
 
     def _plan(self, step: int) -> StepBatch:
         seqs = self.source.step(step, self._doc_base)
+        table = None
+        if self.costs is not None:
+            table = self.costs.table_for(step, self._stop)
+            self.planner.set_cost_model(table)
         plan = self.planner.plan(seqs, flush=self._flush_last and step + 1 == self.stop_step)
         n_in = document_count(seqs)
         ids = plan.doc_ids if self.cfg.system.name == "wlb" else plan.doc_ids + self._doc_base
@@ -204,6 +339,11 @@ class StepSampler:
             self._stage(plan, pieces) if self.cp_rank is not None else None,
             self.source.epochs(step),
         )
+        if self.costs is not None and self.cp_rank is not None:
+            batch.features = costmodel.call_features(
+                [c for prog in meta.compile_rank(plan, self.replica, self.cp_rank, 1)
+                 for c in prog.calls])
+            batch.cost_table = table
         self._doc_base += n_in
         return batch
 
@@ -321,11 +461,14 @@ class AttentionTimer:
         self._open: dict = {}
         self._pairs: list = []
         self._host = 0.0
+        self.layers = 0
+        """Attention layers timed on this rank (with pipeline parallelism, its stage's)."""
         if not enabled:
             return
         chunks = model if isinstance(model, (list, tuple)) else [model]
         for mod in (x for chunk in chunks for x in chunk.modules()):
             if isinstance(mod, LibraCoreAttention):
+                self.layers += 1
                 mod.register_forward_pre_hook(self._start("fwd"))
                 mod.register_forward_hook(self._stop("fwd"))
                 mod.register_full_backward_pre_hook(self._start("bwd"))
@@ -375,7 +518,8 @@ class AttentionTimer:
 # ------------------------------------------------------------------------------ the record
 
 
-STAT_FIELDS = ("attn_seconds", "pool_bytes", "cp_bytes", "loss_sum", "label_tokens", "stop")
+STAT_FIELDS = ("attn_seconds", "pool_bytes", "cp_bytes", "loss_sum", "label_tokens", "stop",
+               "attn_predicted")
 """What each rank contributes to a step's record (`StepStats`), in this order."""
 
 
@@ -390,12 +534,14 @@ class StepStats:
 
     @classmethod
     def gather(cls, runtime: Runtime, attn_seconds: float, loss_sum: float = 0.0,
-               label_tokens: float = 0.0, stop: bool = False) -> "StepStats":
+               label_tokens: float = 0.0, stop: bool = False,
+               attn_predicted: float = 0.0) -> "StepStats":
         """This rank's figures (bytes from the runtime's counter) from every rank; resets the
         counter."""
         pool = float(runtime.counter.total("pool."))
         mine = torch.tensor([attn_seconds, pool, float(runtime.counter.total()) - pool,
-                             loss_sum, label_tokens, float(stop)], dtype=torch.float64)
+                             loss_sum, label_tokens, float(stop), attn_predicted],
+                            dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine, group=runtime.groups.check_group)
         runtime.counter.reset()
@@ -438,4 +584,17 @@ class StepStats:
             "pool_mb_per_rank": float(self.column("pool_bytes").mean()) / 1e6,
             "cp_mb_per_rank": float(self.column("cp_bytes").mean()) / 1e6,
             "plan_ms": float(plan.plan_ms),
+            **self._predicted(t if timed else None),
         }
+
+    def _predicted(self, measured) -> dict:
+        """The cost model's figures where the step was planned with a table: its predicted
+        per-rank max/mean and its error (median over ranks of |predicted - measured| /
+        measured)."""
+        p = self.column("attn_predicted")
+        if not (p > 0).all():
+            return {}
+        out = {"attn_time_predicted_max_over_mean": float(p.max() / p.mean())}
+        if measured is not None:
+            out["cost_model_error"] = costmodel.error_of(p, measured)
+        return out

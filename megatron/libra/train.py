@@ -33,6 +33,7 @@ from megatron.libra.sources import describe_data
 from megatron.libra.steps import (
     AttentionTimer,
     StepSampler,
+    CostModels,
     StepStats,
     check_plan,
     device_micro_batches,
@@ -282,6 +283,10 @@ class Trainer:
             self.start, doc_base, recent = (
                 resumed.next_step, resumed.doc_base, resumed.recent_bases
             )
+        self.costs = CostModels(cfg, self.start, self.timer.layers,
+                                self.runtime.groups.check_group)
+        if src is not None and not src.finetune:
+            self.costs.load_state_dict(resumed.cost_model, f"{src.path}: cost_model")
             if self.rank == 0:
                 what = "loaded the weights of" if src.finetune else "resumed from"
                 logger.info("%s %s at step %d", what, src.path, self.start)
@@ -290,7 +295,7 @@ class Trainer:
                 logger.info("libra train: %s", line)
         self.sampler = StepSampler(
             cfg, planner, replica=self.r, start_step=self.start, doc_base=doc_base,
-            recent_bases=recent, cp_rank=self.c,
+            recent_bases=recent, cp_rank=self.c, costs=self.costs,
         )
         self.saver = (
             checkpoint.Checkpointer(ck.dir, ck.async_save, model_fields, cfg.resume_fields(),
@@ -486,8 +491,12 @@ class Trainer:
         if outs:
             local = float(torch.stack([x["local_sum"] for x in outs]).sum(dtype=torch.float64))
         self.phase = "the step statistics' all-gather (group of all ranks, gloo)"
-        stats = StepStats.gather(self.runtime, self.timer.seconds() if self.timer.enabled
-                                 else 0.0, loss_sum=local, stop=stop.requested)
+        seconds = self.timer.seconds() if self.timer.enabled else 0.0
+        stats = StepStats.gather(self.runtime, seconds, loss_sum=local, stop=stop.requested,
+                                 attn_predicted=self.costs.predicted(batch.cost_table,
+                                                                     batch.features))
+        self.phase = "the cost model's fit (all-gather of the ranks' rows, gloo)"
+        self.costs.step_end(step, batch.features, seconds)
         dt = time.perf_counter() - t0
         T = self.cfg.parallel.tp
         # every tensor-parallel rank holds the same loss sum: count it once
@@ -555,7 +564,8 @@ class Trainer:
         self.saver.poll()
         every = self.cfg.checkpoint.save_interval
         if last or stopping or (every and step % every == 0):
-            self.saver.save(step, self.chunks, self.opt, self.sched, batch)
+            self.saver.save(step, self.chunks, self.opt, self.sched, batch,
+                            cost_model=self.costs.state_dict())
 
     # ------------------------------------------------------------------ loop
     def train(self) -> list[dict]:
@@ -626,6 +636,7 @@ class Trainer:
         )
 
     def close(self) -> None:
+        self.costs.close()
         self.sampler.close()
         if self.log_file:
             self.log_file.close()
@@ -640,7 +651,8 @@ class Trainer:
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "attn_work_max_over_mean",
            "attn_time_max_over_mean", "inter_pool_imbalance", "bytes_exchanged",
-           "pool_mb_per_rank", "cp_mb_per_rank", "plan_ms")
+           "pool_mb_per_rank", "cp_mb_per_rank", "plan_ms", "attn_time_predicted_max_over_mean",
+           "cost_model_error")
 """The step record's keys written as TensorBoard scalars and W&B metrics (rank 0)."""
 
 

@@ -59,6 +59,7 @@ def test_changed_schedule_is_refused_unless_overridden(saved, capsys, change, me
         ("data.seed=7", "data.seed = 1234 there, 7 here"),
         ("system.name=ulysses", "system.name = 'libra' there, 'ulysses' here"),
         ("data.context=256", "data.context = 128 there, 256 here"),
+        ("system.cost_model=online", "system.cost_model = 'pairs' there, 'online' here"),
     ],
 )
 def test_changed_data_or_system_is_refused_unless_finetuning(saved, capsys, change, message):

@@ -60,11 +60,20 @@ def test_replay_command_json_and_bad_system(capsys):
     args = ["bench", "replay", "--workload", "libra-256k", "--context", "1024", "--gbs", "4",
             "--dp", "2", "--cp", "2", "--pool-size", "2", "--heads", "4", "--kv-heads", "2",
             "--head-dim", "16", "--system", "ulysses,libra-no-tap", "--rounds", "1",
-            "--no-progress", "--json"]
+            "--cost-model", "pairs,online", "--no-progress", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["systems"]) == {"ulysses", "libra-no-tap"}
-    assert out["layout"]["dp"] == 2
+    assert set(out["systems"]) == {"ulysses", "libra-no-tap", "ulysses+online",
+                                   "libra-no-tap+online"}
+    assert out["layout"]["dp"] == 2 and out["cost_models"] == ["pairs", "online"]
+    for x in out["systems"].values():
+        assert x["predicted_max_over_mean"] >= 1.0 and 0 <= x["prediction_error"] < 1.0
+    # every replayed rank taught the online fit; its table is in the report
+    assert out["online_fits"] >= 1 and len(out["online_table"]["per_pair"]) == 61
+    with pytest.raises(ValueError, match="cost_models\\[1\\] = 'nope'"):
+        replay.run(_steps(), LAYOUT, MODEL, ["ulysses"], cost_models=("pairs", "nope"))
+    with pytest.raises(ValueError, match="needs a hardware profile"):
+        replay.run(_steps(), LAYOUT, MODEL, ["ulysses"], cost_models=("profile",))
     with pytest.raises(ValueError, match="systems\\[0\\]"):
         replay.run(_steps(), LAYOUT, MODEL, ["nope"])
     with pytest.raises(ValueError, match="rounds must be positive"):

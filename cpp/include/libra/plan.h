@@ -8,6 +8,7 @@
 
 #include "libra/batch.h"
 #include "libra/common.h"
+#include "libra/cost.h"
 #include "libra/order.h"
 #include "libra/workload.h"
 
@@ -51,6 +52,8 @@ struct PlanOptions {
   i64 micro_batch = 1;       // sequences per micro-batch and replica (Megatron order); divides m
   i64 threads = 0;           // worker threads for TAP's groups; 0 = automatic (see plan_workers);
                              // the plan is the same for every count
+  CostModel cost;            // libra and distca balance its predicted time when it has a table,
+                             // causal pairs x heads otherwise (see cost.h)
 
 
   void validate() const;
@@ -137,7 +140,8 @@ struct StepPlan {
   // KV prefixes shipped: one entry per (group, src, dst, seq, doc, kv head), longest prefix needed.
   PlanArray kv_group, kv_src, kv_dst, kv_seq, kv_start, kv_len, kv_head;
 
-  // Metrics (loads in attention FLOPs, forward + backward).
+  // Metrics (loads in attention FLOPs, forward + backward; with a cost model, its predicted time
+  // of the rank's segments, forward + backward, without the per-rank constant).
   std::vector<double> rank_load;          // [D*C]
   std::vector<double> rank_load_before;   // [D*C] production order, no moves
   std::vector<double> group_load;         // [D/P * m] per (layout pool, slot)

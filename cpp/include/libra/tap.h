@@ -20,14 +20,19 @@ struct TileBytes {
   i64 kv_bytes(i64 kv_tokens) const { return 4 * kv_tokens * head_dim * dtype_bytes; }
 };
 
+// The work TAP balances for tile t: causal pairs x heads, or with a cost model its predicted
+// time (one segment per document of the tile; see cost.h).
+double tile_work(const StepPlan& p, const CostModel& m, const StepPlan::Tile& t);
+
 // Makes the tiles of the plan's sequences and places them (sets their executors), group by group
 // on `workers` threads; `groups[g]` lists the sequences of group g, member i = index;
-// `seq_pairs[s]` is sequence s's causal pairs. The worker that placed group g then calls
+// `seq_work[s]` is sequence s's work over the slice's heads (pairs x heads_local, or the cost
+// model's time of its documents). The worker that placed group g then calls
 // placed(g, tiles) with the group's tiles in their final order (still in its cache); the callee
 // may take them. The plan's tile arrays are not touched.
 using GroupTileList = std::vector<StepPlan::Tile>;
 void tap_place(const StepPlan& plan, const PlanOptions& opt,
-               const std::vector<std::vector<i64>>& groups, const std::vector<i64>& seq_pairs,
+               const std::vector<std::vector<i64>>& groups, const std::vector<double>& seq_work,
                std::size_t workers, const std::function<void(std::size_t, GroupTileList&)>& placed);
 
 // DistCA: token-level shards on a global pool, greedy on work per byte, per slot.

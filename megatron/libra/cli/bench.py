@@ -144,6 +144,19 @@ def add_bench_parser(sub) -> None:
         "--rounds", type=int, default=3,
         help="times each rank is measured, ranks in turn; its time is the median (default 3)",
     )
+    r.add_argument(
+        "--cost-model", default="pairs",
+        help="comma-separated cost models the planner balances, among pairs, profile (the "
+        "--hardware profile's table) and online (fitted from the replay's own measured rank "
+        "times; prior: the profile's where given, else pairs) (default pairs)",
+    )
+    r.add_argument(
+        "--repeats", type=int, default=1,
+        help="times the whole replay runs, every cost model and system in turn; per step the "
+        "median over repeats (default 1)",
+    )
+    r.add_argument("--hardware", help="hardware profile for the profile cost model (a name in "
+                   "configs/hardware or a file, e.g. written by libra calibrate)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=run_bench_replay)
@@ -213,6 +226,11 @@ def run_bench_replay(args) -> dict | None:
     systems = [x for x in args.system.split(",") if x]
     positive(args.steps, "steps")
     positive(args.rounds, "rounds")
+    positive(args.repeats, "repeats")
+    cost_models = [x for x in args.cost_model.split(",") if x]
+    if not cost_models:
+        raise ValueError("cost-model: give at least one of pairs, profile, online")
+    profile = HardwareProfile.load(args.hardware) if args.hardware else None
     source, context = source_of(args)
     if args.gbs <= 0 or args.gbs % args.dp:
         raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
@@ -222,7 +240,8 @@ def run_bench_replay(args) -> dict | None:
     r = replay.run(
         steps, layout, model, systems, device=args.device, dtype=default_dtype(args),
         backend=None if args.backend == "auto" else args.backend, progress=not args.no_progress,
-        order=args.order, rounds=args.rounds,
+        order=args.order, rounds=args.rounds, cost_models=tuple(cost_models),
+        repeats=args.repeats, profile=profile,
     )
     r["layout"] = {"gbs": args.gbs, "dp": args.dp, "cp": args.cp, "pool_size": args.pool_size,
                    "context": context, "workload": source.name}
@@ -232,15 +251,19 @@ def run_bench_replay(args) -> dict | None:
         f"libra bench replay: {r['device']}, {r['backend']} kernel, {r['dtype']}, "
         f"{source.name}, S={context} B={args.gbs} D={args.dp} C={args.cp} P={args.pool_size}, "
         f"{r['steps']} step(s); per-rank attention forward + backward, median of "
-        f"{r['rounds']} round(s)"
+        f"{r['rounds']} round(s), {r['repeats']} repeat(s)"
     )
-    print(f"  {'system':14s} {'measured max/mean':>18s} {'modeled max/mean':>17s} "
-          f"{'tiling eff.':>12s} {'calls':>7s} {'MiB sent/rank':>14s} {'round spread':>13s}")
+    print(f"  {'system':22s} {'measured max/mean':>18s} {'predicted':>10s} {'pred. error':>12s} "
+          f"{'modeled max/mean':>17s} {'tiling eff.':>12s} {'calls':>7s} {'MiB sent/rank':>14s} "
+          f"{'round spread':>13s}")
     for name, x in r["systems"].items():
-        print(f"  {name:14s} {x['measured_max_over_mean']:18.3f} "
+        print(f"  {name:22s} {x['measured_max_over_mean']:18.3f} "
+              f"{x['predicted_max_over_mean']:10.3f} {x['prediction_error']:12.3f} "
               f"{x['modeled_max_over_mean']:17.3f} {x['tiling_efficiency']:12.3f} "
               f"{x['kernel_calls']:7d} {x['bytes_sent_per_rank'] / 2**20:14.1f} "
               f"{x['round_spread']:13.3f}")
+    print("  predicted: the cost model's per-rank max/mean (pairs: pairs x heads); pred. error: "
+          "median |predicted - measured| / measured over ranks")
     return None
 
 

@@ -7,7 +7,7 @@ import statistics
 
 import numpy as np
 
-from libra_ext import checks
+from libra_ext import checks, explain
 from libra_ext.attention import DEFAULT_CHUNKS
 from libra_ext.pipeline import order_slots
 from libra_ext.planner import (
@@ -70,6 +70,11 @@ def add_plan_parser(sub) -> None:
     )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--explain", action="store_true",
+        help="explain the first step's plan pool by pool: the bound each pool could reach, "
+        "what kept its busiest member from it, and the largest tiles moved",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_plan)
 
@@ -93,9 +98,13 @@ def run_plan(args) -> dict | None:
     if args.system == "wlb":
         run.drain()
     result = run.result(source.name, context)
+    if run.explained is not None:
+        result["explain"] = run.explained
     if args.json:
         return result
     _print_plan_table(result)
+    if run.explained is not None:
+        print("\n".join(explain.render(run.explained)))
     return None
 
 
@@ -114,6 +123,7 @@ class _PlanRun:
         self.wlb_delay = 0  # wlb: most steps a document waited before it trained
         self.pipeline = []  # with --pp > 1: each step's PipelineOrder
         self.hardware = HardwareProfile.load(args.hardware) if args.pp > 1 else None
+        self.explained = None  # --explain: the first step's explanation
 
     def check(self, plan, seqs=None) -> None:
         ok, why = checks.pairs_exact(plan)
@@ -128,6 +138,8 @@ class _PlanRun:
 
     def step(self, step: int, seqs) -> None:
         plan = self.planner.plan(seqs)
+        if step == 0 and getattr(self.args, "explain", False):
+            self.explained = explain.explain(plan, epsilon=self.args.epsilon)
         self.metrics.append(plan.metrics())
         self.hashes.append(f"{plan.hash:016x}")
         self.tiles.append(plan.n_tiles)

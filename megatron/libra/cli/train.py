@@ -103,6 +103,11 @@ def add_ab_parser(sub) -> None:
         help="comma-separated moe.balancer values (e.g. none,libra): A/B the MoE expert "
         "balancer under the config's system instead of the systems",
     )
+    p.add_argument(
+        "--cost-models",
+        help="comma-separated system.cost_model values (e.g. pairs,online): A/B what the "
+        "config's system balances instead of the systems",
+    )
     p.add_argument("--steps", type=int, default=10, help="schedule.train_steps of every run")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per system, interleaved (A B A B ...); speed figures are the "
@@ -163,19 +168,25 @@ def _run_ab(args):
         return _megatron_ab(args, systems)
     base = TrainConfig.load(args.config, args.overrides)
     world = _world(args)
-    # (label, system, moe balancer) of every run
+    # (label, system, moe balancer, cost model) of every run
+    if args.moe_balancers and args.cost_models:
+        raise ValueError("--moe-balancers and --cost-models: A/B one of them at a time")
     if args.moe_balancers:
-        runs = [(f"moe.balancer={b}", base.system.name, b)
+        runs = [(f"moe.balancer={b}", base.system.name, b, base.system.cost_model)
                 for b in args.moe_balancers.split(",") if b]
         ref_name = runs[0][0]
+    elif args.cost_models:
+        runs = [(f"system.cost_model={m}", base.system.name, base.moe.balancer, m)
+                for m in args.cost_models.split(",") if m]
+        ref_name = runs[0][0]
     else:
-        runs = [(name, name, base.moe.balancer) for name in systems]
+        runs = [(name, name, base.moe.balancer, base.system.cost_model) for name in systems]
         ref_name = "ulysses"
     configs = {}
-    for name, system, balancer in runs:
+    for name, system, balancer, cost_model in runs:
         cfg = dataclasses.replace(
             base,
-            system=dataclasses.replace(base.system, name=system),
+            system=dataclasses.replace(base.system, name=system, cost_model=cost_model),
             moe=dataclasses.replace(base.moe, balancer=balancer),
             # --steps is schedule.train_steps; the rest of the schedule is the config's, checked
             # as `libra train` checks it
@@ -234,6 +245,10 @@ def _entry(hist: list[dict], identical: bool, figures: list[dict]) -> dict:
         "tokens": [h["tokens"] for h in hist],
         "bytes_exchanged": [h["bytes_exchanged"] for h in hist],
         "grad_norm": [h["grad_norm"] for h in hist],
+        # planned with a cost table (system.cost_model profile / online): its prediction
+        "attn_time_predicted_max_over_mean": [h.get("attn_time_predicted_max_over_mean")
+                                              for h in hist],
+        "cost_model_error": [h.get("cost_model_error") for h in hist],
         "tokens_per_s": _median([f["tokens_per_s"] for f in figures]),
         "repeats": {key: _spread([f[key] for f in figures])
                     for key in ("tokens_per_s", "attn_time_max_over_mean")},
@@ -246,6 +261,9 @@ def _megatron_ab(args, systems: list[str]):
     from its --libra-metrics-file and the grad norm from Megatron-LM's iteration line; the same
     report and figures as `libra ab`."""
 
+    if args.cost_models:
+        raise ValueError("--cost-models: the cost-model A/B runs through libra train "
+                         "(--trainer libra)")
     if args.moe_balancers:
         raise ValueError("--moe-balancers: the MoE balancer A/B runs through libra train "
                          "(--trainer libra)")

@@ -293,6 +293,9 @@ def check_args(args, world_size: int | None = None) -> None:
     with field_names(arg_names()):
         cfg.check_layout(world)
         cfg.system.check()
+    if cfg.system.cost_model == "online" and not args.libra_attention_time:
+        raise ValueError("--libra-cost-model online fits the measured attention times: it "
+                         "needs them timed (drop --no-libra-attention-time)")
 
 
 def _data_paths(args) -> list[str]:

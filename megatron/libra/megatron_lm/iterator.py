@@ -25,12 +25,14 @@ from megatron.training.checkpointing import get_checkpoint_name
 from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 from megatron.training.utils import get_blend_and_blend_per_split
 
+from libra_ext import costmodel
 from libra_ext.attention.comm import ByteCounter
 from megatron.libra.megatron_lm.args import changed_settings, libra_settings, train_config
 from megatron.libra.megatron_lm.spec import runtime
 from megatron.libra.sources import GPTDatasetSource, SyntheticSource, held_steps
 from megatron.libra.steps import (
     AttentionTimer,
+    CostModels,
     StepSampler,
     StepStats,
     check_plan,
@@ -90,14 +92,22 @@ class StepMicroBatches:
             Path(self._record).parent.mkdir(parents=True, exist_ok=True)
             Path(self._record).write_text("")
         doc_base, recent = 0, {}
+        # system.cost_model (--libra-cost-model): the attention layers are counted once the
+        # model is attached; until then no row is fitted
+        self.costs = CostModels(cfg, start_step, 1, self.rt.groups.check_group)
+        self._attn_mark = 0.0  # the timer's seconds at the end of the previous step
+        self._predicted = 0.0  # this rank's predicted seconds over the log window
         if start_step > 0 and args.load:
             state = self._load_state(start_step)
             if state is not None:
                 planner.load_state_dict(state["planner_state"])
                 doc_base, recent = int(state["doc_base"]), dict(state["recent_bases"])
+                self.costs.load_state_dict(state.get("cost_model"),
+                                           f"iteration {start_step}'s planner state: cost_model")
         self.sampler = StepSampler(cfg, planner, replica=self.r, start_step=start_step,
                                    doc_base=doc_base, recent_bases=recent,
-                                   cp_rank=self.c, source=src, stop_step=args.train_iters)
+                                   cp_rank=self.c, source=src, stop_step=args.train_iters,
+                                   costs=self.costs)
         _TRAIN_ITERATOR[0] = self
 
     def __iter__(self):
@@ -154,6 +164,7 @@ class StepMicroBatches:
         built: module hooks, CUDA events on a GPU (read once per log interval)."""
         if self.timer is None:
             self.timer = AttentionTimer(model, self.args.libra_attention_time)
+            self.costs.layers = max(1, self.timer.layers)
 
     def step_end(self) -> None:
         """The end of a step's backward on every rank (Megatron-LM's finalize_model_grads,
@@ -169,6 +180,12 @@ class StepMicroBatches:
         if b is None:
             return
         plan = b.plan
+        timed = self.timer is not None and self.timer.enabled
+        if self.costs.active:  # the step's row (and, at the fit interval, the fit: collective)
+            now_s = self.timer.seconds() if timed else 0.0
+            self.costs.step_end(b.step, b.features, now_s - self._attn_mark)
+            self._attn_mark = now_s
+            self._predicted += self.costs.predicted(b.cost_table, b.features)
         self._window.append((plan.max_over_mean, plan.inter_pool_imbalance, plan.plan_ms,
                              float(plan.doc_lengths.sum())))
         it = b.step + 1
@@ -176,10 +193,11 @@ class StepMicroBatches:
                 or self._first_line)
         if not (line or self._record):
             return
-        timed = self.timer is not None and self.timer.enabled
         loss = self._loss.cpu().tolist() if self._record else [0.0, 0.0]
         stats = StepStats.gather(self.rt, self.timer.seconds() if timed else 0.0,
-                                 loss_sum=loss[0], label_tokens=loss[1])
+                                 loss_sum=loss[0], label_tokens=loss[1],
+                                 attn_predicted=self._predicted)
+        self._predicted, self._attn_mark = 0.0, 0.0
         if self.timer is not None:
             self.timer.reset()
         if self._record:
@@ -215,6 +233,11 @@ class StepMicroBatches:
         if timed:
             out["attn time max over mean"] = float(t.max() / max(float(t.mean()), 1e-12))
             out["attn time ms per iteration"] = 1e3 * float(t.mean()) / n
+        p = stats.column("attn_predicted")
+        if (p > 0).all():  # planned with a cost table: its prediction and error
+            out["attn predicted max over mean"] = float(p.max() / p.mean())
+            if timed:
+                out["cost model error"] = costmodel.error_of(p, t)
         return out
 
     @property
@@ -234,7 +257,15 @@ class StepMicroBatches:
               f" | attn time max/mean: {attn} | inter-pool imbalance: "
               f"{f['inter-pool imbalance']:.3f} | planning ms: {f['planning ms']:.2f} | "
               f"pool exchange MB/rank: {f['pool exchange MB per rank']:.2f} | {cp}: "
-              f"{f[self._cp_name]:.2f} |", flush=True)
+              f"{f[self._cp_name]:.2f} |{self._cost_words(f)}", flush=True)
+
+    @staticmethod
+    def _cost_words(f: dict) -> str:
+        if "attn predicted max over mean" not in f:
+            return ""
+        err = f" cost model error: {f['cost model error']:.3f} |" if "cost model error" in f \
+            else ""
+        return f" attn predicted max/mean: {f['attn predicted max over mean']:.3f} |{err}"
 
     def _write_scalars(self, it: int, f: dict) -> None:
         """The figures as TensorBoard scalars (libra/...) and W&B metrics, on the rank where
@@ -263,6 +294,7 @@ class StepMicroBatches:
             f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
+        self.costs.close()
         self.sampler.close()
 
     # Megatron-LM's checkpoint has no slot for a planner: its external-dataloader hook
@@ -281,6 +313,7 @@ class StepMicroBatches:
             else b.planner_state,
             "doc_base": 0 if b is None else b.doc_base + b.n_inputs,
             "recent_bases": {} if b is None else dict(b.recent_bases),
+            "cost_model": self.costs.state_dict(),
             "settings": libra_settings(self.args),
         }
 

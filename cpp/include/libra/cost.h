@@ -1,0 +1,101 @@
+// The planner's time model of attention work, and its fit from measured times.
+//
+// Without a table (CostModel::active() false) the planner balances causal pairs x heads, as it
+// always has. With one, the work of a segment - q_len query rows of one document against their
+// causal prefix of kv_len keys, over `heads` heads - is its predicted time:
+//
+//     heads * (sum over its rows i of (i + 1) * per_pair[bin(i + 1)] + q_len * per_row)
+//       + per_segment
+//
+// (rows i in [kv_len - q_len, kv_len)): each row's pairs priced at the rate of its attended
+// length, bin() putting lengths into half-octave bins. Pairs add up over any cut of the rows,
+// so a tile's price does not depend on how its document was cut into tiles. A tile of one document is priced as one segment, without per_segment unless
+// its rows start the document (CostModel::rows); a tile of several whole documents is one
+// segment per document. The per-rank constant (per_rank) is part of a rank's predicted time
+// but the same on every rank, so it never changes a placement.
+#pragma once
+
+#include <vector>
+
+#include "libra/common.h"
+
+namespace libra {
+
+// Half-octave bins of the attended length over [1, 2^30]: bin(l) = 2 floor(log2 l) + (l >=
+// sqrt(2) 2^floor(log2 l)), so bin(1) = 0, bin(2) = 2, bin(3) = 3, ..., bin(2^30) = 60.
+constexpr i64 kCostBins = 61;
+
+inline i64 cost_bin(i64 kv_len) {
+  if (kv_len <= 1) return 0;
+  i64 e = 63 - __builtin_clzll(static_cast<unsigned long long>(kv_len));
+  // l >= sqrt(2) * 2^e  <=>  l^2 >= 2^(2e+1); l <= 2^30 so l^2 fits
+  const i64 half = (kv_len * kv_len >= (i64(1) << (2 * e + 1))) ? 1 : 0;
+  return std::min<i64>(kCostBins - 1, 2 * e + half);
+}
+
+// The smallest attended length of bin b (bins are contiguous ranges; bin 1 is empty: it starts
+// where bin 2 does), and one past the largest of the last bin for b = kCostBins.
+i64 cost_bin_start(i64 b);
+
+// Calls f(bin, pairs) for each bin holding some of the rows [a, b) of a document against their
+// causal prefix: row i attends i + 1 keys, so its i + 1 pairs fall in bin(i + 1).
+template <typename F>
+void for_pairs_by_bin(i64 a, i64 b, F&& f) {
+  if (b <= a) return;
+  const i64 x = a + 1, y = b;  // attended lengths of the rows
+  for (i64 bin = cost_bin(x), last = cost_bin(y); bin <= last; ++bin) {
+    const i64 u = std::max(x, cost_bin_start(bin)), v = std::min(y, cost_bin_start(bin + 1) - 1);
+    if (u <= v) f(bin, (u + v) * (v - u + 1) / 2);
+  }
+}
+
+// Features of one segment, and of a rank's work (sums of them): per bin, the pairs x heads of
+// the rows whose attended length falls in it; then
+// query rows x heads, segments, and 1 (the per-rank constant). The predicted time is their dot
+// product with CostModel::coefficients().
+constexpr i64 kCostFeatures = kCostBins + 3;
+constexpr i64 kFeatureRows = kCostBins, kFeatureSegments = kCostBins + 1,
+              kFeatureConstant = kCostBins + 2;
+
+struct CostModel {
+  std::vector<double> per_pair;  // [kCostBins] time per causal pair and head; empty = no table
+  double per_row = 0;            // time per query row and head
+  double per_segment = 0;        // time per segment (a document's rows in one kernel call)
+  double per_rank = 0;           // a rank's fixed time per step (not used in placement)
+
+  bool active() const { return !per_pair.empty(); }
+  // Sizes, finite and non-negative entries, at least one positive per_pair entry; names the
+  // field and index of the first that is not.
+  void validate() const;
+  double segment(i64 q_len, i64 kv_len, i64 heads) const;
+  // Rows [a, b) of a document against their prefix [0, b), as the planner prices a tile: the
+  // segment's time, per_segment only where the rows start the document (a == 0) - the operator
+  // runs a document's consecutive rows on one rank as one segment, so later row blocks
+  // continue the segment of the rows before them.
+  double rows(i64 a, i64 b, i64 heads) const {
+    return segment(b - a, b, heads) - (a > 0 ? per_segment : 0.0);
+  }
+  // [kCostFeatures] in the order of the features.
+  std::vector<double> coefficients() const;
+  static CostModel from_coefficients(const std::vector<double>& x);
+};
+
+// Adds one segment's features to f ([kCostFeatures]); the constant is not touched.
+void add_segment_features(double* f, i64 q_len, i64 kv_len, i64 heads);
+
+// Non-negative least squares on normal equations: the x >= 0 minimising
+//   x' G x - 2 b' x + alpha * sum_j d_j (x_j - prior_j)^2,   d_j = G_jj (1 where G_jj = 0),
+// i.e. a fit pulled towards `prior` where the data says little (a feature never seen keeps its
+// prior value). G is n x n row-major, symmetric positive semi-definite. Lawson-Hanson's active
+// set on the regularised system (positive definite: every sub-system solves by Cholesky), at
+// most min(max_sweeps, 3n + 10) outer steps; deterministic (plain loops in a fixed order), so
+// every rank that solves the same G, b gets the same bits.
+struct NnlsResult {
+  std::vector<double> x;
+  i64 sweeps = 0;
+  bool converged = false;
+};
+NnlsResult nnls_normal(const std::vector<double>& G, const std::vector<double>& b,
+                       const std::vector<double>& prior, double alpha, i64 max_sweeps = 20000);
+
+}  // namespace libra
