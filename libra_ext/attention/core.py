@@ -62,6 +62,9 @@ class Runtime:
     wait_timer: object = None
     """A context-manager factory timing the operator's waits for pool-exchange transfers
     (ExecEnv.wait_timer); None: not timed."""
+    kernel_timer: object = None
+    """A `counters.KernelTimer` timing this rank's kernel calls (ExecEnv.kernel_timer); None:
+    not timed."""
     counter: ByteCounter = field(default_factory=ByteCounter)
     stats: RuntimeStats = field(default_factory=RuntimeStats)
     _programs: dict = field(default_factory=dict)
@@ -155,6 +158,7 @@ def core_attention(
         pipelined=runtime.pipelined,
         key=layer,
         wait_timer=runtime.wait_timer,
+        kernel_timer=runtime.kernel_timer,
     )
     if system == "wlb":
         if step is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,46 @@ def in_kernel() -> bool:
 def on_kernel_exit(hook) -> None:
     """Call `hook()` when this thread leaves a kernel (None: no hook)."""
     _KERNEL.on_exit = hook
+
+
+class KernelTimer:
+    """The time this rank spends inside its attention kernels (every call's forward and its
+    backward), apart from the operator's data path and collectives, whose waits follow the
+    slowest rank: what a rank's own attention work costs (`system.cost_model = online` fits
+    it). A context-manager factory (`ExecEnv.kernel_timer`): on the CPU wall time; on a GPU
+    CUDA events on the current stream, read once per step (`seconds`)."""
+
+    def __init__(self):
+        self._host = 0.0
+        self._events: list = []
+
+    @contextlib.contextmanager
+    def __call__(self):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._host += time.perf_counter() - t0
+
+    def seconds(self) -> float:
+        """The kernels' seconds since the last reset (waits for the last event on a GPU)."""
+        if not self._events:
+            return self._host
+        self._events[-1][1].synchronize()
+        return self._host + sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+
+    def reset(self) -> None:
+        self._host = 0.0
+        self._events.clear()
 
 
 _patch_lock = threading.Lock()

@@ -65,6 +65,9 @@ class ExecEnv:
     """A context-manager factory timing the waits for exchange transfers (Megatron-LM's
     timers at --timing-log-level 2); None: not timed."""
     """Names the calling layer (the TE backend keeps one module per layer)."""
+    kernel_timer: object = None
+    """A context-manager factory timing every kernel call's forward and backward
+    (`counters.KernelTimer`); None: not timed."""
 
 
 class _Call:
@@ -73,13 +76,15 @@ class _Call:
 
     def __init__(self, call: CallPlan, q, k, v, env: ExecEnv, counts: CallCounts):
         self.leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
-        with torch.enable_grad():
+        self.timer = env.kernel_timer or contextlib.nullcontext
+        with torch.enable_grad(), self.timer():
             self.out = env.kernel.attend(*self.leaves, call.seg, env.scale, env.key)
         counts.kernel_calls += 1
 
     def backward(self, grad, counts: CallCounts) -> tuple:
         """(dq, dk, dv) of the call for output gradient `grad`; the graph is released."""
-        g = torch.autograd.grad(self.out, self.leaves, grad)
+        with self.timer():
+            g = torch.autograd.grad(self.out, self.leaves, grad)
         self.out = self.leaves = None
         counts.kernel_calls += 1
         return g

@@ -89,11 +89,13 @@ def log_line(window: list, total: int, gbs: int, world: int) -> str:
     loss = sum(w["loss"] for w in window) / n
     attn = [w["attn_time_max_over_mean"] for w in window if w["attn_time_max_over_mean"]]
     nan = sum(1 for w in window if w["loss"] != w["loss"])
-    pred = [w for w in window if w.get("cost_model_error") is not None]
-    cost = (f"attn predicted max/mean: "
-            f"{sum(w['attn_time_predicted_max_over_mean'] for w in pred) / len(pred):.3f} | "
-            f"cost model error: {sum(w['cost_model_error'] for w in pred) / len(pred):.3f} | "
-            if pred else "")
+    cost = ""
+    for key, words in (("attn_kernel_time_max_over_mean", "attn kernel time max/mean"),
+                       ("attn_time_predicted_max_over_mean", "attn predicted max/mean"),
+                       ("cost_model_error", "cost model error")):
+        xs = [w[key] for w in window if w.get(key) is not None]
+        if xs:
+            cost += f"{words}: {sum(xs) / len(xs):.3f} | "
     return (
         f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {rec['step']:8d}/"
         f"{total:8d} | consumed samples: {rec['step'] * gbs:12d} | elapsed time per iteration "

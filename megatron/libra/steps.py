@@ -34,6 +34,7 @@ import torch.distributed as dist
 from libra_ext import costmodel
 from libra_ext.attention import meta, thd
 from libra_ext.attention.comm import GroupCache
+from libra_ext.attention.counters import KernelTimer
 from libra_ext.attention.core import LibraCoreAttention, Runtime, check_plan_hash
 from libra_ext.pipeline import order_slots
 from libra_ext.planner import LayoutConfig, Planner, StepPlan
@@ -143,7 +144,9 @@ class CostModels:
     from the measured attention times.
 
     The sampler's thread asks `table_for(step)` before planning a step; the training loop calls
-    `step_end` after every step with this rank's features and measured seconds. Every
+    `step_end` after every step with this rank's features and its kernels' measured seconds
+    (`kernel_timer`, which the loop installs as the runtime's: a rank's own attention work; the
+    operator's time around the kernels includes waits that follow the slowest rank). Every
     `cost_fit_interval` steps the ranks all-gather their rows (one collective of a few KB on the
     gloo group of host tensors), and every rank folds the same rows in the same order into the
     same fit (`costmodel.OnlineFit`), so every rank gets the same table bit for bit and plan
@@ -171,6 +174,9 @@ class CostModels:
         self._stop = False
         self._pending: list = []  # this rank's rows since the last fit
         self.fit_ms: list = []
+        # a rank's own kernel time: what the fit learns from, and beside any plan the kernel
+        # time max/mean (with logging.attention_time)
+        self.kernel_timer = KernelTimer() if self.active or cfg.logging.attention_time else None
 
     @property
     def active(self) -> bool:
@@ -519,7 +525,7 @@ class AttentionTimer:
 
 
 STAT_FIELDS = ("attn_seconds", "pool_bytes", "cp_bytes", "loss_sum", "label_tokens", "stop",
-               "attn_predicted")
+               "attn_predicted", "kernel_seconds")
 """What each rank contributes to a step's record (`StepStats`), in this order."""
 
 
@@ -535,12 +541,13 @@ class StepStats:
     @classmethod
     def gather(cls, runtime: Runtime, attn_seconds: float, loss_sum: float = 0.0,
                label_tokens: float = 0.0, stop: bool = False,
-               attn_predicted: float = 0.0) -> "StepStats":
+               attn_predicted: float = 0.0, kernel_seconds: float = 0.0) -> "StepStats":
         """This rank's figures (bytes from the runtime's counter) from every rank; resets the
         counter."""
         pool = float(runtime.counter.total("pool."))
         mine = torch.tensor([attn_seconds, pool, float(runtime.counter.total()) - pool,
-                             loss_sum, label_tokens, float(stop), attn_predicted],
+                             loss_sum, label_tokens, float(stop), attn_predicted,
+                             kernel_seconds],
                             dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine, group=runtime.groups.check_group)
@@ -584,17 +591,20 @@ class StepStats:
             "pool_mb_per_rank": float(self.column("pool_bytes").mean()) / 1e6,
             "cp_mb_per_rank": float(self.column("cp_bytes").mean()) / 1e6,
             "plan_ms": float(plan.plan_ms),
-            **self._predicted(t if timed else None),
+            **self._predicted(),
         }
 
-    def _predicted(self, measured) -> dict:
-        """The cost model's figures where the step was planned with a table: its predicted
-        per-rank max/mean and its error (median over ranks of |predicted - measured| /
-        measured)."""
-        p = self.column("attn_predicted")
-        if not (p > 0).all():
-            return {}
-        out = {"attn_time_predicted_max_over_mean": float(p.max() / p.mean())}
-        if measured is not None:
-            out["cost_model_error"] = costmodel.error_of(p, measured)
+    def _predicted(self) -> dict:
+        """The cost model's figures where the step was planned with a table: each rank's
+        measured kernel time max/mean (`counters.KernelTimer`: its own attention work, without
+        the collectives' waits), the table's predicted max/mean and its error (median over ranks
+        of |predicted - measured| / measured)."""
+        p, k = self.column("attn_predicted"), self.column("kernel_seconds")
+        out = {}
+        if (k > 0).all():
+            out["attn_kernel_time_max_over_mean"] = float(k.max() / k.mean())
+        if (p > 0).all():
+            out["attn_time_predicted_max_over_mean"] = float(p.max() / p.mean())
+            if (k > 0).all():
+                out["cost_model_error"] = costmodel.error_of(p, k)
         return out

@@ -285,6 +285,7 @@ class Trainer:
             )
         self.costs = CostModels(cfg, self.start, self.timer.layers,
                                 self.runtime.groups.check_group)
+        self.runtime.kernel_timer = self.costs.kernel_timer
         if src is not None and not src.finetune:
             self.costs.load_state_dict(resumed.cost_model, f"{src.path}: cost_model")
             if self.rank == 0:
@@ -475,6 +476,8 @@ class Trainer:
         global_tokens = float(batch.label_tokens)
         self.runtime.counter.reset()
         self.timer.reset()
+        if self.costs.kernel_timer is not None:
+            self.costs.kernel_timer.reset()
         if self.cfg.moe.balancer == "libra":
             moe_layer.STATS.reset()
         self.phase = (
@@ -491,12 +494,14 @@ class Trainer:
         if outs:
             local = float(torch.stack([x["local_sum"] for x in outs]).sum(dtype=torch.float64))
         self.phase = "the step statistics' all-gather (group of all ranks, gloo)"
-        seconds = self.timer.seconds() if self.timer.enabled else 0.0
-        stats = StepStats.gather(self.runtime, seconds, loss_sum=local, stop=stop.requested,
+        kernel = self.costs.kernel_timer.seconds() if self.costs.kernel_timer else 0.0
+        stats = StepStats.gather(self.runtime, self.timer.seconds() if self.timer.enabled
+                                 else 0.0, loss_sum=local, stop=stop.requested,
                                  attn_predicted=self.costs.predicted(batch.cost_table,
-                                                                     batch.features))
+                                                                     batch.features),
+                                 kernel_seconds=kernel)
         self.phase = "the cost model's fit (all-gather of the ranks' rows, gloo)"
-        self.costs.step_end(step, batch.features, seconds)
+        self.costs.step_end(step, batch.features, kernel)
         dt = time.perf_counter() - t0
         T = self.cfg.parallel.tp
         # every tensor-parallel rank holds the same loss sum: count it once
@@ -652,7 +657,7 @@ class Trainer:
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time", "attn_work_max_over_mean",
            "attn_time_max_over_mean", "inter_pool_imbalance", "bytes_exchanged",
            "pool_mb_per_rank", "cp_mb_per_rank", "plan_ms", "attn_time_predicted_max_over_mean",
-           "cost_model_error")
+           "attn_kernel_time_max_over_mean", "cost_model_error")
 """The step record's keys written as TensorBoard scalars and W&B metrics (rank 0)."""
 
 

@@ -249,6 +249,9 @@ def _entry(hist: list[dict], identical: bool, figures: list[dict]) -> dict:
         "attn_time_predicted_max_over_mean": [h.get("attn_time_predicted_max_over_mean")
                                               for h in hist],
         "cost_model_error": [h.get("cost_model_error") for h in hist],
+        # each rank's own kernel time (no collective waits), with logging.attention_time
+        "attn_kernel_time_max_over_mean": [h.get("attn_kernel_time_max_over_mean")
+                                           for h in hist],
         "tokens_per_s": _median([f["tokens_per_s"] for f in figures]),
         "repeats": {key: _spread([f[key] for f in figures])
                     for key in ("tokens_per_s", "attn_time_max_over_mean")},

@@ -95,8 +95,11 @@ class StepMicroBatches:
         # system.cost_model (--libra-cost-model): the attention layers are counted once the
         # model is attached; until then no row is fitted
         self.costs = CostModels(cfg, start_step, 1, self.rt.groups.check_group)
-        self._attn_mark = 0.0  # the timer's seconds at the end of the previous step
+        if not args.libra_attention_time and not self.costs.active:
+            self.costs.kernel_timer = None  # --no-libra-attention-time: nothing timed
+        self.rt.kernel_timer = self.costs.kernel_timer
         self._predicted = 0.0  # this rank's predicted seconds over the log window
+        self._kernel = 0.0  # this rank's kernel seconds over the log window
         if start_step > 0 and args.load:
             state = self._load_state(start_step)
             if state is not None:
@@ -158,6 +161,8 @@ class StepMicroBatches:
             self.rt.counter, self._saved_counter = self._saved_counter, None
             if self.timer is not None:
                 self.timer.suspended = False
+            if self.costs.kernel_timer is not None:  # the validation's kernels are not a step's
+                self.costs.kernel_timer.reset()
 
     def attach(self, model) -> None:
         """Time this rank's core attention (forward and backward) on the model Megatron-LM
@@ -182,9 +187,10 @@ class StepMicroBatches:
         plan = b.plan
         timed = self.timer is not None and self.timer.enabled
         if self.costs.active:  # the step's row (and, at the fit interval, the fit: collective)
-            now_s = self.timer.seconds() if timed else 0.0
-            self.costs.step_end(b.step, b.features, now_s - self._attn_mark)
-            self._attn_mark = now_s
+            kernel = self.costs.kernel_timer.seconds()  # (a read per step: the fit's rows)
+            self.costs.kernel_timer.reset()
+            self.costs.step_end(b.step, b.features, kernel)
+            self._kernel += kernel
             self._predicted += self.costs.predicted(b.cost_table, b.features)
         self._window.append((plan.max_over_mean, plan.inter_pool_imbalance, plan.plan_ms,
                              float(plan.doc_lengths.sum())))
@@ -193,11 +199,14 @@ class StepMicroBatches:
                 or self._first_line)
         if not (line or self._record):
             return
+        if self.costs.kernel_timer is not None and not self.costs.active:
+            self._kernel = self.costs.kernel_timer.seconds()  # the window's, read once
+            self.costs.kernel_timer.reset()
         loss = self._loss.cpu().tolist() if self._record else [0.0, 0.0]
         stats = StepStats.gather(self.rt, self.timer.seconds() if timed else 0.0,
                                  loss_sum=loss[0], label_tokens=loss[1],
-                                 attn_predicted=self._predicted)
-        self._predicted, self._attn_mark = 0.0, 0.0
+                                 attn_predicted=self._predicted, kernel_seconds=self._kernel)
+        self._predicted, self._kernel = 0.0, 0.0
         if self.timer is not None:
             self.timer.reset()
         if self._record:
@@ -233,11 +242,13 @@ class StepMicroBatches:
         if timed:
             out["attn time max over mean"] = float(t.max() / max(float(t.mean()), 1e-12))
             out["attn time ms per iteration"] = 1e3 * float(t.mean()) / n
-        p = stats.column("attn_predicted")
-        if (p > 0).all():  # planned with a cost table: its prediction and error
+        p, k = stats.column("attn_predicted"), stats.column("kernel_seconds")
+        if (k > 0).all():  # each rank's own kernel time (no collective waits)
+            out["attn kernel time max over mean"] = float(k.max() / k.mean())
+        if (p > 0).all():  # planned with a cost table: its prediction and error (kernel time)
             out["attn predicted max over mean"] = float(p.max() / p.mean())
-            if timed:
-                out["cost model error"] = costmodel.error_of(p, t)
+            if (k > 0).all():
+                out["cost model error"] = costmodel.error_of(p, k)
         return out
 
     @property
@@ -261,11 +272,14 @@ class StepMicroBatches:
 
     @staticmethod
     def _cost_words(f: dict) -> str:
-        if "attn predicted max over mean" not in f:
-            return ""
-        err = f" cost model error: {f['cost model error']:.3f} |" if "cost model error" in f \
-            else ""
-        return f" attn predicted max/mean: {f['attn predicted max over mean']:.3f} |{err}"
+        out = ""
+        if "attn kernel time max over mean" in f:
+            out += f" attn kernel time max/mean: {f['attn kernel time max over mean']:.3f} |"
+        if "attn predicted max over mean" in f:
+            out += f" attn predicted max/mean: {f['attn predicted max over mean']:.3f} |"
+        if "cost model error" in f:
+            out += f" cost model error: {f['cost model error']:.3f} |"
+        return out
 
     def _write_scalars(self, it: int, f: dict) -> None:
         """The figures as TensorBoard scalars (libra/...) and W&B metrics, on the rank where
