@@ -16,24 +16,32 @@ void require_finite_non_negative(double v, const std::string& field) {
 
 }  // namespace
 
-i64 cost_bin_start(i64 b) {
-  static const std::vector<i64> starts = [] {
-    std::vector<i64> out(static_cast<std::size_t>(kCostBins + 1), 0);
-    out[kCostBins] = kMaxTokens + 1;
-    for (i64 bin = kCostBins - 1; bin >= 0; --bin) {  // from the top: an empty bin starts where the next does
-      const i64 e = bin / 2;
-      i64 l = i64(1) << e;
-      if (bin % 2 == 1) {  // sqrt(2) 2^e rounded up, exact: the least l with l^2 >= 2^(2e+1)
-        const i64 target = i64(1) << (2 * e + 1);
-        l = static_cast<i64>(std::ceil(std::sqrt(2.0) * static_cast<double>(i64(1) << e)));
-        while (l > 1 && (l - 1) * (l - 1) >= target) --l;
-        while (l * l < target) ++l;
-      }
-      out[bin] = std::min(l, out[bin + 1]);
+namespace {
+
+std::vector<i64> make_bin_starts() {
+  std::vector<i64> out(static_cast<std::size_t>(kCostBins + 1), 0);
+  out[kCostBins] = kMaxTokens + 1;
+  for (i64 bin = kCostBins - 1; bin >= 0; --bin) {  // from the top: an empty bin starts where the next does
+    const i64 e = bin / 2;
+    i64 l = i64(1) << e;
+    if (bin % 2 == 1) {  // sqrt(2) 2^e rounded up, exact: the least l with l^2 >= 2^(2e+1)
+      const i64 target = i64(1) << (2 * e + 1);
+      l = static_cast<i64>(std::ceil(std::sqrt(2.0) * static_cast<double>(i64(1) << e)));
+      while (l > 1 && (l - 1) * (l - 1) >= target) --l;
+      while (l * l < target) ++l;
     }
-    return out;
-  }();
-  return starts[static_cast<std::size_t>(std::min<i64>(std::max<i64>(b, 0), kCostBins))];
+    out[bin] = std::min(l, out[bin + 1]);
+  }
+  return out;
+}
+
+// Made once at load time (no guard on every look-up).
+const std::vector<i64> kBinStarts = make_bin_starts();
+
+}  // namespace
+
+i64 cost_bin_start(i64 b) {
+  return kBinStarts[static_cast<std::size_t>(std::min<i64>(std::max<i64>(b, 0), kCostBins))];
 }
 
 void CostModel::validate() const {
@@ -56,11 +64,40 @@ void CostModel::validate() const {
   require_finite_non_negative(per_rank, "cost.per_rank");
 }
 
+void CostModel::prepare() {
+  prefix.assign(static_cast<std::size_t>(kCostBins + 1), 0.0);
+  if (!active()) return;
+  for (i64 b = 0; b < kCostBins; ++b) {
+    const i64 u = cost_bin_start(b), v = cost_bin_start(b + 1) - 1;
+    const double full = u <= v ? static_cast<double>((u + v) * (v - u + 1) / 2) : 0.0;
+    prefix[b + 1] = prefix[b] + full * per_pair[static_cast<std::size_t>(b)];
+  }
+}
+
+void CostModel::prepare_documents(const i64* lengths, std::size_t n) {
+  doc_prefix.resize(n + 1);
+  doc_prefix[0] = 0.0;
+  for (std::size_t d = 0; d < n; ++d)
+    doc_prefix[d + 1] = doc_prefix[d] + attended(lengths[d]) +
+                        static_cast<double>(lengths[d]) * per_row;
+}
+
+double CostModel::attended(i64 x) const {
+  if (x <= 0) return 0.0;
+  const i64 b = cost_bin(x), u = cost_bin_start(b);
+  return prefix[static_cast<std::size_t>(b)] +
+         static_cast<double>((u + x) * (x - u + 1) / 2) * per_pair[static_cast<std::size_t>(b)];
+}
+
 double CostModel::segment(i64 q_len, i64 kv_len, i64 heads) const {
   double t = 0;
-  for_pairs_by_bin(kv_len - q_len, kv_len, [&](i64 bin, i64 pairs) {
-    t += static_cast<double>(pairs) * per_pair[static_cast<std::size_t>(bin)];
-  });
+  if (prefix.size() == static_cast<std::size_t>(kCostBins + 1)) {
+    t = attended(kv_len) - attended(kv_len - q_len);
+  } else {
+    for_pairs_by_bin(kv_len - q_len, kv_len, [&](i64 bin, i64 pairs) {
+      t += static_cast<double>(pairs) * per_pair[static_cast<std::size_t>(bin)];
+    });
+  }
   return static_cast<double>(heads) * (t + static_cast<double>(q_len) * per_row) + per_segment;
 }
 

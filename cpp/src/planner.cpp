@@ -337,6 +337,11 @@ std::vector<double> sequence_work(const StepPlan& p, const std::vector<i64>& seq
       out[s] = static_cast<double>(seq_pairs[s]) * static_cast<double>(p.heads_local);
       continue;
     }
+    if (m.doc_prefix.size() == p.doc_lengths.size() + 1) {
+      out[s] = m.documents(p.seq_doc_offsets[s], p.seq_doc_offsets[s + 1] - p.seq_doc_offsets[s],
+                           p.heads_local);
+      continue;
+    }
     double w = 0;
     for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
       w += m.segment(p.doc_lengths[d], p.doc_lengths[d], p.heads_local);
@@ -977,6 +982,7 @@ struct StepBuilder {
     if (opt.block == 0) opt.block = std::max<i64>(1024, layout.context / 16);
     // only the systems that balance attention work take a cost model
     if (options.system != System::Libra && options.system != System::Distca) opt.cost = CostModel{};
+    opt.cost.prepare();  // O(1) segment prices for this step
     hg = opt.head_group > 0 ? std::min(opt.head_group, p.heads_local) : p.heads_local;
   }
 
@@ -1035,6 +1041,7 @@ struct StepBuilder {
     p.doc_lengths.resize(n_docs);
     workers = plan_workers(options, n_docs);  // the input is read on them too
     input_pairs = read_sequences(p, sequences, layout.context, workers, tokens, longest);
+    if (opt.cost.active()) opt.cost.prepare_documents(p.doc_lengths.data(), p.doc_lengths.size());
     // per sequence: a document of l >= block tokens makes at most l / block + 1 query blocks
     // and ends a run; two consecutive runs of shorter documents hold more than a block; so at
     // most 5 * tokens / block + 1 tiles per head group

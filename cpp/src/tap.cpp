@@ -42,6 +42,8 @@ inline double doc_work(const CostModel& m, i64 l, i64 hc) {
 double tile_work(const StepPlan& p, const CostModel& m, const StepPlan::Tile& t) {
   if (!m.active()) return static_cast<double>(t.pairs) * static_cast<double>(t.head_count);
   if (t.doc_count == 1) return m.rows(t.kv_len - t.q_len, t.kv_len, t.head_count);
+  if (m.doc_prefix.size() == p.doc_lengths.size() + 1)
+    return m.documents(t.doc, t.doc_count, t.head_count);
   double w = 0;
   for (i64 d = 0; d < t.doc_count; ++d) w += doc_work(m, p.doc_lengths[t.doc + d], t.head_count);
   return w;

@@ -63,7 +63,27 @@ struct CostModel {
   double per_segment = 0;        // time per segment (a document's rows in one kernel call)
   double per_rank = 0;           // a rank's fixed time per step (not used in placement)
 
+  // [kCostBins + 1], set by prepare(): the price of the rows attending 1 .. start(b) - 1 keys;
+  // with it a segment costs O(1) (two look-ups) instead of a walk over its bins.
+  std::vector<double> prefix;
+
+  // Per step, set by the planner once the documents are known (prepare_documents): over the
+  // plan's documents d, the prefix sums of attended(l_d) + l_d * per_row, so that a run of whole
+  // documents costs O(1): heads * (difference) + count * per_segment.
+  std::vector<double> doc_prefix;
+
   bool active() const { return !per_pair.empty(); }
+  void prepare();
+  void prepare_documents(const i64* lengths, std::size_t n);
+  // Whole documents [first, first + count) of the plan, over `heads` heads (after
+  // prepare_documents).
+  double documents(i64 first, i64 count, i64 heads) const {
+    return static_cast<double>(heads) * (doc_prefix[static_cast<std::size_t>(first + count)] -
+                                         doc_prefix[static_cast<std::size_t>(first)]) +
+           static_cast<double>(count) * per_segment;
+  }
+  // sum over l = 1 .. x of l * per_pair[bin(l)]: the pairs of rows [0, x) of a document priced
+  double attended(i64 x) const;
   // Sizes, finite and non-negative entries, at least one positive per_pair entry; names the
   // field and index of the first that is not.
   void validate() const;
