@@ -34,8 +34,8 @@ import torch.distributed as dist
 from libra_ext import costmodel
 from libra_ext.attention import meta, thd
 from libra_ext.attention.comm import GroupCache
-from libra_ext.attention.counters import KernelTimer
 from libra_ext.attention.core import LibraCoreAttention, Runtime, check_plan_hash
+from libra_ext.attention.counters import KernelTimer
 from libra_ext.pipeline import order_slots
 from libra_ext.planner import LayoutConfig, Planner, StepPlan
 from libra_ext.simulator.cost import simulate_plan

@@ -32,8 +32,8 @@ from megatron.libra.notices import quiet_megatron_notices
 from megatron.libra.sources import describe_data
 from megatron.libra.steps import (
     AttentionTimer,
-    StepSampler,
     CostModels,
+    StepSampler,
     StepStats,
     check_plan,
     device_micro_batches,
