@@ -255,6 +255,10 @@ class CostModels:
                              f"{self.mode}")
         tables = []
         for i, entry in enumerate(sd.get("tables", [])):
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2
+                    and isinstance(entry[0], int) and entry[0] >= 0):
+                raise ValueError(f"{where}.tables[{i}] must be [first step, table], got "
+                                 f"{entry!r:.80}")
             first, t = entry
             tables.append((int(first), None if t is None else
                            costmodel.CostTable.from_dict(t, f"{where}.tables[{i}]")))

@@ -255,6 +255,8 @@ def test_cost_models_plan_each_step_with_a_settled_table_and_restore_it():
         c.step_end(4, *_step_rows(0, 4))
         c.step_end(5, *_step_rows(0, 5))
     assert np.array_equal(again.table_for(8).coefficients(), costs.table_for(8).coefficients())
+    with pytest.raises(ValueError, match=r"ck: cost_model\.tables\[0\] must be"):
+        again.load_state_dict({"mode": "online", "tables": [7]}, "ck: cost_model")
     # a state saved under another cost model is refused, naming both
     pairs = CostModels(_pairs_cfg(), 0)
     with pytest.raises(ValueError, match="cost_model = online, this run has pairs"):
