@@ -72,6 +72,10 @@ void CostModel::prepare() {
     const double full = u <= v ? static_cast<double>((u + v) * (v - u + 1) / 2) : 0.0;
     prefix[b + 1] = prefix[b] + full * per_pair[static_cast<std::size_t>(b)];
   }
+  small.clear();  // (attended() below walks the bins until the table is in place)
+  std::vector<double> table(static_cast<std::size_t>(kSmallAttended), 0.0);
+  for (i64 l = 1; l < kSmallAttended; ++l) table[static_cast<std::size_t>(l)] = attended(l);
+  small = std::move(table);
 }
 
 void CostModel::prepare_documents(const i64* lengths, std::size_t n) {
@@ -84,6 +88,7 @@ void CostModel::prepare_documents(const i64* lengths, std::size_t n) {
 
 double CostModel::attended(i64 x) const {
   if (x <= 0) return 0.0;
+  if (x < static_cast<i64>(small.size())) return small[static_cast<std::size_t>(x)];
   const i64 b = cost_bin(x), u = cost_bin_start(b);
   return prefix[static_cast<std::size_t>(b)] +
          static_cast<double>((u + x) * (x - u + 1) / 2) * per_pair[static_cast<std::size_t>(b)];

@@ -786,15 +786,17 @@ inline double tile_load(const StepPlan& p, const CostModel& m, const StepPlan::T
 
 // The loads of layout group g from its tiles (all with cp == -1), in tile order.
 void add_group_loads(const StepPlan& p, const CostModel& m, std::size_t g, const GroupTileList& tiles,
-                     GroupLoads& loads) {
+                     const std::vector<double>& work, GroupLoads& loads) {
   const i64 first_replica = static_cast<i64>(g) / p.slots * p.pool;
   // summed here, then stored once: neighbouring groups' entries share cache lines and are
   // summed on other threads
   thread_local std::vector<double> member;
   member.assign(static_cast<std::size_t>(p.pool), 0.0);
   double total = 0;
-  for (const StepPlan::Tile& t : tiles) {
-    const double f = tile_load(p, m, t);
+  for (std::size_t i = 0; i < tiles.size(); ++i) {
+    const StepPlan::Tile& t = tiles[i];
+    // a table's price as TAP balanced it (the same number); FLOPs without one
+    const double f = m.active() ? work[i] : tile_load(p, m, t);
     member[t.executor - first_replica] += f;
     total += f * static_cast<double>(p.cp);
   }
@@ -1082,10 +1084,10 @@ struct StepBuilder {
       tap_loads.emplace(p);
       OrderedLayout ordered(p, G, static_cast<std::size_t>(std::min(tile_estimate, kMaxPlanTiles)));
       tap_place(p, opt, groups_of(p, p.pool), seq_work, workers,
-                [&](std::size_t g, GroupTileList& tiles) {
+                [&](std::size_t g, GroupTileList& tiles, const std::vector<double>& work) {
                   thread_local ExchangeScratch scratch;
                   group_exchange(p, static_cast<i64>(g), tiles, scratch, ordered.part(g));
-                  add_group_loads(p, opt.cost, g, tiles, *tap_loads);
+                  add_group_loads(p, opt.cost, g, tiles, work, *tap_loads);
                   ordered.placed(g, tiles);
                 });
       ordered.finish(digests);

@@ -24,6 +24,9 @@ void push_tile(StepPlan& p, i64 seq, i64 doc, i64 doc_off, i64 a, i64 b, i64 h0,
 // the member mean (see place_group).
 constexpr double kRefineMinGain = 5e-4;
 
+// The work handed with a tile that was not priced (no max_load to compare against).
+constexpr double kUnpriced = -1.0;
+
 // The work of query rows [a, b) of a document against their causal prefix, over hc heads:
 // pairs x heads, or the cost model's predicted time.
 inline double rows_work(const CostModel& m, i64 a, i64 b, i64 hc) {
@@ -57,10 +60,11 @@ namespace {
 template <typename Emit>
 void split_tile(const CostModel& m, StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows,
                 Emit& emit) {
-  const double load = max_load <= 0 ? 0.0 : rows_work(m, t.q_start - doc_off, t.q_start - doc_off + t.q_len,
-                                                     t.head_count);
+  const double load = max_load <= 0 ? kUnpriced
+                                     : rows_work(m, t.q_start - doc_off,
+                                                 t.q_start - doc_off + t.q_len, t.head_count);
   if (max_load <= 0 || load <= max_load || (t.head_count == 1 && t.q_len < 2 * min_rows)) {
-    emit(t);
+    emit(t, load);
     return;
   }
   if (t.q_len < 2 * min_rows) {  // too few rows to cut: halve the heads
@@ -97,9 +101,9 @@ void split_run(const StepPlan& p, const CostModel& m, StepPlan::Tile t, double m
     split_tile(m, t, t.q_start, max_load, min_rows, emit);
     return;
   }
-  const double load = max_load <= 0 ? 0.0 : tile_work(p, m, t);
+  const double load = max_load <= 0 ? kUnpriced : tile_work(p, m, t);
   if (max_load <= 0 || load <= max_load) {
-    emit(t);
+    emit(t, load);
     return;
   }
   i64 k = 1, left = 0, left_len = 0, best_k = 1, best_pairs = 0, best_len = 0;
@@ -135,7 +139,8 @@ void split_run(const StepPlan& p, const CostModel& m, StepPlan::Tile t, double m
 // load (pairs x heads) exceeds `max_load` (> 0) is split further: a run of several documents at
 // the document boundary that best halves its work (a single document becomes a one-document
 // tile); a one-document tile by rows at the midpoint of work while it has at least 2 * min_rows
-// rows, then by heads in halves. Calls emit(tile) for each, executor = owner.
+// rows, then by heads in halves. Calls emit(tile, work) for each, executor = owner; work is the
+// tile's tile_work where it was priced (max_load > 0), kUnpriced otherwise.
 template <typename Emit>
 void sequence_tiles(const StepPlan& p, const CostModel& m, i64 s, i64 block, i64 head_group,
                     double max_load, Emit&& emit) {
@@ -144,8 +149,9 @@ void sequence_tiles(const StepPlan& p, const CostModel& m, i64 s, i64 block, i64
     if (head_group >= p.heads_local) {
       t.head_start = 0;  // the common case: one head group, light enough to stay whole
       t.head_count = p.heads_local;
-      if (max_load <= 0 || tile_work(p, m, t) <= max_load) {
-        emit(t);
+      const double load = max_load <= 0 ? kUnpriced : tile_work(p, m, t);
+      if (max_load <= 0 || load <= max_load) {
+        emit(t, load);
         return;
       }
     }
@@ -458,8 +464,11 @@ void make_group_tiles(const StepPlan& plan, const CostModel& m, const std::vecto
     const i64 first_doc = plan.seq_doc_offsets[members[i]];
     double own = 0;
     gt.first.push_back(gt.size());
-    sequence_tiles(plan, m, members[i], block, head_group, max_load, [&](const StepPlan::Tile& t) {
-      gt.push(t, static_cast<i64>(i), n_docs + t.doc - first_doc, tile_work(plan, m, t));
+    sequence_tiles(plan, m, members[i], block, head_group, max_load,
+                   [&](const StepPlan::Tile& t, double w) {
+      // (a table's price as sequence_tiles made it; pairs always anew, as before)
+      gt.push(t, static_cast<i64>(i), n_docs + t.doc - first_doc,
+              m.active() && w != kUnpriced ? w : tile_work(plan, m, t));
       own += gt.load.back();
       all += gt.load.back();
     });
@@ -720,12 +729,12 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
 void owner_tiles(StepPlan& plan, i64 block) {
   for (i64 s = 0; s < plan.n_seq(); ++s)
     sequence_tiles(plan, CostModel{}, s, block, plan.heads_local, 0.0,
-                   [&](const StepPlan::Tile& t) { plan.add_tile(t); });
+                   [&](const StepPlan::Tile& t, double) { plan.add_tile(t); });
 }
 
 void tap_place(const StepPlan& plan, const PlanOptions& opt,
                const std::vector<std::vector<i64>>& groups, const std::vector<double>& seq_work,
-               std::size_t workers, const std::function<void(std::size_t, GroupTileList&)>& placed) {
+               std::size_t workers, const GroupPlaced& placed) {
   const i64 head_group = opt.head_group > 0 ? std::min(opt.head_group, plan.heads_local)
                                             : plan.heads_local;
   // Groups are independent: workers take them in turn; what a group gets does not depend on
@@ -736,7 +745,7 @@ void tap_place(const StepPlan& plan, const PlanOptions& opt,
     for (std::size_t g; queue.take(g);) {
       tiles.clear();
       place_group(plan, opt, head_group, groups[g], seq_work, scratch, tiles);
-      placed(g, tiles);
+      placed(g, tiles, scratch.gt.load);
     }
   });
 }

@@ -66,6 +66,10 @@ struct CostModel {
   // [kCostBins + 1], set by prepare(): the price of the rows attending 1 .. start(b) - 1 keys;
   // with it a segment costs O(1) (two look-ups) instead of a walk over its bins.
   std::vector<double> prefix;
+  // attended(l) for l < kSmallAttended, set by prepare(): most documents are short, and a
+  // step prices each of them.
+  static constexpr i64 kSmallAttended = 4096;
+  std::vector<double> small;
 
   // Per step, set by the planner once the documents are known (prepare_documents): over the
   // plan's documents d, the prefix sums of attended(l_d) + l_d * per_row, so that a run of whole

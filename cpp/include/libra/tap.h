@@ -31,9 +31,12 @@ double tile_work(const StepPlan& p, const CostModel& m, const StepPlan::Tile& t)
 // placed(g, tiles) with the group's tiles in their final order (still in its cache); the callee
 // may take them. The plan's tile arrays are not touched.
 using GroupTileList = std::vector<StepPlan::Tile>;
+// placed(g, tiles, work): work[i] is tiles[i]'s tile_work as TAP balanced it.
+using GroupPlaced =
+    std::function<void(std::size_t, GroupTileList&, const std::vector<double>&)>;
 void tap_place(const StepPlan& plan, const PlanOptions& opt,
                const std::vector<std::vector<i64>>& groups, const std::vector<double>& seq_work,
-               std::size_t workers, const std::function<void(std::size_t, GroupTileList&)>& placed);
+               std::size_t workers, const GroupPlaced& placed);
 
 // DistCA: token-level shards on a global pool, greedy on work per byte, per slot.
 void distca_place(StepPlan& plan, const PlanOptions& opt, const std::vector<std::vector<i64>>& groups);
