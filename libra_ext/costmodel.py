@@ -20,10 +20,12 @@ arithmetic is elementwise numpy and the C++ solver's plain loops, so equal rows 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 import numpy as np
+import yaml
 
 from libra_ext import _planner as _core
 
@@ -32,6 +34,8 @@ BINS = int(_core.COST_BINS)
 FEATURES = int(_core.COST_FEATURES)
 """Features of a rank's work: BINS pair counts, rows, segments, the constant."""
 ROWS, SEGMENTS, CONSTANT = BINS, BINS + 1, BINS + 2
+ATTN_BWD_FACTOR = 2.5
+"""Backward attention FLOPs over forward (the core's kAttnBwdFactor, the simulator's)."""
 COST_MODELS = ("pairs", "profile", "online")
 """What a planner balances: causal pairs; a table from a measured hardware profile (`libra
 calibrate`); a table fitted online from the run's own attention times (starting from the
@@ -176,14 +180,41 @@ class CostTable:
 
     @classmethod
     def from_profile(cls, profile, head_dim: int) -> "CostTable":
-        """The table a hardware profile implies (`libra calibrate`'s measured curve): per pair
-        and head 4 d FLOPs forward, (1 + 1 / backward speed ratio) x that forward + backward, at
-        the profile's peak times its efficiency at the bin's attended length; per segment the
-        profile's call floor (forward and backward). Rows and ranks: 0."""
+        """The table a hardware profile implies (`libra calibrate`'s measured curve, the
+        simulator's attention model): per pair and head 4 d FLOPs forward, backward at
+        kAttnBwdFactor x that at the profile's backward speed ratio, at the profile's peak times
+        its efficiency at the bin's attended length. The profile's call floor is per kernel
+        call - a rank makes the same calls whatever it is given - so rows, segments and ranks
+        cost nothing here (an online fit learns them)."""
         centres = np.sqrt(2.0) ** (np.arange(BINS) + 0.5)
         eff = np.maximum(np.asarray(profile.attn_efficiency(centres), dtype=np.float64), 1e-6)
-        flops = 4.0 * head_dim * (1.0 + 1.0 / profile.attn_bwd_speed)
-        return cls(flops / (profile.attn_peak * eff), per_segment=2.0 * profile.call_floor)
+        flops = 4.0 * head_dim * (1.0 + ATTN_BWD_FACTOR / profile.attn_bwd_speed)
+        return cls(flops / (profile.attn_peak * eff))
+
+
+def load_table(source: str, profile=None, head_dim: int | None = None) -> CostTable:
+    """A table from `source`: `profile` (the hardware profile's, `from_profile`), or a JSON /
+    YAML file holding a table (`CostTable.to_dict`) or a `libra bench replay --json` result
+    (its `online_table`)."""
+    if source == "profile":
+        if profile is None or head_dim is None:
+            raise ValueError("cost table 'profile' needs a hardware profile and the head dim")
+        return CostTable.from_profile(profile, head_dim)
+    try:
+        with open(source, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise ValueError(f"cost table {source}: cannot open ({e.strerror})") from None
+    try:
+        d = json.loads(text)  # (YAML 1.1 would read JSON's 4e-09 as a string)
+    except json.JSONDecodeError:
+        try:
+            d = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"cost table {source}: neither JSON nor YAML ({e})") from None
+    if isinstance(d, dict) and "online_table" in d:
+        d = d["online_table"]
+    return CostTable.from_dict(d, f"cost table {source}")
 
 
 def error_of(predicted, measured) -> float:

@@ -72,18 +72,28 @@ def explain(plan: StepPlan, epsilon: float = 0.02, table=None, top: int = 3) -> 
             unit = table.to_core().rows(longest - rows, longest, 1) if longest else 0.0
         bound = max(mu, unit)
         peak = float(L.max())
-        on_busiest = mine & (plan.tile_executor == busiest)
-        heaviest = float(work[on_busiest].max()) if on_busiest.any() else 0.0
+        on_busiest = np.flatnonzero(mine & (plan.tile_executor == busiest))
+        # the least work the refinement can move off the busiest member: a whole tile, or the
+        # last rows_min rows of a one-document tile long enough to cut
+        least = np.inf
+        for t in on_busiest.tolist():
+            q, kv, h = (int(plan.tile_q_len[t]), int(plan.tile_kv_len[t]),
+                        int(plan.tile_head_count[t]))
+            piece = float(work[t])
+            if plan.tile_doc_count[t] == 1 and q >= 2 * rows_min:
+                piece = (float((kv * (kv + 1) - (kv - rows_min) * (kv - rows_min + 1)) // 2 * h)
+                         if table is None else table.to_core().rows(kv - rows_min, kv, h))
+            least = min(least, piece)
         excess = peak - mu
         if peak <= bound * (1 + 1e-9):
             why = "at the bound"
         elif peak <= (1 + epsilon) * mu and excess <= 2 * REFINE_MIN_GAIN * mu + 1e-12:
             why = (f"the refinement's least gain: no move gains {REFINE_MIN_GAIN:g} of the "
                    "pool mean")
-        elif heaviest >= excess and plan.tile_q_len[on_busiest].min(initial=0) <= 2 * rows_min:
-            why = (f"an indivisible tile: the busiest member's heaviest tile "
-                   f"({heaviest / mean_all:.4f} of the mean rank) exceeds its excess "
-                   f"({excess / mean_all:.4f}) and has too few rows to cut")
+        elif least > excess:
+            why = (f"indivisible work: the least TAP can move off the busiest member (a tile, "
+                   f"or the last {rows_min} rows of one: {least / mean_all:.4f} of the mean "
+                   f"rank) exceeds its excess over the pool mean ({excess / mean_all:.4f})")
         elif peak <= (1 + epsilon) * mu:
             why = (f"the soft cap: the busiest member is within (1 + epsilon) = {1 + epsilon:g} "
                    "of the pool mean, where TAP's greedy stops taking moves")

@@ -77,6 +77,9 @@ class SimConfig:
     """Production order of each step's sequences (megatron | contiguous; see PlannerOptions)."""
     pp: int = 4
     """Pipeline stages of the modeled 1F1B bubble (`pipeline_stages`; libra_ext.pipeline)."""
+    cost_table: object = None
+    """A `costmodel.CostTable` libra and distca balance instead of causal pairs (`libra simulate
+    --cost-table`); None: pairs."""
 
     @classmethod
     def load(cls, path: str | Path) -> "SimConfig":

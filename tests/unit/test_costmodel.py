@@ -206,7 +206,7 @@ def test_profile_table_follows_the_profiles_efficiency():
     t = cm.CostTable.from_profile(hw, 128)
     # longer attended lengths run at a higher efficiency: less time per pair
     assert t.per_pair[cm.bin_of(512)] > t.per_pair[cm.bin_of(65536)] > 0
-    assert t.per_segment == pytest.approx(2 * hw.call_floor)
+    assert t.per_segment == 0 and t.per_row == 0  # the call floor is per call, not segment
 
 
 def _online_cfg(interval=2):
@@ -302,7 +302,7 @@ def test_every_rank_fits_the_same_table_bit_for_bit(tmp_path):
     assert all(np.array_equal(coef[0], c) for c in coef[1:])  # bitwise, not approximately
 
 
-def test_plan_explain_names_each_pools_bound_hold_and_moves(capsys):
+def test_plan_explain_names_each_pools_bound_hold_and_moves(capsys, tmp_path):
     import json
 
     from libra_ext import explain
@@ -311,7 +311,8 @@ def test_plan_explain_names_each_pools_bound_hold_and_moves(capsys):
     args = ["plan", "--workload", "libra-256k", "--context", "32768", "--gbs", "16", "--dp", "8",
             "--cp", "2", "--pool-size", "4", "--steps", "2", "--explain"]
     assert main(args + ["--json"]) == 0
-    ex = json.loads(capsys.readouterr().out)["explain"]
+    pairs = json.loads(capsys.readouterr().out)
+    ex = pairs["explain"]
     assert len(ex["pools"]) == 2
     loads = np.concatenate([p["loads"] for p in ex["pools"]])
     assert loads.mean() == pytest.approx(1.0) and loads.max() == pytest.approx(ex["max_over_mean"])
@@ -323,6 +324,15 @@ def test_plan_explain_names_each_pools_bound_hold_and_moves(capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "explain:" in text and "pool 1 (replicas 4-7)" in text and "held by" in text
+    # a table from a file (a replay result's online_table, or the table itself) or a profile
+    path = tmp_path / "replay.json"
+    path.write_text(json.dumps({"online_table": _short_heavy().to_dict()}))
+    assert main(args + ["--json", "--cost-table", str(path)]) == 0
+    with_table = json.loads(capsys.readouterr().out)
+    assert with_table["hashes"] != pairs["hashes"] and "explain" in with_table
+    assert main(args + ["--cost-table", "profile"]) == 0 and "explain:" in capsys.readouterr().out
+    assert main(args + ["--cost-table", str(tmp_path / "none.json")]) == 2
+    assert "cannot open" in capsys.readouterr().err
     # under a table the work is the table's: the plan made with it is at its bound too
     seqs = _steps()[0]
     p = Planner(LAYOUT, MODEL, PlannerOptions(system="libra"))

@@ -7,7 +7,7 @@ import statistics
 
 import numpy as np
 
-from libra_ext import checks, explain
+from libra_ext import checks, costmodel, explain
 from libra_ext.attention import DEFAULT_CHUNKS
 from libra_ext.pipeline import order_slots
 from libra_ext.planner import (
@@ -71,6 +71,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--cost-table",
+        help="balance a cost table's predicted time instead of pairs (libra, distca): profile "
+        "(the --hardware profile's) or a JSON / YAML file (a table, or a `libra bench replay "
+        "--json` result with an online_table); --explain then explains in its time",
+    )
+    p.add_argument(
         "--explain", action="store_true",
         help="explain the first step's plan pool by pool: the bound each pool could reach, "
         "what kept its busiest member from it, and the largest tiles moved",
@@ -92,7 +98,13 @@ def run_plan(args) -> dict | None:
     if args.gbs <= 0 or args.gbs % args.dp:
         raise ValueError(f"gbs (B={args.gbs}) must be a positive multiple of dp (D={args.dp})")
     positive(args.pp, "pp")
-    run = _PlanRun(args, Planner(layout, model, options), model)
+    planner = Planner(layout, model, options)
+    table = None
+    if args.cost_table:
+        table = costmodel.load_table(args.cost_table, HardwareProfile.load(args.hardware),
+                                     model.head_dim)
+        planner.set_cost_model(table)
+    run = _PlanRun(args, planner, model, table)
     for step in range(args.steps):
         run.step(step, source.step(args.gbs, context, args.seed, step))
     if args.system == "wlb":
@@ -113,8 +125,8 @@ class _PlanRun:
     memory stays flat over steps): pairs exact, samples (wlb: documents) preserved, and with
     --pp > 1 the modeled 1F1B order of its micro-batches."""
 
-    def __init__(self, args, planner: Planner, model):
-        self.args, self.planner, self.model = args, planner, model
+    def __init__(self, args, planner: Planner, model, table=None):
+        self.args, self.planner, self.model, self.table = args, planner, model, table
         self.metrics, self.hashes, self.tiles = [], [], []
         self.inexact, self.unpreserved = [], []  # why pairs_exact / samples_preserved failed
         self.inputs_docs, self.executed = [], []  # wlb: documents over the whole run
@@ -139,7 +151,7 @@ class _PlanRun:
     def step(self, step: int, seqs) -> None:
         plan = self.planner.plan(seqs)
         if step == 0 and getattr(self.args, "explain", False):
-            self.explained = explain.explain(plan, epsilon=self.args.epsilon)
+            self.explained = explain.explain(plan, epsilon=self.args.epsilon, table=self.table)
         self.metrics.append(plan.metrics())
         self.hashes.append(f"{plan.hash:016x}")
         self.tiles.append(plan.n_tiles)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from libra_ext import costmodel
 from libra_ext.planner import ORDERS
 from libra_ext.simulator.config import SimConfig
 from libra_ext.simulator.hardware import HardwareProfile
@@ -31,6 +32,12 @@ def _add_common(p) -> None:
         "--order", choices=ORDERS,
         help="production order of each step's sequences (overrides the config's order; "
         "default megatron: Megatron-LM's pretraining sampler)",
+    )
+    p.add_argument(
+        "--cost-table",
+        help="plan libra and distca balancing a cost table's predicted time instead of pairs: "
+        "profile (the hardware profile's) or a JSON / YAML file (a table, or a `libra bench "
+        "replay --json` result with an online_table)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -134,6 +141,9 @@ def _config(args) -> SimConfig:
     if args.hardware is not None:
         HardwareProfile.load(args.hardware)  # refuse a bad profile before any work
         cfg.hardware = args.hardware
+    if getattr(args, "cost_table", None):
+        cfg.cost_table = costmodel.load_table(args.cost_table, HardwareProfile.load(cfg.hardware),
+                                              cfg.model.head_dim)
     return cfg
 
 
