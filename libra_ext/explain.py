@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from libra_ext.planner import StepPlan
+from libra_ext.workload import block_pairs
 
 REFINE_MIN_GAIN = 5e-4
 """TAP's refinement stops when a move would gain less than this share of the member mean
@@ -67,7 +68,7 @@ def explain(plan: StepPlan, epsilon: float = 0.02, table=None, top: int = 3) -> 
         longest = int(plan.doc_lengths[docs].max()) if len(docs) else 0
         rows = min(longest, rows_min)
         if table is None:
-            unit = float((longest * (longest + 1) - (longest - rows) * (longest - rows + 1)) // 2)
+            unit = float(block_pairs(longest - rows, longest))
         else:
             unit = table.to_core().rows(longest - rows, longest, 1) if longest else 0.0
         bound = max(mu, unit)
@@ -81,7 +82,7 @@ def explain(plan: StepPlan, epsilon: float = 0.02, table=None, top: int = 3) -> 
                         int(plan.tile_head_count[t]))
             piece = float(work[t])
             if plan.tile_doc_count[t] == 1 and q >= 2 * rows_min:
-                piece = (float((kv * (kv + 1) - (kv - rows_min) * (kv - rows_min + 1)) // 2 * h)
+                piece = (float(block_pairs(kv - rows_min, kv) * h)
                          if table is None else table.to_core().rows(kv - rows_min, kv, h))
             least = min(least, piece)
         excess = peak - mu

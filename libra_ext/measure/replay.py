@@ -317,8 +317,7 @@ def _run(steps_data, layout, model, systems, dev, dtype, backend, progress, orde
                                   PlannerOptions(**SYSTEM_OPTIONS[name], order=order))
                 out = []
                 for seqs in steps_data:
-                    table = {"pairs": None, "profile": prior}.get(cm) if cm != "online" \
-                        else fit.fit()
+                    table = fit.fit() if cm == "online" else (prior if cm == "profile" else None)
                     planner.set_cost_model(table)
                     step = replay_plan(planner.plan(seqs), name, model, timer, progress, rounds)
                     pred = _predicted(step, table)
