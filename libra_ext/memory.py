@@ -23,6 +23,9 @@ estimate is an upper bound when both differ):
 - attention exchange buffers (Libra, DistCA): per layer, what the busiest rank receives and keeps
   for its backward - the moved tiles' Q and K/V prefixes, and the O it computed for them - taken
   from plans of the config's workload.
+- system.attention_memory = rebuild: core attention keeps no O of its own (the kernels' outputs
+  are rebuilt from the layer's output in the backward) and no exchange buffers (the moved tiles'
+  Q/K/V/O are shipped again).
 - logits: the output layer's bf16 logits and the fp32 softmax the cross-entropy keeps, tokens x
   vocab / tp, on the last stage.
 
@@ -80,8 +83,10 @@ def parameter_counts(model: ModelConfig, lay: Layout) -> dict:
     }
 
 
-def activation_bytes_per_token(model: ModelConfig, lay: Layout) -> dict:
-    """Bytes one layer saves for its backward per token of this rank, by part."""
+def activation_bytes_per_token(model: ModelConfig, lay: Layout,
+                               attention_memory: str = "keep") -> dict:
+    """Bytes one layer saves for its backward per token of this rank, by part (with
+    `attention_memory` = rebuild, core attention's O is not kept)."""
     e = DTYPE_BYTES[lay.dtype]
     H, h, hkv, d = model.hidden, model.heads, model.kv_heads, model.head_dim
     T = lay.tp
@@ -91,7 +96,8 @@ def activation_bytes_per_token(model: ModelConfig, lay: Layout) -> dict:
         "qkv": e * (h + 2 * hkv) * d / T,
         "attention_output": e * h * d / T,
         # inside core attention: Q, K, V, O in the Ulysses layout and fp32 softmax statistics
-        "core_attention": e * (2 * h + 2 * hkv) * d / T + 4.0 * h / T,
+        "core_attention": e * ((h if attention_memory == "keep" else 0) + h + 2 * hkv) * d / T
+        + 4.0 * h / T,
     }
     if model.moe_topk > 0:
         k, f = model.moe_topk, model.moe_ffn
@@ -116,8 +122,13 @@ def in_flight(lay: Layout) -> float:
 
 
 def estimate(model: ModelConfig, lay: Layout, recompute: str = "none",
-             recompute_num_layers: int = 1, exchange_bytes_per_layer: float = 0.0) -> dict:
-    """Bytes per GPU, by part, and the total."""
+             recompute_num_layers: int = 1, exchange_bytes_per_layer: float = 0.0,
+             attention_memory: str = "keep") -> dict:
+    """Bytes per GPU, by part, and the total (`attention_memory`: system.attention_memory)."""
+    if attention_memory not in ("keep", "rebuild"):
+        raise ValueError(f"attention_memory must be keep or rebuild, got {attention_memory!r}")
+    if attention_memory == "rebuild":
+        exchange_bytes_per_layer = 0.0  # shipped again in the backward, not kept
     if lay.dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {lay.dtype!r}")
     if recompute not in ("none", "selective", "full"):
@@ -135,7 +146,7 @@ def estimate(model: ModelConfig, lay: Layout, recompute: str = "none",
     optimizer = state * (counts["dense"] / dense_shards + counts["expert"] / expert_shards)
 
     tokens = lay.context / lay.cp  # per rank and micro-batch
-    parts = activation_bytes_per_token(model, lay)
+    parts = activation_bytes_per_token(model, lay, attention_memory)
     per_layer_full = sum(parts.values()) * tokens + exchange_bytes_per_layer
     layers_total = model.layers  # all layers' worth, times the in-flight factor
     flight = in_flight(lay)

@@ -92,6 +92,25 @@ def on_kernel_exit(hook) -> None:
     _KERNEL.on_exit = hook
 
 
+def resize_storage(x: torch.Tensor, nbytes: int) -> int:
+    """Resize x's storage to `nbytes` (0 frees its memory while the tensor, and every tensor
+    sharing the storage, stays; the values are gone); a traffic probe on this thread hears of
+    it (`on_storage_resize`). Returns the size before."""
+    st = x.untyped_storage()
+    before = st.nbytes()
+    st.resize_(nbytes)
+    hook = getattr(_KERNEL, "on_resize", None)
+    if hook is not None:
+        hook(st, before, nbytes)
+    return before
+
+
+def on_storage_resize(hook) -> None:
+    """Call `hook(storage, bytes_before, bytes_after)` when the operator resizes a storage on
+    this thread (`resize_storage`; None: no hook)."""
+    _KERNEL.on_resize = hook
+
+
 class KernelTimer:
     """The time this rank spends inside its attention kernels (every call's forward and its
     backward), apart from the operator's data path and collectives, whose waits follow the

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from libra_ext.attention import counters
 from libra_ext.attention.comm import ByteCounter, all_gather_rows, all_to_all
 from libra_ext.attention.counters import CallCounts, RuntimeStats
 from libra_ext.attention.kernels import Backend
@@ -68,6 +69,13 @@ class ExecEnv:
     kernel_timer: object = None
     """A context-manager factory timing every kernel call's forward and backward
     (`counters.KernelTimer`); None: not timed."""
+    rebuild: bool = False
+    """Keep for backward nothing beside what a plain call keeps (system.attention_memory =
+    rebuild): every kernel output but the layer's, and the inputs of calls on copies of X's
+    rows (local packs, executed units), are freed after the forward and rebuilt in the backward
+    with their values of the forward - the layer's O by the Ulysses all-to-all again from the
+    saved output, the moved units' O and Q / K / V by the pool exchange again, the local packs'
+    by gathers from O and X. Gradients are bit for bit those of keeping them."""
 
 
 class _Call:
@@ -80,6 +88,24 @@ class _Call:
         with torch.enable_grad(), self.timer():
             self.out = env.kernel.attend(*self.leaves, call.seg, env.scale, env.key)
         counts.kernel_calls += 1
+
+    def release(self, inputs: bool = False) -> None:
+        """Free the output's memory (with `inputs`, the inputs' too; the kernel's saved tensors
+        share it) until `restore`."""
+        held = [self.out] + (list(self.leaves) if inputs else [])
+        seen = set()
+        self.held = [x for x in held if not (x.untyped_storage()._cdata in seen or
+                                              seen.add(x.untyped_storage()._cdata))]
+        self.sizes = [counters.resize_storage(x, 0) for x in self.held]
+
+    def restore(self) -> list:
+        """The memory `release` freed, back, to be refilled with the same values: the output
+        and (when released) the inputs q, k, v, each as [rows, d] (`.data`: writing it bumps no
+        version the kernel's saved tensors check)."""
+        for x, n in zip(self.held, self.sizes):
+            counters.resize_storage(x, n)
+        self.held = self.sizes = None
+        return [x.data.view(-1, x.shape[-1]) for x in (self.out,) + self.leaves]
 
     def backward(self, grad, counts: CallCounts) -> tuple:
         """(dq, dk, dv) of the call for output gradient `grad`; the graph is released."""
@@ -184,9 +210,20 @@ class PlannedAttention(torch.autograd.Function):
         ctx.graph = (direct, lpacks, executed, ex)
         ctx.shape = (t, h, k.shape[1], d)
         if C == 1:
-            return direct.out.detach().view(t, h * d)
-        y = _cp_a2a(o.view(C, t, hl, d), C, d, env, "ulysses.o")
-        return y.permute(1, 0, 2, 3).reshape(t, h * d)
+            out = direct.out.detach().view(t, h * d)
+        else:
+            y = _cp_a2a(o.view(C, t, hl, d), C, d, env, "ulysses.o")
+            out = y.permute(1, 0, 2, 3).reshape(t, h * d)
+            del y
+        ctx.rebuild = env.rebuild and (C > 1 or bool(lpacks) or bool(executed))
+        if ctx.rebuild:  # nothing of O kept beside the layer's output, which is saved
+            del o, of
+            if C > 1:
+                direct.release()
+            for call in _moved_calls(lpacks, executed):
+                call.release(inputs=True)
+            ctx.save_for_backward(out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -209,8 +246,10 @@ class PlannedAttention(torch.autograd.Function):
         if not do.is_contiguous():
             do = do.contiguous()
         dof = do.view(-1, d)
+        rebuilt = _rebuild(ctx, direct, lpacks) if ctx.rebuild else None
         if executed:
-            ex.post_grads(dof)
+            ex.post_grads(dof, executed, rebuilt)
+        del rebuilt
         dq, dk, dv = direct.backward(do, counts)
         del direct
         if lpacks or executed:
@@ -224,6 +263,38 @@ class PlannedAttention(torch.autograd.Function):
         if C == 1:
             return dq, dk, dv, None, None
         return _ulysses_out(dq, dk, dv, prog, env, (t, h, hkv, d)) + (None, None)
+
+
+def _moved_calls(lpacks, executed) -> list:
+    """The calls on copies of X's rows: the local packs' and the executed units'."""
+    return [call for _, call in lpacks] + [call for graph in executed for _, call in graph]
+
+
+def _rebuild(ctx, direct, lpacks) -> tuple:
+    """What `ExecEnv.rebuild` released, back with its values of the forward: the layer's O
+    (from the saved output: the Ulysses all-to-all again, into the direct call's memory) and
+    the local packs' outputs and inputs (gathered from O and X). Returns O and X flat (the
+    executed units' are rebuilt by the exchange)."""
+    prog, env = ctx.prog, ctx.env
+    t, h, _, d = ctx.shape
+    C, hl = prog.cp, prog.heads_local
+    (out,) = ctx.saved_tensors
+    if C == 1:
+        of = out.view(-1, d)
+    else:
+        of = direct.restore()[0]
+        send = out.view(t, C, hl, d).transpose(0, 1).contiguous()
+        _a2a(of, send, [t * hl] * C, [t * hl] * C, d, env.cp_group, env, "ulysses.o.rebuild",
+             False)
+        del send
+    x = tuple(_flat(leaf.detach(), d) for leaf in direct.leaves)
+    for p, call in lpacks:
+        ro, rq, rk, rv = call.restore()
+        torch.index_select(of, 0, p.q.idx, out=ro)
+        torch.index_select(x[0], 0, p.q.idx, out=rq)
+        torch.index_select(x[1], 0, p.k.idx, out=rk)
+        torch.index_select(x[2], 0, p.k.idx, out=rv)
+    return (of,) + x
 
 
 def _ulysses_out(dq, dk, dv, prog: SlotProgram, env: ExecEnv, shape) -> tuple:
@@ -340,18 +411,36 @@ class _Exchange:
         of.index_put_((self.prog.send_q.idx,), self.o_recv)
         del self.o_recv, self.o_works
 
-    def post_grads(self, dof) -> None:
+    def post_grads(self, dof, executed: list, rebuilt=None) -> None:
         """dO of the moved units to their executors, last sub-chunk first (the order their
-        backward runs in)."""
+        backward runs in); with `rebuilt` (ExecEnv.rebuild: this rank's O and X flat), their O
+        and Q / K / V too, into the memory of the executed calls (a pack sub-chunk's through
+        buffers its packs gather from)."""
         p = self.prog
         send = dof.index_select(0, p.send_q.idx)
-        self.d_o, self.do_works = {}, {}
+        again = [] if rebuilt is None else [
+            (rebuilt[0].index_select(0, p.send_q.idx), True, "pool.o.rebuild"),
+            (rebuilt[1].index_select(0, p.send_q.idx), True, "pool.q.rebuild"),
+            (rebuilt[2].index_select(0, p.send_kv.idx), False, "pool.k.rebuild"),
+            (rebuilt[3].index_select(0, p.send_kv.idx), False, "pool.v.rebuild")]
+        self.d_o, self.do_works, self.again = {}, {}, {}
         for i in reversed(range(len(p.subchunks))):
             sc = p.subchunks[i]
+            qs = slice(sc.q_send_off, sc.q_send_off + sc.n_q_send)
+            ks = slice(sc.kv_send_off, sc.kv_send_off + sc.n_kv_send)
             self.d_o[i] = self.new(sc.n_q_recv)
-            self.do_works[i] = self._post(self.d_o[i],
-                                          send[sc.q_send_off:sc.q_send_off + sc.n_q_send], sc,
-                                          "pool.do", True, False)
+            works = [self._post(self.d_o[i], send[qs], sc, "pool.do", True, False)]
+            if again:
+                graph = executed[i]
+                if sc.call is not None:  # straight into the call's output and inputs
+                    bufs = graph[0][1].restore()
+                else:
+                    bufs = [self.new(sc.n_q_recv if q else sc.n_kv_recv) if graph else
+                            self.new(0) for _, q, _ in again]
+                self.again[i] = bufs
+                works += [self._post(buf, x[qs if q else ks], sc, kind, q, False)
+                          for buf, (x, q, kind) in zip(bufs, again)]
+            self.do_works[i] = works
 
     def return_grads(self, executed: list, counts: CallCounts) -> None:
         """Each sub-chunk's kernel backward on this executor (last first), its dQ / dK / dV
@@ -362,8 +451,15 @@ class _Exchange:
         self.ret_works = []
         for i in reversed(range(len(p.subchunks))):
             sc, graph = p.subchunks[i], executed[i]
-            _wait([self.do_works[i]], self.env)
+            _wait(self.do_works[i], self.env)
             g = self.d_o.pop(i)
+            bufs = self.again.pop(i, None)
+            if bufs is not None and sc.call is None:  # the packs' from what arrived
+                for pk, call in graph:
+                    for dst, src, idx in zip(call.restore(), bufs,
+                                             (pk.q.idx, pk.q.idx, pk.k.idx, pk.k.idx)):
+                        torch.index_select(src, 0, idx, out=dst)
+            del bufs
             if sc.call is not None:
                 gq, gk, gv = graph[0][1].backward(g.view(-1, sc.call.hc, d), counts)
                 gq, gk, gv = gq.view(-1, d), gk.view(-1, d), gv.view(-1, d)
@@ -379,7 +475,7 @@ class _Exchange:
                                self._post(self.dk_ret[ks], gk, sc, "pool.dk", False, True),
                                self._post(self.dv_ret[ks], gv, sc, "pool.dv", False, True)]
             executed[i] = None
-        del self.d_o, self.do_works
+        del self.d_o, self.do_works, self.again
 
     def add_returned(self, dqf, dkf, dvf) -> None:
         """The gradients of this rank's moved units: dQ written (each query vector ran once),

@@ -115,6 +115,16 @@ def op_bytes(func, args, kwargs, out, on) -> int:
     return read + sum(nbytes(o) for o in outs)
 
 
+def resized(holders: dict, storage, before: int, after: int) -> int:
+    """A probe's live bytes change when a storage it counts (`holders`: storage key -> bytes)
+    is freed or grown back in place (`counters.resize_storage`); 0 for one it does not."""
+    key = storage._cdata
+    if key not in holders:
+        return 0
+    holders[key] = after
+    return after - before
+
+
 @dataclass
 class Phase:
     ops: int = 0
@@ -141,11 +151,17 @@ class TrafficProbe(TorchDispatchMode):
 
     def __enter__(self):
         counters.on_kernel_exit(self._note_peak)
+        counters.on_storage_resize(self._resized)
         return super().__enter__()
 
     def __exit__(self, *exc):
         counters.on_kernel_exit(None)
+        counters.on_storage_resize(None)
         return super().__exit__(*exc)
+
+    def _resized(self, storage, before: int, after: int) -> None:
+        self.live += resized(self._holders, storage, before, after)
+        self._note_peak()
 
     def on(self, t) -> bool:
         return isinstance(t, torch.Tensor) and t.device.type == self.device_type

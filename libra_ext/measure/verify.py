@@ -65,6 +65,7 @@ class VerifyConfig:
     lengths: tuple = ()  # document lengths to draw from; empty: built-in edge cases
     fill: bool = False  # with lengths: fill every sequence to the context (no early stop)
     dtype: str = "float32"
+    rebuild: bool = False  # system.attention_memory = rebuild
 
 
 def make_batch(cfg: VerifyConfig, dp: int, batch: int) -> list[list[int]]:
@@ -143,10 +144,11 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
     report = {"rank": rank, "cases": []}
     for system in cfg.systems:
         for pipelined in cfg.pipelined:
-            runtime = Runtime(groups=groups, chunks=cfg.chunks, pipelined=pipelined)
+            runtime = Runtime(groups=groups, chunks=cfg.chunks, pipelined=pipelined,
+                              rebuild=cfg.rebuild)
             runtime.stats.count_host = True
             err_out = err_grad = 0.0
-            sent = planned = 0
+            sent = planned = rebuilt = 0
             figures: dict = {}
             for batch in range(cfg.batches):
                 seqs = make_batch(cfg, D, batch)
@@ -191,7 +193,10 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
                     for got, want in ((ql.grad, ref_dq), (kl.grad, ref_dk), (vl.grad, ref_dv)):
                         diff = (got - want[take] * real[:, None, None]).abs().max()
                         err_grad = max(err_grad, float(diff))
-                sent += runtime.counter.total("pool")
+                again = sum(n for k, n in runtime.counter.sent.items()
+                            if k.startswith("pool") and k.endswith(".rebuild"))
+                sent += runtime.counter.total("pool") - again  # (what the plan promises)
+                rebuilt += again
                 planned += int(plan.rank_bytes_sent[r, c])
             report["cases"].append(
                 {
@@ -201,6 +206,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
                     "max_abs_err_grad": err_grad,
                     "bytes_sent": sent,
                     "bytes_planned": planned,
+                    "bytes_rebuilt": rebuilt,
                     **runtime.stats.summary(),
                     **{k: figures.get(k, 0) for k in LAYER_FIGURES},
                 }
@@ -234,6 +240,7 @@ def run(cfg: VerifyConfig, tol: float = 1e-5) -> dict:
                 "max_abs_err_grad": max(p["max_abs_err_grad"] for p in per),
                 "bytes_sent": [p["bytes_sent"] for p in per],
                 "bytes_planned": [p["bytes_planned"] for p in per],
+                "bytes_rebuilt": [p["bytes_rebuilt"] for p in per],
                 **{k: max(p[k] for p in per) for k in COUNTERS + LAYER_FIGURES},
             }
         )

@@ -87,6 +87,14 @@ class SystemConfig(PlannerKnobs):
     attention_backend: str = "auto"
     """Attention kernel: auto (best available: te > flash > varlen > reference, one log line
     says which and why) or one of te, flash, varlen, reference to force it."""
+    attention_memory: str = "keep"
+    """What the attention operator keeps for backward. keep: every kernel keeps its output and
+    inputs; at cp > 1 that is the layer's O twice (the kernel's before the Ulysses all-to-all
+    back, and the layer's output: ~0.8x the layer's Q/K/V more than a plain call) and, for
+    moved tiles, their Q/K/V/O on the executor beside the owner's. rebuild: no more than a
+    plain call (its Q/K/V and the layer's output): the rest is freed after the forward and
+    rebuilt in the backward - one more all-to-all of O over the CP group, and the moved tiles'
+    Q/K/V/O shipped again in the exchange pool; identical results."""
     pp_order: str = "none"
     """With pipeline parallelism: none (micro-batches in the plan's slot order) or balanced
     (each exchange pool's slots reordered to shorten the modeled 1F1B step; the same samples,
@@ -118,6 +126,9 @@ class SystemConfig(PlannerKnobs):
         if self.cost_fit_interval < 1:
             raise ValueError(f"{name('system.cost_fit_interval')} must be >= 1, got "
                              f"{self.cost_fit_interval}")
+        if self.attention_memory not in ("keep", "rebuild"):
+            raise ValueError(f"{name('system.attention_memory')} must be keep or rebuild, got "
+                             f"{self.attention_memory!r}")
         if self.attention_backend not in ("auto",) + BACKENDS:
             raise ValueError(
                 f"{name('system.attention_backend')} must be auto or one of {', '.join(BACKENDS)}, "

@@ -93,6 +93,27 @@ def test_exchanging_layouts_stay_within_their_bounds_of_ulysses(report):
             assert abs(ops["cp2-pool8"][1] - ops["cp2-pool2"][1]) <= 4, (system, kernel, ops)
 
 
+def test_rebuilding_keeps_what_a_plain_call_keeps_at_every_layout(report):
+    # system.attention_memory = rebuild: the kernels' outputs and the moved units' inputs are
+    # freed after the forward and rebuilt in the backward - every system then keeps what a
+    # plain call keeps, and pays for it in bytes within its own bounds
+    assert set(report["rebuild"]) == {f"{s}/varlen-2.13/{lay}" for s in gate.REBUILDING
+                                      for lay in gate.LAYOUTS if gate.LAYOUTS[lay][1] > 1}
+    plain = report["plain"]["varlen-2.13"]
+    for key, ranks in report["rebuild"].items():
+        system = key.split("/")[0]
+        ulysses = report["rebuild"][f"ulysses/{key.split('/', 1)[1]}"]
+        u = max(x["extra_over_qkv"] for x in ulysses.values())
+        kept = report["operator"][key]
+        for rank, r in ranks.items():
+            assert "error" not in r and r["host_reads"] == [], (key, rank)
+            assert r["kept"] <= gate.KEPT_BOUND * plain["kept"], (key, rank, r["kept"])
+            assert r["kept"] < kept[rank]["kept"] - 0.7, (key, rank)  # O at least, freed
+            bound = (gate.EXTRA_BOUND_ULYSSES_REBUILD if system == "ulysses"
+                     else gate.PEER_BOUND_REBUILD * u)
+            assert r["extra_over_qkv"] <= bound, (key, rank)
+
+
 def test_a_drop_in_call_without_a_plan_uploads_once_per_micro_batch(report):
     # Megatron's cu_seqlens only (a plain PackedSeqParams, no step plan): per-document CP
     # compiles and uploads its program at the first layer and every later layer reuses it

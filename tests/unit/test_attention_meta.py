@@ -48,7 +48,7 @@ def _local(x, idx):
     return pad[torch.as_tensor(np.where(idx >= 0, idx, len(x)))].clone()
 
 
-def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True):
+def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True, rebuild=False):
     """Forward and backward of every rank of replica's exchange pool for `slot`, each a thread.
     Returns {(member, cp rank): (program, output, (dq, dk, dv), counter)} and per member the
     sequence's (lengths, q, k, v, dout)."""
@@ -81,7 +81,7 @@ def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True):
         leaves = [_local(x, idx).requires_grad_() for x in (q, k, v)]
         env = ExecEnv(kernel=kernels.ReferenceBackend(), scale=SCALE, cp_group=cp_groups[m],
                       pool_group=pool_groups[c] if px > 1 else None, counter=ByteCounter(),
-                      stats=RuntimeStats(), pipelined=pipelined)
+                      stats=RuntimeStats(), pipelined=pipelined, rebuild=rebuild)
         fn = PerDocAttention if isinstance(prog, meta.WlbProgram) else PlannedAttention
         out = fn.apply(*leaves, prog, env)
         g = _local(dout, idx)
@@ -159,6 +159,40 @@ def test_every_rank_of_a_pool_gets_exact_attention_and_gradients(system, data):
         assert len(prog.calls) <= 3 + 2 * len(prog.subchunks)
         assert len(prog.subchunks) <= 2 * chunks
         assert px > 1 or not prog.subchunks
+
+
+@pytest.mark.parametrize("system", ["libra", "distca", "ulysses"])
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_rebuilt_outputs_give_the_same_bits_and_ship_o_once_more(system, data):
+    """ExecEnv.rebuild: the kernels' O freed after the forward and rebuilt in the backward -
+    outputs and gradients bit for bit those of keeping it; the rebuild sends O over the CP
+    group as dO goes (the layer's O) and, in the pool, the moved units' O and Q / K / V as in
+    the forward."""
+    layout, model = data.draw(layouts(max_dp=4))
+    seqs = data.draw(step_inputs(layout))
+    opts = PlannerOptions(system=system, head_group=data.draw(st.sampled_from([0, 1])))
+    plan = Planner(layout, model, opts).plan(seqs, flush=True)
+    chunks = data.draw(st.integers(1, 3))
+    replica = data.draw(st.integers(0, layout.dp - 1))
+    slot = data.draw(st.integers(0, plan.slots - 1))
+    hkv = _kv_heads(layout, model)
+    kept, _ = run_pool(plan, replica, slot, chunks, hkv)
+    rebuilt, _ = run_pool(plan, replica, slot, chunks, hkv, rebuild=True)
+    for mc, (_, out, grads, counter, _) in rebuilt.items():
+        _, out0, grads0, counter0, _ = kept[mc]
+        assert torch.equal(out, out0), mc
+        for g, g0 in zip(grads, grads0):
+            assert torch.equal(g, g0), mc
+        extra = {k: v - counter0.sent.get(k, 0) for k, v in counter.sent.items()
+                 if v != counter0.sent.get(k, 0)}
+        want = {}
+        if counter0.sent.get("ulysses.o.bwd"):  # as dO goes, O goes
+            want["ulysses.o.rebuild"] = counter0.sent["ulysses.o.bwd"]
+        for kind, like in (("o", "do"), ("q", "q"), ("k", "k"), ("v", "v")):
+            if counter0.sent.get(f"pool.{like}"):  # moved units' O and inputs again
+                want[f"pool.{kind}.rebuild"] = counter0.sent[f"pool.{like}"]
+        assert extra == want, (mc, extra, want)
 
 
 def _scaled_preset_plan(preset_docs, system="libra", dp=4, pool=4, cp=2, context=4096, **kw):

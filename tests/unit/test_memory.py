@@ -55,6 +55,18 @@ def test_the_cluster_configs_fit_an_h200_with_their_recompute(name, world, capsy
     assert "pool exchange kept per layer 0.000 GB" in text and "fits in 141 GB" in text
 
 
+def test_rebuilding_attention_memory_keeps_no_o_and_no_exchange_buffers():
+    lay = Layout(cp=8, dp=16, ep=8, context=262_144, micro_batches=8)
+    keep = estimate(QWEN, lay, "none", 1, 4e8)
+    lean = estimate(QWEN, lay, "none", 1, 4e8, attention_memory="rebuild")
+    o = 2 * QWEN.heads * QWEN.head_dim * lay.context / lay.cp  # bf16 O per layer
+    assert keep["activations_bytes"] - lean["activations_bytes"] == pytest.approx(
+        (o + 4e8) * QWEN.layers)
+    assert lean["exchange_bytes_per_layer"] == 0
+    with pytest.raises(ValueError, match="attention_memory must be keep or rebuild"):
+        estimate(QWEN, lay, attention_memory="some")
+
+
 def test_memory_cli_refuses_a_bad_layout(capsys):
     base = ["memory", "--config", "configs/train/qwen3_30b_a3b_256k.yaml"]
     assert main(base + ["--world", "100"]) != 0

@@ -68,7 +68,8 @@ def run_memory(args) -> dict | None:
     )
     m = cfg.model
     rows = {
-        mode: estimate(m, lay, mode, m.recompute_num_layers, exchange)
+        mode: estimate(m, lay, mode, m.recompute_num_layers, exchange,
+                       cfg.system.attention_memory)
         for mode in dict.fromkeys(["none", m.recompute])
     }
     limit = hw.memory_gb * 1e9 if hw.memory_gb is not None else None
@@ -82,6 +83,7 @@ def run_memory(args) -> dict | None:
         "hardware": hw.name,
         "memory_gb": hw.memory_gb,
         "recompute": m.recompute,
+        "attention_memory": cfg.system.attention_memory,
         "estimates": {
             mode: {**r, "fits": None if limit is None else r["total_bytes"] <= limit}
             for mode, r in rows.items()

@@ -21,12 +21,17 @@ from 50 to 500 documents per sequence. Training: one step of the app's Trainer (
 GPTModel and schedule) per system at one rank, and the MULTI_RANK scenarios (cp 2 per system;
 dp 2 / ep 2 with Libra's MoE balancer), each rank a process.
 
+Rebuild: the same layer call of libra, distca and ulysses at the exchanging layouts with
+system.attention_memory = rebuild (through one stand-in), reported under "rebuild".
+
 Bounds (each constant below says what was measured): no errors (a device mismatch, a stand-in
 refusing its arguments), no host reads, no blocking transfers and no host-to-device copies
 inside a call, one pinned non-blocking upload per slot per step; at one rank extra bytes, kept
 and peak as a plain call's (EXTRA_BOUND_SINGLE, KEPT_BOUND, PEAK_BOUND) and the modeled overhead
 (MODELED_OVERHEAD_BOUND); where ranks exchange, Ulysses's absolute bounds and its peers' against
-Ulysses's (PEER_BOUND, OPS_BOUND, KEPT_PEER_EXTRA, PEAK_PEER_EXTRA), for every kernel; at most
+Ulysses's (PEER_BOUND, OPS_BOUND, KEPT_PEER_EXTRA, PEAK_PEER_EXTRA), for every kernel; with
+rebuild, kept as at one rank for every system (EXTRA_BOUND_ULYSSES_REBUILD, PEER_BOUND_REBUILD
+for the bytes that costs); at most
 GROWTH_BOUND x the device ops from 50 to 500 documents; in training steps, inherent host reads
 and uploads only as ALLOWED_READS and ALLOWED_UPLOADS bound them. `run(...)` returns the report;
 `check(report)` lists what fails.
@@ -96,6 +101,19 @@ KEPT_PEER_EXTRA = 1.1
 """Libra, DistCA and WLB-LLM where ranks exchange: kept bytes at most Ulysses's + this many
 times Q/K/V (what the moved units keep on their executor: their received Q/K/V and O;
 measured at most +1.05)."""
+EXTRA_BOUND_ULYSSES_REBUILD = 9.0
+"""Ulysses with system.attention_memory = rebuild (the "rebuild" scenarios): extra device bytes
+at most this many times its Q/K/V - EXTRA_BOUND_ULYSSES's copies plus one layout copy of the
+layer's output before its all-to-all back to the kernel's layout (2 x O; measured 8.81). There
+every system keeps at most KEPT_BOUND x a plain call's bytes (measured ulysses and distca 1.01,
+libra 1.02, against 1.81 / 1.98-2.14 / 2.65-2.86 keeping them)."""
+PEER_BOUND_REBUILD = 2.25
+"""Libra, DistCA and WLB-LLM with rebuild: extra device bytes at most this many times Ulysses's
+(also rebuilding) at the same layout: PEER_BOUND's, plus the moved units' O and Q / K / V
+gathered again for the pool (measured libra 1.86 / 2.01, distca 1.25 / 1.64 at pool 2 / 8)."""
+REBUILDING = ("libra", "distca", "ulysses")
+"""The systems whose kernels' outputs system.attention_memory = rebuild releases (wlb's per-
+document CP returns its kernel's output as the layer's)."""
 PEAK_BOUND = 4.0
 """At one rank, peak device bytes of a layer call (forward and backward) at most this many
 times its Q/K/V, for every kernel, torch 2.11's varlen_attn included (measured 3.63)."""
@@ -210,10 +228,12 @@ def _exchanged_bytes(plan, replica: int, shape: Shape) -> int:
     return total * es
 
 
-def _rank_call(probe, plan, system: str, backend: str, groups, shape: Shape, chunks: int = 2):
-    """One layer call (forward + backward) of rank (groups.r, groups.c) for slot 0."""
+def _rank_call(probe, plan, system: str, backend: str, groups, shape: Shape, chunks: int = 2,
+               rebuild: bool = False):
+    """One layer call (forward + backward) of rank (groups.r, groups.c) for slot 0 (with
+    `rebuild`: system.attention_memory = rebuild)."""
 
-    runtime = Runtime(groups=groups, chunks=chunks, backend=backend)
+    runtime = Runtime(groups=groups, chunks=chunks, backend=backend, rebuild=rebuild)
     staged, compile_ms = _compiled(plan, groups, chunks)
     upload = probe.start("upload")
     steps = runtime.prepare(plan, "cuda", staged)
@@ -497,8 +517,11 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
                          "kept_exchange": KEPT_BOUND_EXCHANGE, "kept_peer": KEPT_PEER_EXTRA,
                          "peak": PEAK_BOUND, "peak_exchange": PEAK_BOUND_EXCHANGE,
                          "peak_peer": PEAK_PEER_EXTRA, "growth": GROWTH_BOUND,
-                         "modeled_overhead": MODELED_OVERHEAD_BOUND},
-              "operator": {}, "plain": {}, "growth": {}, "drop_in": {}, "trainer": {}}
+                         "modeled_overhead": MODELED_OVERHEAD_BOUND,
+                         "extra_ulysses_rebuild": EXTRA_BOUND_ULYSSES_REBUILD,
+                         "extra_peer_rebuild": PEER_BOUND_REBUILD},
+              "operator": {}, "rebuild": {}, "plain": {}, "growth": {}, "drop_in": {},
+              "trainer": {}}
     with harness.fake_cuda() as probe, standins.fake_collectives():
         for name in standin_names:
             with standins.use_backend(name) as backend:
@@ -511,6 +534,11 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
                         report["operator"][f"{system}/{name}/{lay}"] = _layout_calls(
                             probe, system, backend, LAYOUTS[lay], shape, docs=500)
         with standins.use_backend(growth_standin) as backend:
+            for system in set(systems) & set(REBUILDING):
+                for lay in layouts:
+                    if LAYOUTS[lay][1] > 1:
+                        report["rebuild"][f"{system}/{growth_standin}/{lay}"] = _layout_calls(
+                            probe, system, backend, LAYOUTS[lay], shape, docs=500, rebuild=True)
             if "wlb" in systems:
                 for lay in layouts:
                     report["drop_in"][f"wlb/{lay}"] = _drop_in_calls(probe, backend,
@@ -537,7 +565,7 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
     return report
 
 
-def _layout_calls(probe, system, backend, layout, shape, docs) -> dict:
+def _layout_calls(probe, system, backend, layout, shape, docs, rebuild=False) -> dict:
     dp, cp, _ = layout
     try:
         plan = _plan(system, layout, shape, docs)
@@ -548,7 +576,8 @@ def _layout_calls(probe, system, backend, layout, shape, docs) -> dict:
         for c in range(cp):
             try:
                 ranks[f"{r}.{c}"] = _rank_call(probe, plan, system, backend,
-                                               standins.FakeGroups(dp, cp, r, c), shape)
+                                               standins.FakeGroups(dp, cp, r, c), shape,
+                                               rebuild=rebuild)
             except Exception as e:  # noqa: BLE001
                 ranks[f"{r}.{c}"] = _failure(e)
     return ranks
@@ -630,15 +659,17 @@ def _worst_of(ranks: dict, field: str):
     return max(vals) if vals and len(vals) == len(ranks) else None
 
 
-def _cost_failures(report: dict, key: str, where: str, r: dict) -> list[str]:
+def _cost_failures(report: dict, key: str, where: str, r: dict,
+                   section: str = "operator") -> list[str]:
     """A rank's extra device bytes, device ops and memory against the bounds: absolute at one
     rank (kept against a plain call's), Ulysses's absolute where ranks exchange, and its peers'
-    against Ulysses's at the same kernel and layout."""
+    against Ulysses's at the same kernel and layout (in the same `section` of the report:
+    "rebuild" for system.attention_memory = rebuild)."""
     system, kernel, layout = key.split("/")
     bad = []
     x = r["extra_over_qkv"]
     plain = report["plain"].get(kernel, {})
-    ulysses = report["operator"].get(f"ulysses/{kernel}/{layout}", {})
+    ulysses = report[section].get(f"ulysses/{kernel}/{layout}", {})
     if layout == "single":
         if x > EXTRA_BOUND_SINGLE:
             bad.append(f"{where}: {x:.2f}x Q/K/V extra device bytes (bound "
@@ -650,21 +681,30 @@ def _cost_failures(report: dict, key: str, where: str, r: dict) -> list[str]:
             bad.append(f"{where}: peaks at {r['peak']:.2f}x its Q/K/V (bound {PEAK_BOUND})")
         return bad
     if system == "ulysses":
-        for name, value, bound in (("extra device bytes", x, EXTRA_BOUND_ULYSSES),
-                                   ("kept for backward", r["kept"], KEPT_BOUND_EXCHANGE),
-                                   ("peak", r["peak"], PEAK_BOUND_EXCHANGE)):
+        rebuilt = section == "rebuild"
+        for name, value, bound in (
+                ("extra device bytes", x,
+                 EXTRA_BOUND_ULYSSES_REBUILD if rebuilt else EXTRA_BOUND_ULYSSES),
+                ("kept for backward", r["kept"],
+                 KEPT_BOUND * plain.get("kept", math.inf) if rebuilt else KEPT_BOUND_EXCHANGE),
+                ("peak", r["peak"], PEAK_BOUND_EXCHANGE)):
             if value > bound:
                 bad.append(f"{where}: {name} {value:.2f}x its Q/K/V (bound {bound})")
         return bad
     if not ulysses:
         return bad
-    checks = [("extra device bytes", x, _worst_of(ulysses, "extra_over_qkv"), PEER_BOUND, "x"),
+    rebuilt = section == "rebuild"
+    checks = [("extra device bytes", x, _worst_of(ulysses, "extra_over_qkv"),
+               PEER_BOUND_REBUILD if rebuilt else PEER_BOUND, "x"),
               ("device ops in fwd", r["device_ops_fwd"], _worst_of(ulysses, "device_ops_fwd"),
                OPS_BOUND, "x"),
               ("device ops in bwd", r["device_ops_bwd"], _worst_of(ulysses, "device_ops_bwd"),
                OPS_BOUND, "x"),
               ("kept for backward", r["kept"], _worst_of(ulysses, "kept"), KEPT_PEER_EXTRA, "+"),
               ("peak", r["peak"], _worst_of(ulysses, "peak"), PEAK_PEER_EXTRA, "+")]
+    if rebuilt and "kept" in plain and r["kept"] > KEPT_BOUND * plain["kept"]:
+        bad.append(f"{where}: keeps {r['kept']:.2f}x its Q/K/V for backward, over "
+                   f"{KEPT_BOUND} x a plain call's {plain['kept']:.2f}x")
     for name, value, ref, bound, how in checks:
         if ref is None:
             continue
@@ -681,14 +721,15 @@ def check(report: dict) -> list[str]:
     for name, r in report["plain"].items():
         if "error" in r:
             bad.append(f"plain/{name}: {r['error']} at {r['where']}")
-    for key, ranks in report["operator"].items():
-        for rank, r in ranks.items():
-            where = f"{key} rank {rank}"
-            if "error" in r:
-                bad.append(f"{where}: {r['error']} at {r['where']}")
-                continue
-            bad += _transfer_failures(where, r, "inside the call")
-            bad += _cost_failures(report, key, where, r)
+    for section in ("operator", "rebuild"):
+        for key, ranks in report.get(section, {}).items():
+            for rank, r in ranks.items():
+                where = f"{key}{' (rebuild)' if section == 'rebuild' else ''} rank {rank}"
+                if "error" in r:
+                    bad.append(f"{where}: {r['error']} at {r['where']}")
+                    continue
+                bad += _transfer_failures(where, r, "inside the call")
+                bad += _cost_failures(report, key, where, r, section)
     for key, ranks in report["drop_in"].items():
         for rank, r in ranks.items():
             if "error" in r:
@@ -745,17 +786,19 @@ def summary(report: dict) -> str:
              f"{report['shape']['heads']}/{report['shape']['kv_heads']} heads x "
              f"{report['shape']['head_dim']}, {report['shape']['dtype']}: per layer call, the "
              "worst rank"]
-    lines.append(f"  {'system/kernel/layout':34s} {'ops fwd/bwd':>11s} {'kernels':>7s} "
+    lines.append(f"  {'system/kernel/layout':38s} {'ops fwd/bwd':>11s} {'kernels':>7s} "
                  f"{'reads':>5s} {'blocking':>8s} {'uploads':>7s} {'extra':>7s} {'kept':>5s} "
                  f"{'peak':>5s} {'KiB/slot':>8s} {'ms/slot':>7s}")
-    for key, ranks in report["operator"].items():
+    rows = list(report["operator"].items())
+    rows += [(f"{key}+rebuild", ranks) for key, ranks in report.get("rebuild", {}).items()]
+    for key, ranks in rows:
         ok, err = _worst(ranks)
         if err:
-            lines.append(f"  {key:34s} {err}")
+            lines.append(f"  {key:38s} {err}")
             continue
         ops = f"{max(r['device_ops_fwd'] for r in ok)}/{max(r['device_ops_bwd'] for r in ok)}"
         lines.append(
-            f"  {key:34s} {ops:>11s} "
+            f"  {key:38s} {ops:>11s} "
             f"{max(r['kernel_calls'] for r in ok):7d} {max(len(r['host_reads']) for r in ok):5d} "
             f"{max(len(r['blocking_transfers']) for r in ok):8d} "
             f"{max(r['uploads'] for r in ok):7d} {max(r['extra_over_qkv'] for r in ok):6.2f}x "
@@ -765,7 +808,7 @@ def summary(report: dict) -> str:
     for name, r in report["plain"].items():
         if "error" not in r:
             ops = f"{r['device_ops_fwd']}/{r['device_ops_bwd']}"
-            lines.append(f"  {'plain varlen call/' + name:34s} {ops:>11s} {2:7d} {0:5d} {0:8d} "
+            lines.append(f"  {'plain varlen call/' + name:38s} {ops:>11s} {2:7d} {0:5d} {0:8d} "
                          f"{0:7d} {r['extra_over_qkv']:6.2f}x {r['kept']:5.2f} {r['peak']:5.2f}")
     for key, ranks in report["drop_in"].items():
         ok = [r for r in ranks.values() if "error" not in r]

@@ -37,6 +37,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from libra_ext.attention import counters
 from libra_ext.measure import traffic
 
 SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
@@ -226,6 +227,19 @@ class Probe(TorchDispatchMode):
         """Record the live device tensors (bytes, op, where) at each phase's peak."""
         self._alive: dict = {}
         self._holders: dict = {}  # live storage -> its bytes
+
+    def __enter__(self):
+        counters.on_storage_resize(self._resized)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        counters.on_storage_resize(None)
+        return super().__exit__(*exc)
+
+    def _resized(self, storage, before: int, after: int) -> None:
+        self.live += traffic.resized(self._holders, storage, before, after)
+        ph = self.current()
+        ph.peak_live = max(ph.peak_live, self.live)
 
     def start(self, name: str) -> Phase:
         """Begin phase `name` (events and the peak are attributed to it until the next; a
