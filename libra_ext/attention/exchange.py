@@ -209,19 +209,20 @@ class PlannedAttention(torch.autograd.Function):
         ctx.prog, ctx.env = prog, env
         ctx.graph = (direct, lpacks, executed, ex)
         ctx.shape = (t, h, k.shape[1], d)
+        ctx.rebuild = env.rebuild and (C > 1 or bool(lpacks) or bool(executed))
+        if ctx.rebuild:  # each freed as soon as O holds what it was needed for
+            for call in _moved_calls(lpacks, executed):
+                call.release(inputs=True)
         if C == 1:
             out = direct.out.detach().view(t, h * d)
         else:
             y = _cp_a2a(o.view(C, t, hl, d), C, d, env, "ulysses.o")
+            if ctx.rebuild:
+                del o, of
+                direct.release()
             out = y.permute(1, 0, 2, 3).reshape(t, h * d)
             del y
-        ctx.rebuild = env.rebuild and (C > 1 or bool(lpacks) or bool(executed))
         if ctx.rebuild:  # nothing of O kept beside the layer's output, which is saved
-            del o, of
-            if C > 1:
-                direct.release()
-            for call in _moved_calls(lpacks, executed):
-                call.release(inputs=True)
             ctx.save_for_backward(out)
         return out
 
