@@ -343,8 +343,8 @@ class Planner:
 
     def set_cost_model(self, table) -> None:
         """Balance `table`'s predicted time (a `costmodel.CostTable`) from the next plan on, or
-        causal pairs with None. Only libra and distca balance attention work; the others' plans
-        do not change."""
+        causal pairs with None. libra and distca balance attention work, wlb packs documents by
+        it; ulysses plans do not change."""
         self._options.cost = _core.CostModel() if table is None else table.to_core()
         self._options.validate()
 

@@ -808,7 +808,8 @@ void add_group_loads(const StepPlan& p, const CostModel& m, std::size_t g, const
 // the tiles' groups already summed them (TAP), else they are summed here from the tile arrays,
 // the same way.
 void compute_metrics(StepPlan& p, const CostModel& cost, const std::vector<i64>& input_pairs,
-                     SampleOrder order, i64 micro_batch, i64 longest, GroupLoads* known) {
+                     SampleOrder order, i64 micro_batch, i64 longest, GroupLoads* known,
+                     const std::vector<double>* input_work = nullptr) {
   const i64 C = p.cp, m = p.slots, P = p.pool;
   p.rank_load.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   std::optional<GroupLoads> own;
@@ -846,9 +847,11 @@ void compute_metrics(StepPlan& p, const CostModel& cost, const std::vector<i64>&
   // Before: the input in Megatron's production order under Ulysses (no balancing, no moves).
   p.rank_load_before.assign(static_cast<std::size_t>(p.dp * C), 0.0);
   std::vector<double> group_before(p.group_load.size(), 0.0);
-  // (with a cost model the input is the executed sequences: only libra and distca take one)
+  // with a cost model, the input priced: given where the plan repacked it (wlb), else the
+  // executed sequences are the input (libra, distca)
   const std::vector<double> before_work =
-      cost.active() ? sequence_work(p, input_pairs, cost) : std::vector<double>();
+      !cost.active() ? std::vector<double>()
+      : input_work != nullptr ? *input_work : sequence_work(p, input_pairs, cost);
   for (std::size_t s = 0; s < input_pairs.size(); ++s) {
     const double f =
         cost.active() ? before_work[s]
@@ -960,6 +963,7 @@ struct StepBuilder {
   i64 hg = 0;       // heads per tile
   StepPlan p;
   std::vector<i64> input_pairs;  // causal pairs of each input sequence
+  std::vector<double> input_work;  // with a cost model and a repacked input (wlb): its price
   VrspPlacement placement;
   PlacementBounds bounds;
   i64 longest = 0;                      // the longest executed document
@@ -983,7 +987,7 @@ struct StepBuilder {
     p.dtype_bytes = options.dtype_bytes;
     if (opt.block == 0) opt.block = std::max<i64>(1024, layout.context / 16);
     // only the systems that balance attention work take a cost model
-    if (options.system != System::Libra && options.system != System::Distca) opt.cost = CostModel{};
+    if (options.system == System::Ulysses) opt.cost = CostModel{};
     opt.cost.prepare();  // O(1) segment prices for this step
     hg = opt.head_group > 0 ? std::min(opt.head_group, p.heads_local) : p.heads_local;
   }
@@ -1018,13 +1022,21 @@ struct StepBuilder {
     check_budget(docs);
     input_pairs = pairs_of(sequences);
     phase_done(PlanPhase::Input);
+    if (opt.cost.active()) {  // the input as Ulysses would run it, priced (the metrics' before)
+      input_work.assign(sequences.size(), 0.0);
+      for (std::size_t q = 0; q < sequences.size(); ++q)
+        for (const i64* len = sequences.begin(q); len != sequences.end(q); ++len)
+          input_work[q] += opt.cost.segment(*len, *len, p.heads_local);
+    }
     wlb_pack(p, sequences, opt, state, flush);
     workers = plan_workers(options, p.doc_lengths.size());
     std::vector<i64> executed(static_cast<std::size_t>(p.n_seq()), 0);
     for (i64 s = 0; s < p.n_seq(); ++s)
       for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
         executed[s] += causal_pairs(p.doc_lengths[d]);
-    const std::vector<double> loads = sequence_flops(p, executed);
+    if (opt.cost.active()) opt.cost.prepare_documents(p.doc_lengths.data(), p.doc_lengths.size());
+    const std::vector<double> loads =
+        opt.cost.active() ? sequence_work(p, executed, opt.cost) : sequence_flops(p, executed);
     placement = production_place(loads, p.dp, p.pool, p.slots, SampleOrder::Megatron,
                                  1);  // wlb_pack's round robin
     bounds = placement_bounds(loads, p.dp, p.pool, p.slots);
@@ -1112,7 +1124,7 @@ struct StepBuilder {
     if (!tap_loads) build_exchange(p, workers);
     phase_done(PlanPhase::Exchange);
     compute_metrics(p, opt.cost, input_pairs, options.order, options.micro_batch, longest,
-                    tap_loads ? &*tap_loads : nullptr);
+                    tap_loads ? &*tap_loads : nullptr, input_work.empty() ? nullptr : &input_work);
     phase_done(PlanPhase::Metrics);
     p.hash = p.compute_hash(workers, digests);
     phase_done(PlanPhase::Hash);

@@ -40,15 +40,27 @@ void heaviest_first(std::vector<Doc>& docs) {
 }
 
 // The step's buckets (one per (replica, slot)) and WLB-LLM's workload-aware packing into them.
+// A document's attention work as the packing balances it: its causal pairs, or with a cost
+// table its predicted time as one segment over the replica's heads (cost.h).
+struct DocWork {
+  const CostModel& cost;
+  i64 heads;
+  double operator()(i64 len) const {
+    return cost.active() ? cost.segment(len, len, heads) : static_cast<double>(causal_pairs(len));
+  }
+};
+
 struct Buckets {
   i64 n, S;
+  DocWork doc_work;
   std::vector<std::vector<Doc>> docs;
   std::vector<i64> tokens;
   std::vector<double> work;
 
-  Buckets(i64 n_buckets, i64 context)
+  Buckets(i64 n_buckets, i64 context, DocWork price)
       : n(n_buckets),
         S(context),
+        doc_work(price),
         docs(static_cast<std::size_t>(n_buckets)),
         tokens(static_cast<std::size_t>(n_buckets), 0),
         work(static_cast<std::size_t>(n_buckets), 0.0) {}
@@ -56,7 +68,7 @@ struct Buckets {
   void put(i64 b, const Doc& d) {
     docs[b].push_back(d);
     tokens[b] += d.len;
-    work[b] += static_cast<double>(causal_pairs(d.len));
+    work[b] += doc_work(d.len);
   }
 
   void clear() {
@@ -106,7 +118,7 @@ struct Buckets {
       std::vector<std::pair<double, std::vector<Doc>*>> order;  // (work, documents)
       for (auto& [key, group] : groups) {
         double w = 0;
-        for (const Doc& d : group) w += static_cast<double>(causal_pairs(d.len));
+        for (const Doc& d : group) w += doc_work(d.len);
         order.push_back({w, &group});
       }
       // known input sequences first (what the due documents' guarantee rests on), heaviest
@@ -215,8 +227,9 @@ void wlb_pack(StepPlan& plan, const SequencesView& sequences, const PlanOptions&
   check_step(state, sequences);
   Candidates c = collect(sequences, opt, state, threshold, release_count, flush);
   // Workload-aware packing: heaviest document first, into the bucket with the least attention
-  // work that still has token room; due documents first.
-  Buckets buckets(plan.dp * plan.slots, S);
+  // work (pairs, or a cost table's predicted time) that still has token room; due documents
+  // first.
+  Buckets buckets(plan.dp * plan.slots, S, DocWork{opt.cost, plan.heads_local * plan.cp});
   heaviest_first(c.due);
   std::vector<Doc> due_left;
   buckets.pack(c.due, due_left);

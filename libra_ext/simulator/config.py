@@ -78,7 +78,7 @@ class SimConfig:
     pp: int = 4
     """Pipeline stages of the modeled 1F1B bubble (`pipeline_stages`; libra_ext.pipeline)."""
     cost_table: object = None
-    """A `costmodel.CostTable` libra and distca balance instead of causal pairs (`libra simulate
+    """A `costmodel.CostTable` libra, distca and wlb balance instead of causal pairs (`libra simulate
     --cost-table`); None: pairs."""
 
     @classmethod

@@ -95,7 +95,7 @@ def run_point(
         return _run_distca_gpu(scenario, dp, steps_data, cfg, hw)
     opts, pipelined = SYSTEM_SPECS[system]
     planner = Planner(layout, model, PlannerOptions(**opts, order=cfg.order))
-    planner.set_cost_model(cfg.cost_table)  # (only libra and distca plans change)
+    planner.set_cost_model(cfg.cost_table)  # (ulysses plans do not change)
     times, tokens, plan_ms, before, after, stats, bubbles = [], [], [], [], [], [], []
     last: StepTimes | None = None
     for seqs in steps_data:

@@ -100,11 +100,11 @@ class SystemConfig(PlannerKnobs):
     (each exchange pool's slots reordered to shorten the modeled 1F1B step; the same samples,
     only their order changes; see `libra plan --pp`)."""
     cost_model: str = "pairs"
-    """What libra and distca balance: pairs (causal pairs x heads), profile (the table of the
+    """What libra, distca and wlb's packing balance: pairs (causal pairs x heads), profile (the table of the
     hardware profile system.cost_profile, e.g. `libra calibrate`'s) or online (a table fitted
     every system.cost_fit_interval steps from the run's measured attention times, the same on
     every rank, saved with checkpoints; its prior: system.cost_profile's table where set, else
-    pairs). ulysses and wlb plan as before under any setting."""
+    pairs). ulysses plans as before under any setting."""
     cost_fit_interval: int = 10
     """online: steps between fits; a fit made after step k plans steps k + 3 on."""
     cost_profile: str | None = None

@@ -160,7 +160,7 @@ class CostModels:
     def __init__(self, cfg: TrainConfig, start_step: int = 0, layers: int = 1, group=None):
         s = cfg.system
         self.mode, self.interval = s.cost_model, s.cost_fit_interval
-        self.balances = s.name in ("libra", "distca")
+        self.balances = s.name in ("libra", "distca", "wlb")
         self.layers, self.group = max(1, int(layers)), group
         profile = (costmodel.CostTable.from_profile(HardwareProfile.load(s.cost_profile),
                                                     cfg.model.head_dim)
@@ -181,7 +181,7 @@ class CostModels:
 
     @property
     def active(self) -> bool:
-        """Whether plans depend on it (libra or distca with a table, or one to come)."""
+        """Whether plans depend on it (libra, distca or wlb with a table, or one to come)."""
         return self.balances and self.mode != "pairs"
 
     def table_for(self, step: int, stop: threading.Event | None = None):

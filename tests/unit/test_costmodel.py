@@ -74,13 +74,15 @@ def test_bins_match_the_core_on_every_edge():
 
 def test_without_a_table_plans_are_unchanged_and_a_table_is_undone_by_none():
     seqs = _steps()[0]
-    for system in ("libra", "distca", "ulysses"):
-        plain = Planner(LAYOUT, MODEL, PlannerOptions(system=system)).plan(seqs)
+    for system in ("libra", "distca", "ulysses", "wlb"):
+        plain = Planner(LAYOUT, MODEL, PlannerOptions(system=system)).plan(seqs, flush=True)
         p = Planner(LAYOUT, MODEL, PlannerOptions(system=system))
         p.set_cost_model(_short_heavy())
-        with_table = p.plan(seqs)
+        with_table = p.plan(seqs, flush=True)
+        p = Planner(LAYOUT, MODEL, PlannerOptions(system=system))  # (wlb: a fresh delay queue)
+        p.set_cost_model(_short_heavy())
         p.set_cost_model(None)
-        again = p.plan(seqs)
+        again = p.plan(seqs, flush=True)
         assert again.hash == plain.hash, system
         if system == "ulysses":  # nothing to balance: the table changes nothing
             assert with_table.hash == plain.hash
@@ -92,10 +94,10 @@ def test_libra_and_distca_balance_the_tables_time():
     table = _short_heavy()
     for system in ("libra", "distca"):
         for seqs in _steps(1):
-            pairs = Planner(LAYOUT, MODEL, PlannerOptions(system=system)).plan(seqs)
+            pairs = Planner(LAYOUT, MODEL, PlannerOptions(system=system)).plan(seqs, flush=True)
             p = Planner(LAYOUT, MODEL, PlannerOptions(system=system))
             p.set_cost_model(table)
-            timed = p.plan(seqs)
+            timed = p.plan(seqs, flush=True)
             # the plan's loads are the table's time of each rank's tiles
             want = _tile_work(timed, table)
             assert np.allclose(timed.rank_load[:, 0], want, rtol=1e-9), system
@@ -105,6 +107,33 @@ def test_libra_and_distca_balance_the_tables_time():
             # same attention computed: every document's pairs, whatever the placement
             assert int((timed.tile_pairs * timed.tile_head_count).sum()) == int(
                 (pairs.tile_pairs * pairs.tile_head_count).sum())
+
+
+def test_wlbs_packing_balances_the_tables_time():
+    # WLB-LLM packs whole documents: with a table each bucket's predicted time is balanced, not
+    # its pairs (a mix of short documents, where the table's per-segment cost and slow short
+    # rate dominate), and the plan's loads are the table's time of each rank's chunks
+    table, c = _short_heavy(), _short_heavy().to_core()
+    rng = np.random.default_rng(3)
+    seqs = []
+    for i in range(16):
+        L = rng.integers(8, 64 if i % 2 else 1024, 400)
+        seqs.append([int(x) for x in L[np.cumsum(L) <= 4096]])
+    heads = MODEL.heads  # (cp 1, tp 1: a replica's heads)
+
+    def spread(plan):
+        w = [sum(c.segment(int(x), int(x), heads) for x in
+                 plan.doc_lengths[plan.seq_doc_offsets[s]:plan.seq_doc_offsets[s + 1]])
+             for s in range(len(plan.seq_doc_offsets) - 1)]
+        return max(w) / np.mean(w)
+
+    pairs = Planner(LAYOUT, MODEL, PlannerOptions(system="wlb")).plan(seqs, flush=True)
+    p = Planner(LAYOUT, MODEL, PlannerOptions(system="wlb"))
+    p.set_cost_model(table)
+    timed = p.plan(seqs, flush=True)
+    assert spread(timed) < spread(pairs) - 0.01, (spread(timed), spread(pairs))
+    assert np.allclose(timed.rank_load[:, 0], _tile_work(timed, table), rtol=1e-9)
+    assert sorted(timed.doc_lengths) == sorted(pairs.doc_lengths)  # the same documents
 
 
 def test_a_bad_table_is_refused_naming_the_field():

@@ -52,7 +52,7 @@ struct PlanOptions {
   i64 micro_batch = 1;       // sequences per micro-batch and replica (Megatron order); divides m
   i64 threads = 0;           // worker threads for TAP's groups; 0 = automatic (see plan_workers);
                              // the plan is the same for every count
-  CostModel cost;            // libra and distca balance its predicted time when it has a table,
+  CostModel cost;            // libra, distca and wlb's packing balance its predicted time when it has a table,
                              // causal pairs x heads otherwise (see cost.h)
 
 

@@ -72,7 +72,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--cost-table",
-        help="balance a cost table's predicted time instead of pairs (libra, distca): profile "
+        help="balance a cost table's predicted time instead of pairs (libra, distca, wlb's "
+        "packing): profile "
         "(the --hardware profile's) or a JSON / YAML file (a table, or a `libra bench replay "
         "--json` result with an online_table); --explain then explains in its time",
     )

@@ -35,7 +35,7 @@ def _add_common(p) -> None:
     )
     p.add_argument(
         "--cost-table",
-        help="plan libra and distca balancing a cost table's predicted time instead of pairs: "
+        help="plan libra, distca and wlb balancing a cost table's predicted time instead of pairs: "
         "profile (the hardware profile's) or a JSON / YAML file (a table, or a `libra bench "
         "replay --json` result with an online_table)",
     )
