@@ -154,3 +154,14 @@ def test_a_resume_names_each_changed_setting_and_reads_older_checkpoints():
     assert changed_settings(old, now) == []
     assert changed_settings(old, {**now, "--libra-data": "synthetic"}) == [
         "--libra-data = 'megatron' there, 'synthetic' here"]
+
+
+def test_a_resume_may_change_what_attention_keeps_for_backward():
+    from megatron.libra.megatron_lm.args import libra_settings
+
+    p = _parser()
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1234)
+    keep = libra_settings(p.parse_args([]))
+    assert "--libra-attention-memory" not in keep and "--libra-chunks" in keep
+    assert libra_settings(p.parse_args(["--libra-attention-memory", "rebuild"])) == keep

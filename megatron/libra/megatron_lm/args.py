@@ -311,6 +311,10 @@ def _data_paths(args) -> list[str]:
     return out
 
 
+RESUMABLE_CHANGES = ("attention_memory",)
+"""SystemConfig fields a resume may change: neither samples nor plans depend on them."""
+
+
 def changed_settings(old: dict, new: dict) -> list[str]:
     """The settings a resume changes, "NAME = OLD there, NEW here", from the checkpoint's
     libra_settings (`old`) and this run's (`new`); a checkpoint saved before --libra-data
@@ -321,8 +325,10 @@ def changed_settings(old: dict, new: dict) -> list[str]:
 
 def libra_settings(args) -> dict:
     """The arguments a resumed run must keep for its samples and plans to be the uninterrupted
-    run's: every --libra-* argument, the global batch, the sequence length and the seed."""
-    out = {_arg(f.name): getattr(args, _dest(f.name)) for f in dataclasses.fields(SystemConfig)}
+    run's: every --libra-* argument (but --libra-attention-memory, which changes only what the
+    operator keeps for backward), the global batch, the sequence length and the seed."""
+    out = {_arg(f.name): getattr(args, _dest(f.name)) for f in dataclasses.fields(SystemConfig)
+           if f.name not in RESUMABLE_CHANGES}
     out["--libra-pool-size"] = args.libra_pool_size
     out["--libra-data"] = args.libra_data
     if args.libra_data == "synthetic":
