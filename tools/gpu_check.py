@@ -7,7 +7,9 @@
    output and gradients, on whole documents, query tiles against longer prefixes, one-row
    tiles, GQA/MQA and several segments per call; and the causal alignment each implements;
 2. sync: the single-rank operator of libra, ulysses and wlb (metadata upload, forward,
-   backward) under torch.cuda.set_sync_debug_mode("error");
+   backward) under torch.cuda.set_sync_debug_mode("error"); rebuild: per backend, one call's
+   output and inputs released and refilled (system.attention_memory = rebuild) - gradients as
+   kept, and no memory of the call left allocated beyond its softmax statistics;
 3. overhead: the operator of every system against one plain varlen call over the same packed
    sequence, forward + backward, side by side, at one rank: the median and 10th-percentile
    sequences (by attention cost over tokens squared, over 4 seeds) of the libra-256k and
@@ -240,6 +242,7 @@ def main() -> int:
         ("kernels", lambda: selfcheck.kernel_cases(dev, dtype, backends)),
         ("alignment", lambda: [selfcheck.alignment(dev, dtype, b) for b in backends]),
         ("sync", lambda: selfcheck.sync_free(dev, context=2048 if cpu else 32_768)),
+        ("rebuild", lambda: [selfcheck.rebuild_storage(dev, dtype, b) for b in backends]),
         ("overhead", lambda: _overhead(args, cpu)),
         ("calibration", lambda: _calibration(args.device, cpu, out.parent)),
         ("replay", lambda: _replay(args.device, cpu)),
@@ -300,7 +303,8 @@ def _skip(why: str) -> dict:
 def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
     """Each check's status: pass, fail, or skip (with the reason); a skip is never a pass."""
     out = {}
-    for name in ("kernels", "alignment", "sync", "overhead", "calibration", "replay"):
+    for name in ("kernels", "alignment", "sync", "rebuild", "overhead", "calibration",
+                 "replay"):
         failed = _failed(res, name)
         if failed is not None:
             out[name] = failed
@@ -313,6 +317,13 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
                                   bool(res["alignment"]),
                                   ", ".join(f"{a['backend']}: {a['aligned']}"
                                             for a in res["alignment"]))
+    if "rebuild" not in out:  # system.attention_memory = rebuild frees what the kernel keeps
+        rb = res["rebuild"]
+        out["rebuild"] = _check(bool(rb) and all(r["ok"] for r in rb), "; ".join(
+            f"{r['backend']}: grad err {r['grad_err']:.2g}" + (
+                f", {r['left_after_release']} B left after the release (statistics "
+                f"{r['stats_bytes']} B)" if r["left_after_release"] is not None else "")
+            for r in rb))
     if "sync" not in out:
         sync = res["sync"]
         bad = [n for n, v in sync.items() if v != "ok" and not v.startswith("skipped")]

@@ -6,10 +6,15 @@ tools/gpu_check.py (which writes their numbers to one JSON file):
   causal), one-row tiles, GQA and MQA, several segments per call - output and q/k/v gradients;
 - `alignment`: which causal alignment a backend implements (must be bottom-right);
 - `sync_free`: the single-rank operator, forward and backward, under
-  `torch.cuda.set_sync_debug_mode("error")` (any hidden device sync raises).
+  `torch.cuda.set_sync_debug_mode("error")` (any hidden device sync raises);
+- `rebuild_storage`: system.attention_memory = rebuild on one kernel call - gradients after
+  the release and refill, and on a GPU whether the kernel keeps anything beyond the storages the
+  release frees.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -17,6 +22,8 @@ import torch
 from libra_ext.attention import kernels
 from libra_ext.attention.comm import GroupCache
 from libra_ext.attention.core import Runtime, core_attention
+from libra_ext.attention.counters import CallCounts
+from libra_ext.attention.exchange import _Call
 from libra_ext.attention.kernels import KernelParams, segments_on, why_not
 from libra_ext.attention.reference_kernel import reference_attention
 from libra_ext.distributed import ensure_single_process_group
@@ -122,6 +129,66 @@ def alignment(device, dtype=torch.bfloat16, backend: str = "reference", head_dim
         "err_top_left": tl,
         "aligned": "bottom-right" if br < tl else "top-left",
         "ok": br < tl and br <= TOLERANCE[dtype][0],
+    }
+
+
+def rebuild_storage(device, dtype=torch.bfloat16, backend: str = "reference",
+                    head_dim=64) -> dict:
+    """system.attention_memory = rebuild on one kernel call of `backend`: its output and inputs
+    released after the forward (`_Call.release`), refilled and run backward - gradients against
+    the same call kept (equal within the dtype's tolerance: a kernel's backward may add in any
+    order), and on a GPU how much of the call's memory the release leaves allocated: beyond its
+    softmax statistics that is what the kernel keeps in storages of its own, which the release
+    cannot free."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(3)
+    ql = kl = np.array([300, 1000, 700])
+    hc, hk = 8, 2
+    cu = np.r_[0, np.cumsum(ql)]
+    q = torch.randn(int(ql.sum()), hc, head_dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(int(kl.sum()), hk, head_dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    seg = segments_on(cu, cu, device)
+    env = SimpleNamespace(kernel=kernels._FACTORIES[backend](), scale=head_dim**-0.5, key=None,
+                          kernel_timer=None)
+    plan = SimpleNamespace(seg=seg)
+    counts = CallCounts()
+    kept = _Call(plan, q, k, v, env, counts)
+    want = kept.backward(dout, counts)
+    del kept
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda *_: None)
+    mem = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: 0)
+    inputs = [x.clone() for x in (q, k, v)]
+    in_bytes = sum(x.numel() * x.element_size() for x in inputs)
+    sync(device)
+    m0 = mem()
+    call = _Call(plan, *inputs, env, counts)
+    values = [call.out.detach().clone()] + [x.clone() for x in inputs]
+    del inputs  # the call's leaves (and what the kernel saved) hold them now
+    sync(device)
+    m1 = mem()
+    call.release(inputs=True)
+    sync(device)
+    m2 = mem()
+    for dst, src in zip(call.restore(), values):
+        dst.copy_(src.view(-1, src.shape[-1]))
+    got = call.backward(dout, counts)
+    err = max(_err(g, w.double()) for g, w in zip(got, want))
+    stats = q.shape[0] * hc * 4  # fp32 log-sum-exp per query row and head
+    # allocated after the release beyond the inputs' and the values' copies: the statistics
+    # and whatever the kernel keeps of its own (allocator blocks round up: 2 MiB slack)
+    value_bytes = sum(x.numel() * x.element_size() for x in values)
+    left = m2 - (m0 - in_bytes) - value_bytes if cuda else None
+    return {
+        "backend": backend,
+        "grad_err": err,
+        "bitwise": all(torch.equal(g, w) for g, w in zip(got, want)),
+        "forward_allocated": (m1 - m0 - value_bytes) if cuda else None,
+        "left_after_release": left,
+        "stats_bytes": stats,
+        "ok": err <= TOLERANCE[dtype][1] and (left is None or left <= stats + (2 << 20)),
     }
 
 

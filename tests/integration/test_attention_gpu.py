@@ -57,6 +57,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     r = json.loads(out.read_text())
     checks = r["checks"]
     assert r["ok"] and checks["kernels"]["status"] == checks["no_host_copies"]["status"] == "pass"
+    assert checks["rebuild"]["status"] == "pass" and r["rebuild"][0]["bitwise"]
     assert checks["train"]["status"] == "skip"  # a skip is reported as one, not as a pass
     assert checks["train_megatron_hybrid"]["status"] == "skip"  # a GPU with TE only
     # Megatron-LM's loop runs where megatron.training is installed (on the CPU: gloo, fp32)
@@ -93,7 +94,10 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
     good = {
         "kernels": [{"ok": True}], "alignment": [{"ok": True, "backend": "varlen",
                                                   "aligned": "bottom-right"}],
-        "sync": {"libra": "ok"}, "overhead": {"libra-256k/p50": {"systems": {
+        "sync": {"libra": "ok"},
+        "rebuild": [{"backend": "varlen", "ok": True, "grad_err": 0.0, "bitwise": True,
+                     "left_after_release": 65536, "stats_bytes": 64000}],
+        "overhead": {"libra-256k/p50": {"systems": {
             "libra": {"host_copies": 0, "ratio": 1.01}}}},
         "calibration": {"peak_tflops": 400.0, "rows": [{"fwd_tflops": 380.0}]},
         "replay": {"systems": {"ulysses": {"measured_max_over_mean": 1.9,
@@ -105,7 +109,8 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
     }
     checks = gc._checks(good, cpu=False, skip_train=False)
     assert {k: c["status"] for k, c in checks.items()} == {
-        "kernels": "pass", "alignment": "pass", "sync": "pass", "no_host_copies": "pass",
+        "kernels": "pass", "alignment": "pass", "sync": "pass", "rebuild": "pass",
+        "no_host_copies": "pass",
         "overhead_within_5pct": "pass", "train": "pass", "train_megatron_lm": "pass",
         "train_megatron_hybrid": "skip",
         "calibration": "pass",
@@ -119,9 +124,13 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
                                          "modeled_max_over_mean": 1.01, "rank_ms": [9.0, 2.0]}}},
         "train": {"skipped": "megatron-core is not installed"},
         "train_megatron_lm": {"rc": 1, "stderr_tail": "pretrain_gpt_libra.py: error: ..."},
+        # a kernel that keeps copies of its own: the release frees nothing of them
+        "rebuild": [{"backend": "varlen", "ok": False, "grad_err": 0.0, "bitwise": True,
+                     "left_after_release": 9 << 20, "stats_bytes": 64000}],
     }
     checks = gc._checks(bad, cpu=False, skip_train=False)
     assert checks["calibration"]["status"] == "fail" and checks["replay"]["status"] == "fail"
+    assert checks["rebuild"]["status"] == "fail" and "9437184 B left" in checks["rebuild"]["detail"]
     assert checks["train"] == {"status": "skip", "detail": "megatron-core is not installed"}
     assert checks["train_megatron_lm"]["status"] == "fail"
 
