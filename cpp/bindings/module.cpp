@@ -3,7 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <memory>
+#include <thread>
 #include <utility>
 
 #include "libra/batch.h"
@@ -20,6 +22,34 @@ namespace py = pybind11;
 using namespace libra;
 
 namespace {
+
+bool interpreter_exiting() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// The GIL released around planner work, taken back after it - unless the interpreter is
+// exiting by then: Python (before 3.14) ends a thread that asks for the GIL during
+// finalization by unwinding its stack, and unwinding through these C++ frames aborts the
+// process ("terminate called without an active exception"). A daemon thread that plans (the
+// sampler's) is then parked for good instead, as Python 3.14 does itself; the process exits.
+class ReleaseGil {
+ public:
+  ReleaseGil() : state_(PyEval_SaveThread()) {}
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+  ~ReleaseGil() {
+    if (interpreter_exiting())
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    PyEval_RestoreThread(state_);
+  }
+
+ private:
+  PyThreadState* state_;
+};
 
 // Hand a vector's buffer to numpy without copying: the capsule owns the moved vector.
 template <typename T, typename A>
@@ -264,7 +294,7 @@ void bind_types(py::module_& m) {
                           const std::vector<double>& prior, double alpha, i64 max_sweeps) {
     NnlsResult r;
     {
-      py::gil_scoped_release release;
+      ReleaseGil release;
       r = nnls_normal(G, b, prior, alpha, max_sweeps);
     }
     return py::make_tuple(r.x, r.sweeps, r.converged);
@@ -381,7 +411,7 @@ void bind_workload(py::module_& m) {
          i64 threads) {
         PackedBatch b;
         {
-          py::gil_scoped_release release;
+          ReleaseGil release;
           b = step_sequences(dist, gbs, context, seed, step, shuffle_window, threads);
         }
         return b.nested();
@@ -395,7 +425,7 @@ void bind_workload(py::module_& m) {
         if (n < 0 || n > (i64(1) << 32)) fail("n must be in [0, 2^32], got " + std::to_string(n));
         FastLengthCheck c;
         {
-          py::gil_scoped_release release;
+          ReleaseGil release;
           c = check_fast_lengths(dist, seed, static_cast<std::size_t>(n));
         }
         return py::make_tuple(c.draws, c.mismatches, c.exact);
@@ -415,7 +445,7 @@ void bind_workload(py::module_& m) {
                          i64 threads) {
             PackedBatch b;
             {
-              py::gil_scoped_release release;
+              ReleaseGil release;
               b = cache.step(gbs, context, seed, step, threads);
             }
             return batch_arrays(std::move(b));
@@ -430,7 +460,7 @@ void bind_workload(py::module_& m) {
          i64 threads) {
         ShuffledWindow w;
         {
-          py::gil_scoped_release release;
+          ReleaseGil release;
           w = window_stream(dist, gbs, context, seed, window, shuffle_window, threads);
         }
         return py::make_tuple(to_numpy(std::move(w.stream.lengths)),
@@ -450,7 +480,7 @@ void bind_workload(py::module_& m) {
         if (o.size == 0) fail("offsets must hold at least one entry (0)");
         PackedBatch b;
         {
-          py::gil_scoped_release release;
+          ReleaseGil release;
           b = gather_sequences(SequencesView{l.data, o.data, o.size - 1, l.size}, k.data, k.size,
                                threads);
         }
@@ -476,7 +506,7 @@ void bind_planner(py::module_& m) {
         const PackedBatch batch = batch_from_python(sequences);
         StepPlan plan;
         {
-          py::gil_scoped_release release;  // the sampler plans from a background thread
+          ReleaseGil release;  // the sampler plans from a background thread
           plan = plan_step(batch.view(), layout, model, options, state, flush);
         }
         return plan_to_dict(std::move(plan));
@@ -494,7 +524,7 @@ void bind_planner(py::module_& m) {
         StepPlan plan;
         {
           // the buffers stay alive (and must not be written) while the core reads them
-          py::gil_scoped_release release;
+          ReleaseGil release;
           plan = plan_step(view, layout, model, options, state, flush);
         }
         return plan_to_dict(std::move(plan));
@@ -509,7 +539,7 @@ void bind_planner(py::module_& m) {
       [](py::handle sequences, const Layout& layout, const ModelDims& model,
          const PlanOptions& options, PlannerState* state, bool flush) {
         const PackedBatch batch = batch_from_python(sequences);
-        py::gil_scoped_release release;
+        ReleaseGil release;
         const StepPlan plan = plan_step(batch.view(), layout, model, options, state, flush);
         return std::make_pair(plan.hash, plan.compute_hash(1));
       },
@@ -551,7 +581,7 @@ void bind_moe(py::module_& m) {
         std::vector<i64> c = vec(counts);
         MoePlan p;
         {
-          py::gil_scoped_release release;
+          ReleaseGil release;
           p = moe_plan(c, options);
         }
         return moe_dict(std::move(p));
@@ -564,7 +594,7 @@ void bind_moe(py::module_& m) {
         std::vector<i64> c = vec(counts), off = vec(host_offsets), h = vec(hosts);
         MoePlan p;
         {
-          py::gil_scoped_release release;
+          ReleaseGil release;
           p = moe_shard(c, options, off, h);
         }
         return moe_dict(std::move(p));

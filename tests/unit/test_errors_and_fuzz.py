@@ -213,3 +213,34 @@ def test_fuzz_random_small_layouts_with_valid_types():
             core.plan_step(seqs, layout, model, opt, core.PlannerState(), rng.random() < 0.5)
         except ValueError:
             pass
+
+
+def test_an_interpreter_exiting_while_a_thread_plans_exits_cleanly():
+    # the sampler plans in a daemon thread with the GIL released; when the process ends while
+    # it is inside the planner, Python (< 3.14) would end that thread by unwinding its C++
+    # frames when it asks for the GIL back, which aborts the process ("terminate called
+    # without an active exception"); the binding parks the thread instead
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import threading, time
+        from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+        from libra_ext.workload import LengthSource, ModelConfig
+        lay = LayoutConfig(dp=256, cp=8, pool_size=8, context=262144)
+        step = LengthSource(preset="libra-256k").step(256, 262144, 0, 0)
+        p = Planner(lay, ModelConfig(), PlannerOptions(system="libra", threads=1))
+        started = threading.Event()
+        def plan_forever():
+            started.set()
+            while True:
+                p.plan(step)
+        threading.Thread(target=plan_forever, daemon=True).start()
+        started.wait()
+        time.sleep(0.05)
+    """)
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "terminate" not in r.stderr, (r.returncode, r.stderr[-500:])
