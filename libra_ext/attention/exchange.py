@@ -92,10 +92,8 @@ class _Call:
     def release(self, inputs: bool = False) -> None:
         """Free the output's memory (with `inputs`, the inputs' too; the kernel's saved tensors
         share it) until `restore`."""
-        held = [self.out] + (list(self.leaves) if inputs else [])
-        seen = set()
-        self.held = [x for x in held if not (x.untyped_storage()._cdata in seen or
-                                              seen.add(x.untyped_storage()._cdata))]
+        self.held = list({x.untyped_storage()._cdata: x for x in
+                          [self.out] + (list(self.leaves) if inputs else [])}.values())
         self.sizes = [counters.resize_storage(x, 0) for x in self.held]
 
     def restore(self) -> list:

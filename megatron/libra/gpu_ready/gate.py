@@ -670,18 +670,19 @@ def _cost_failures(report: dict, key: str, where: str, r: dict,
     x = r["extra_over_qkv"]
     plain = report["plain"].get(kernel, {})
     ulysses = report[section].get(f"ulysses/{kernel}/{layout}", {})
+    rebuilt = section == "rebuild"
+    kept_over_plain = ([f"{where}: keeps {r['kept']:.2f}x its Q/K/V for backward, over "
+                        f"{KEPT_BOUND} x a plain call's {plain['kept']:.2f}x"]
+                       if "kept" in plain and r["kept"] > KEPT_BOUND * plain["kept"] else [])
     if layout == "single":
         if x > EXTRA_BOUND_SINGLE:
             bad.append(f"{where}: {x:.2f}x Q/K/V extra device bytes (bound "
                        f"{EXTRA_BOUND_SINGLE})")
-        if "kept" in plain and r["kept"] > KEPT_BOUND * plain["kept"]:
-            bad.append(f"{where}: keeps {r['kept']:.2f}x its Q/K/V for backward, over "
-                       f"{KEPT_BOUND} x a plain call's {plain['kept']:.2f}x")
+        bad += kept_over_plain
         if r["peak"] > PEAK_BOUND:
             bad.append(f"{where}: peaks at {r['peak']:.2f}x its Q/K/V (bound {PEAK_BOUND})")
         return bad
     if system == "ulysses":
-        rebuilt = section == "rebuild"
         for name, value, bound in (
                 ("extra device bytes", x,
                  EXTRA_BOUND_ULYSSES_REBUILD if rebuilt else EXTRA_BOUND_ULYSSES),
@@ -693,7 +694,6 @@ def _cost_failures(report: dict, key: str, where: str, r: dict,
         return bad
     if not ulysses:
         return bad
-    rebuilt = section == "rebuild"
     checks = [("extra device bytes", x, _worst_of(ulysses, "extra_over_qkv"),
                PEER_BOUND_REBUILD if rebuilt else PEER_BOUND, "x"),
               ("device ops in fwd", r["device_ops_fwd"], _worst_of(ulysses, "device_ops_fwd"),
@@ -702,9 +702,8 @@ def _cost_failures(report: dict, key: str, where: str, r: dict,
                OPS_BOUND, "x"),
               ("kept for backward", r["kept"], _worst_of(ulysses, "kept"), KEPT_PEER_EXTRA, "+"),
               ("peak", r["peak"], _worst_of(ulysses, "peak"), PEAK_PEER_EXTRA, "+")]
-    if rebuilt and "kept" in plain and r["kept"] > KEPT_BOUND * plain["kept"]:
-        bad.append(f"{where}: keeps {r['kept']:.2f}x its Q/K/V for backward, over "
-                   f"{KEPT_BOUND} x a plain call's {plain['kept']:.2f}x")
+    if rebuilt:
+        bad += kept_over_plain
     for name, value, ref, bound, how in checks:
         if ref is None:
             continue
