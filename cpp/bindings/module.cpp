@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -267,7 +268,12 @@ void bind_types(py::module_& m) {
   "One segment's features as the core computes them (see cpp/include/libra/cost.h).");
   py::class_<CostModel>(m, "CostModel")
       .def(py::init<>())
-      .def_readwrite("per_pair", &CostModel::per_pair)
+      .def_property(
+          "per_pair", [](const CostModel& c) { return c.per_pair; },
+          [](CostModel& c, const std::vector<double>& v) {
+            c.per_pair = v;
+            c.unprepare();  // the O(1) tables were made from the old entries
+          })
       .def_readwrite("per_row", &CostModel::per_row)
       .def_readwrite("per_segment", &CostModel::per_segment)
       .def_readwrite("per_rank", &CostModel::per_rank)
@@ -289,7 +295,27 @@ void bind_types(py::module_& m) {
         if (heads < 1 || heads > kMaxSplit) fail("heads must be in [1, 2^16], got " + std::to_string(heads));
         return c.rows(a, b, heads);
       }, py::arg("a"), py::arg("b"), py::arg("heads"),
-      "Rows [a, b) of a document as the planner prices a tile (see cost.h).");
+      "Rows [a, b) of a document as the planner prices a tile (see cost.h).")
+      .def("prepared", [](const CostModel& c) {
+        c.validate();
+        CostModel m = c;
+        m.prepare();
+        return m;
+      }, "A copy with its O(1) price tables made, as the planner prices with it (see cost.h).")
+      .def("tail_start", [](const CostModel& c, i64 lo, i64 hi, i64 b, i64 heads, double want) {
+        c.validate();
+        if (!c.active()) fail("tail_start: the cost model has no table");
+        if (b < 2 || b > kMaxTokens) fail("b must be in [2, 2^30], got " + std::to_string(b));
+        if (lo < 1 || lo >= b) fail("lo must be in [1, b), got " + std::to_string(lo));
+        if (hi < lo || hi >= b) fail("hi must be in [lo, b), got " + std::to_string(hi));
+        if (heads < 1 || heads > kMaxSplit) fail("heads must be in [1, 2^16], got " + std::to_string(heads));
+        if (!std::isfinite(want)) fail("want must be finite, got " + std::to_string(want));
+        CostModel m = c;
+        m.prepare();
+        return m.tail_start(lo, hi, b, heads, want);
+      }, py::arg("lo"), py::arg("hi"), py::arg("b"), py::arg("heads"), py::arg("want"),
+      "The smallest c in [lo, hi] with rows(c, b, heads) <= want (hi when none), priced as "
+      "the planner prices (prepared); TAP's cut of a tile's tail rows.");
   m.def("nnls_normal", [](const std::vector<double>& G, const std::vector<double>& b,
                           const std::vector<double>& prior, double alpha, i64 max_sweeps) {
     NnlsResult r;
@@ -331,7 +357,13 @@ void bind_types(py::module_& m) {
           "order", [](const PlanOptions& o) { return order_name(o.order); },
           [](PlanOptions& o, const std::string& s) { o.order = parse_order(s); })
       .def_readwrite("micro_batch_size", &PlanOptions::micro_batch)
-      .def_readwrite("cost", &PlanOptions::cost)
+      .def_property(
+          "cost", [](PlanOptions& o) -> CostModel& { return o.cost; },
+          [](PlanOptions& o, const CostModel& c) {
+            o.cost = c;
+            o.cost.prepare();  // once here, not in every plan
+          },
+          py::return_value_policy::reference_internal)
       .def("validate", &PlanOptions::validate);
 
   py::class_<MoeOptions>(m, "MoeOptions")

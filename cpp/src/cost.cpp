@@ -65,45 +65,76 @@ void CostModel::validate() const {
 }
 
 void CostModel::prepare() {
+  if (per_pair.size() != static_cast<std::size_t>(kCostBins)) {
+    unprepare();
+    return;
+  }
+  if (prepared_for == per_pair && prefix.size() == static_cast<std::size_t>(kCostBins + 1) &&
+      small.size() == static_cast<std::size_t>(kSmallAttended))
+    return;  // made from this table already
+  small.clear();  // (attended() below reads the bins' prefix until the table is in place)
   prefix.assign(static_cast<std::size_t>(kCostBins + 1), 0.0);
-  if (!active()) return;
+  for (i64 b = 0; b <= kCostBins; ++b) bin_start[static_cast<std::size_t>(b)] = cost_bin_start(b);
   for (i64 b = 0; b < kCostBins; ++b) {
     const i64 u = cost_bin_start(b), v = cost_bin_start(b + 1) - 1;
     const double full = u <= v ? static_cast<double>((u + v) * (v - u + 1) / 2) : 0.0;
     prefix[b + 1] = prefix[b] + full * per_pair[static_cast<std::size_t>(b)];
   }
-  small.clear();  // (attended() below walks the bins until the table is in place)
   std::vector<double> table(static_cast<std::size_t>(kSmallAttended), 0.0);
   for (i64 l = 1; l < kSmallAttended; ++l) table[static_cast<std::size_t>(l)] = attended(l);
   small = std::move(table);
+  small_doc.clear();  // (doc_price() below prices without it until it is in place)
+  std::vector<double> docs(static_cast<std::size_t>(kSmallAttended), 0.0);
+  for (i64 l = 1; l < kSmallAttended; ++l) docs[static_cast<std::size_t>(l)] = doc_price(l);
+  small_doc = std::move(docs);
+  prepared_for = per_pair;
 }
 
-void CostModel::prepare_documents(const i64* lengths, std::size_t n) {
-  doc_prefix.resize(n + 1);
-  doc_prefix[0] = 0.0;
-  for (std::size_t d = 0; d < n; ++d)
-    doc_prefix[d + 1] = doc_prefix[d] + attended(lengths[d]) +
-                        static_cast<double>(lengths[d]) * per_row;
-}
-
-double CostModel::attended(i64 x) const {
-  if (x <= 0) return 0.0;
-  if (x < static_cast<i64>(small.size())) return small[static_cast<std::size_t>(x)];
-  const i64 b = cost_bin(x), u = cost_bin_start(b);
-  return prefix[static_cast<std::size_t>(b)] +
-         static_cast<double>((u + x) * (x - u + 1) / 2) * per_pair[static_cast<std::size_t>(b)];
-}
-
-double CostModel::segment(i64 q_len, i64 kv_len, i64 heads) const {
+double CostModel::attended_walk(i64 x) const {
   double t = 0;
-  if (prefix.size() == static_cast<std::size_t>(kCostBins + 1)) {
-    t = attended(kv_len) - attended(kv_len - q_len);
-  } else {
-    for_pairs_by_bin(kv_len - q_len, kv_len, [&](i64 bin, i64 pairs) {
-      t += static_cast<double>(pairs) * per_pair[static_cast<std::size_t>(bin)];
-    });
+  for_pairs_by_bin(0, x, [&](i64 bin, i64 pairs) {
+    t += static_cast<double>(pairs) * per_pair[static_cast<std::size_t>(bin)];
+  });
+  return t;
+}
+
+i64 CostModel::tail_start(i64 lo, i64 hi, i64 b, i64 heads, double want) const {
+  if (lo >= hi) return hi;
+  // rows(c, b) <= want  <=>  F(c) = attended(c) + c * per_row >= attended(b) + b * per_row -
+  // want / heads (c > 0, so no per_segment): F rises with c
+  const double h = static_cast<double>(heads), Ab = attended(b);
+  const double target = Ab + static_cast<double>(b) * per_row - want / h;
+  auto F = [&](i64 c) { return attended(c) + static_cast<double>(c) * per_row; };
+  // rows(c, b, heads) for c > 0, the same operations with attended(b) made once
+  auto R = [&](i64 c) {
+    return (h * (Ab - attended(c) + static_cast<double>(b - c) * per_row) + per_segment) -
+           per_segment;
+  };
+  if (R(lo) <= want) return lo;
+  if (!(R(hi) <= want)) return hi;
+  // the crossing's bin: the last whose first row is still short of the target
+  i64 bin_lo = cost_bin(lo), bin_hi = cost_bin(hi);
+  while (bin_lo < bin_hi) {
+    const i64 mid = bin_lo + (bin_hi - bin_lo + 1) / 2;
+    if (F(cost_bin_start(mid)) < target) bin_lo = mid; else bin_hi = mid - 1;
   }
-  return static_cast<double>(heads) * (t + static_cast<double>(q_len) * per_row) + per_segment;
+  // inside bin_lo: F(u + k) = F(u) + p (k u + k (k + 1) / 2) + k per_row, a quadratic in k
+  const i64 u = std::max(lo, cost_bin_start(bin_lo));
+  const double p = per_pair[static_cast<std::size_t>(bin_lo)];
+  const double need = target - F(u);
+  const double B = p * (static_cast<double>(u) + 0.5) + per_row;
+  double k;
+  if (p > 0) {
+    k = (-B + std::sqrt(std::max(0.0, B * B + 2.0 * p * need))) / p;
+  } else {
+    k = B > 0 ? need / B : static_cast<double>(hi - u);
+  }
+  i64 c = std::isfinite(k) ? u + static_cast<i64>(std::ceil(std::max(0.0, k))) : hi;
+  c = std::min(std::max(c, lo), hi);
+  // the estimate settled on rows() itself, a row or two at most
+  while (c > lo && R(c - 1) <= want) --c;
+  while (c < hi && R(c) > want) ++c;
+  return c;
 }
 
 std::vector<double> CostModel::coefficients() const {

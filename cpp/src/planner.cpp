@@ -337,15 +337,8 @@ std::vector<double> sequence_work(const StepPlan& p, const std::vector<i64>& seq
       out[s] = static_cast<double>(seq_pairs[s]) * static_cast<double>(p.heads_local);
       continue;
     }
-    if (m.doc_prefix.size() == p.doc_lengths.size() + 1) {
-      out[s] = m.documents(p.seq_doc_offsets[s], p.seq_doc_offsets[s + 1] - p.seq_doc_offsets[s],
-                           p.heads_local);
-      continue;
-    }
-    double w = 0;
-    for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
-      w += m.segment(p.doc_lengths[d], p.doc_lengths[d], p.heads_local);
-    out[s] = w;
+    const i64 first = p.seq_doc_offsets[s], count = p.seq_doc_offsets[s + 1] - first;
+    out[s] = m.documents(p.doc_lengths.data() + first, count, p.heads_local);
   }
   return out;
 }
@@ -354,9 +347,11 @@ std::vector<double> sequence_work(const StepPlan& p, const std::vector<i64>& seq
 // is reported as validate_sequences words it) and copying the documents into the plan's CSR
 // arrays (seq_doc_offsets already holds the input's offsets; doc_lengths is sized for them), on
 // `workers` threads, each a range of sequences; adds the step's tokens and sets the longest
-// document.
+// document. With a table, each sequence's work (sequence_work's) into seq_work (sized B), its
+// documents priced as they are read.
 std::vector<i64> read_sequences(StepPlan& p, const SequencesView& sequences, i64 context,
-                                std::size_t workers, i64& total_tokens, i64& longest) {
+                                std::size_t workers, i64& total_tokens, i64& longest,
+                                const CostModel& cost, std::vector<double>& seq_work) {
   std::vector<i64> seq_pairs(sequences.size());
   const std::size_t pieces = std::min<std::size_t>(workers, sequences.size());
   struct Piece {
@@ -378,13 +373,29 @@ std::vector<i64> read_sequences(StepPlan& p, const SequencesView& sequences, i64
         }
         i64 tokens = 0, pairs = 0, most = 0;
         i64* len = p.doc_lengths.data() + p.seq_doc_offsets[s];
-        for (const i64* it = sequences.begin(s); it != sequences.end(s); ++it) {
-          piece.bad |= *it <= 0 || *it > context;
-          const i64 l = std::min(std::max(*it, i64{0}), context);  // no overflow on bad input
-          tokens += l;
-          pairs += causal_pairs(l);
-          most = std::max(most, l);
-          *len++ = l;
+        const i64* const end = sequences.end(s);
+        if (!cost.active()) {
+          for (const i64* it = sequences.begin(s); it != end; ++it) {
+            piece.bad |= *it <= 0 || *it > context;
+            const i64 l = std::min(std::max(*it, i64{0}), context);  // no overflow on bad input
+            tokens += l;
+            pairs += causal_pairs(l);
+            most = std::max(most, l);
+            *len++ = l;
+          }
+        } else {  // the same, and the prices summed (their additions overlap the rest)
+          double price = 0.0;
+          for (const i64* it = sequences.begin(s); it != end; ++it) {
+            piece.bad |= *it <= 0 || *it > context;
+            const i64 l = std::min(std::max(*it, i64{0}), context);
+            tokens += l;
+            pairs += causal_pairs(l);
+            most = std::max(most, l);
+            *len++ = l;
+            price += cost.doc_price(l);
+          }
+          seq_work[s] = cost.whole_documents(price, static_cast<i64>(sequences.docs(s)),
+                                             p.heads_local);
         }
         piece.bad |= tokens > context;
         if (piece.bad) break;
@@ -963,7 +974,7 @@ struct StepBuilder {
   i64 hg = 0;       // heads per tile
   StepPlan p;
   std::vector<i64> input_pairs;  // causal pairs of each input sequence
-  std::vector<double> input_work;  // with a cost model and a repacked input (wlb): its price
+  std::vector<double> input_work;  // with a cost model: the input sequences as they came, priced
   VrspPlacement placement;
   PlacementBounds bounds;
   i64 longest = 0;                      // the longest executed document
@@ -1025,8 +1036,8 @@ struct StepBuilder {
     if (opt.cost.active()) {  // the input as Ulysses would run it, priced (the metrics' before)
       input_work.assign(sequences.size(), 0.0);
       for (std::size_t q = 0; q < sequences.size(); ++q)
-        for (const i64* len = sequences.begin(q); len != sequences.end(q); ++len)
-          input_work[q] += opt.cost.segment(*len, *len, p.heads_local);
+        input_work[q] = opt.cost.documents(sequences.begin(q), static_cast<i64>(sequences.docs(q)),
+                                           p.heads_local);
     }
     wlb_pack(p, sequences, opt, state, flush);
     workers = plan_workers(options, p.doc_lengths.size());
@@ -1034,7 +1045,6 @@ struct StepBuilder {
     for (i64 s = 0; s < p.n_seq(); ++s)
       for (i64 d = p.seq_doc_offsets[s]; d < p.seq_doc_offsets[s + 1]; ++d)
         executed[s] += causal_pairs(p.doc_lengths[d]);
-    if (opt.cost.active()) opt.cost.prepare_documents(p.doc_lengths.data(), p.doc_lengths.size());
     const std::vector<double> loads =
         opt.cost.active() ? sequence_work(p, executed, opt.cost) : sequence_flops(p, executed);
     placement = production_place(loads, p.dp, p.pool, p.slots, SampleOrder::Megatron,
@@ -1054,8 +1064,9 @@ struct StepBuilder {
     p.seq_doc_offsets.assign(sequences.offsets, sequences.offsets + sequences.size() + 1);
     p.doc_lengths.resize(n_docs);
     workers = plan_workers(options, n_docs);  // the input is read on them too
-    input_pairs = read_sequences(p, sequences, layout.context, workers, tokens, longest);
-    if (opt.cost.active()) opt.cost.prepare_documents(p.doc_lengths.data(), p.doc_lengths.size());
+    std::vector<double> seq_work(opt.cost.active() ? sequences.size() : 0);
+    input_pairs = read_sequences(p, sequences, layout.context, workers, tokens, longest, opt.cost,
+                                 seq_work);
     // per sequence: a document of l >= block tokens makes at most l / block + 1 query blocks
     // and ends a run; two consecutive runs of shorter documents hold more than a block; so at
     // most 5 * tokens / block + 1 tiles per head group
@@ -1064,7 +1075,10 @@ struct StepBuilder {
                                  static_cast<double>((p.heads_local + hg - 1) / hg);
     check_budget(tile_estimate);
     phase_done(PlanPhase::Input);
-    const std::vector<double> seq_work = sequence_work(p, input_pairs, opt.cost);
+    if (opt.cost.active())
+      input_work = seq_work;  // the metrics' before: the input as it came, priced
+    else
+      seq_work = sequence_work(p, input_pairs, opt.cost);
     const std::vector<double> loads =
         opt.cost.active() ? seq_work : sequence_flops(p, input_pairs);
     // While the sequences are placed, a second thread finishes the documents' arrays (and

@@ -45,11 +45,7 @@ inline double doc_work(const CostModel& m, i64 l, i64 hc) {
 double tile_work(const StepPlan& p, const CostModel& m, const StepPlan::Tile& t) {
   if (!m.active()) return static_cast<double>(t.pairs) * static_cast<double>(t.head_count);
   if (t.doc_count == 1) return m.rows(t.kv_len - t.q_len, t.kv_len, t.head_count);
-  if (m.doc_prefix.size() == p.doc_lengths.size() + 1)
-    return m.documents(t.doc, t.doc_count, t.head_count);
-  double w = 0;
-  for (i64 d = 0; d < t.doc_count; ++d) w += doc_work(m, p.doc_lengths[t.doc + d], t.head_count);
-  return w;
+  return m.documents(p.doc_lengths.data() + t.doc, t.doc_count, t.head_count);
 }
 
 namespace {
@@ -59,10 +55,12 @@ namespace {
 // (pieces of at least min_rows rows), then by heads in halves.
 template <typename Emit>
 void split_tile(const CostModel& m, StepPlan::Tile t, i64 doc_off, double max_load, i64 min_rows,
-                Emit& emit) {
-  const double load = max_load <= 0 ? kUnpriced
-                                     : rows_work(m, t.q_start - doc_off,
-                                                 t.q_start - doc_off + t.q_len, t.head_count);
+                Emit& emit, double known = kUnpriced) {
+  // (known: the tile's work where the caller has just priced it)
+  const double load = max_load <= 0      ? kUnpriced
+                      : known != kUnpriced ? known
+                                           : rows_work(m, t.q_start - doc_off,
+                                                       t.q_start - doc_off + t.q_len, t.head_count);
   if (max_load <= 0 || load <= max_load || (t.head_count == 1 && t.q_len < 2 * min_rows)) {
     emit(t, load);
     return;
@@ -96,12 +94,14 @@ void split_tile(const CostModel& m, StepPlan::Tile t, i64 doc_off, double max_lo
 // tile (its own prefix), split further by split_tile.
 template <typename Emit>
 void split_run(const StepPlan& p, const CostModel& m, StepPlan::Tile t, double max_load,
-               i64 min_rows, Emit& emit) {
+               i64 min_rows, Emit& emit, double known = kUnpriced) {
   if (t.doc_count == 1) {
-    split_tile(m, t, t.q_start, max_load, min_rows, emit);
+    split_tile(m, t, t.q_start, max_load, min_rows, emit, known);
     return;
   }
-  const double load = max_load <= 0 ? kUnpriced : tile_work(p, m, t);
+  const double load = max_load <= 0        ? kUnpriced
+                      : known != kUnpriced ? known
+                                           : tile_work(p, m, t);
   if (max_load <= 0 || load <= max_load) {
     emit(t, load);
     return;
@@ -145,35 +145,40 @@ template <typename Emit>
 void sequence_tiles(const StepPlan& p, const CostModel& m, i64 s, i64 block, i64 head_group,
                     double max_load, Emit&& emit) {
   const i64 owner = p.seq_replica[s];
-  auto heads = [&](StepPlan::Tile t, i64 doc_off) {
+  // (priced: the tile's work over all the slice's heads where the caller has it)
+  auto heads = [&](StepPlan::Tile t, i64 doc_off, double priced) {
+    double whole = kUnpriced;  // the tile's work over all the slice's heads, once priced
     if (head_group >= p.heads_local) {
       t.head_start = 0;  // the common case: one head group, light enough to stay whole
       t.head_count = p.heads_local;
-      const double load = max_load <= 0 ? kUnpriced : tile_work(p, m, t);
-      if (max_load <= 0 || load <= max_load) {
-        emit(t, load);
+      whole = max_load <= 0 ? kUnpriced : priced != kUnpriced ? priced : tile_work(p, m, t);
+      if (max_load <= 0 || whole <= max_load) {
+        emit(t, whole);
         return;
       }
     }
     for (i64 h0 = 0; h0 < p.heads_local; h0 += head_group) {
       t.head_start = h0;
       t.head_count = std::min(head_group, p.heads_local - h0);
+      const double known = t.head_count == p.heads_local ? whole : kUnpriced;
       if (t.doc_count == 1) {
-        split_tile(m, t, doc_off, max_load, min_split_rows(p.context), emit);
+        split_tile(m, t, doc_off, max_load, min_split_rows(p.context), emit, known);
       } else {
-        split_run(p, m, t, max_load, min_split_rows(p.context), emit);
+        split_run(p, m, t, max_load, min_split_rows(p.context), emit, known);
       }
     }
   };
   const i64* len = p.doc_lengths.data();
   const i64 end = p.seq_doc_offsets[s + 1];
+  const bool priced = m.active() && max_load > 0;
   i64 off = 0;
   for (i64 doc = p.seq_doc_offsets[s]; doc < end;) {
     const i64 l = len[doc];
     if (l >= block) {
       for (i64 a = 0; a < l; a += block) {
         const i64 b = std::min(l, a + block);
-        heads({s, doc, 1, off + a, b - a, 0, 0, off, b, owner, owner, -1, block_pairs(a, b)}, off);
+        heads({s, doc, 1, off + a, b - a, 0, 0, off, b, owner, owner, -1, block_pairs(a, b)}, off,
+              kUnpriced);
       }
       off += l;
       ++doc;
@@ -182,14 +187,27 @@ void sequence_tiles(const StepPlan& p, const CostModel& m, i64 s, i64 block, i64
     // a run: this short document and the next ones while the run stays within `block` tokens
     const i64 run_doc = doc;
     i64 run_len = l, run_pairs = causal_pairs(l);
-    for (++doc; doc < end; ++doc) {
-      const i64 m = len[doc];
-      if (m >= block || run_len + m > block) break;
-      run_len += m;
-      run_pairs += causal_pairs(m);
+    double run_price = 0.0;  // with a table: the documents' doc_price summed, as tile_work does
+    if (priced) {
+      run_price = m.doc_price(l);
+      for (++doc; doc < end; ++doc) {
+        const i64 n = len[doc];
+        if (n >= block || run_len + n > block) break;
+        run_len += n;
+        run_pairs += causal_pairs(n);
+        run_price += m.doc_price(n);
+      }
+    } else {
+      for (++doc; doc < end; ++doc) {
+        const i64 n = len[doc];
+        if (n >= block || run_len + n > block) break;
+        run_len += n;
+        run_pairs += causal_pairs(n);
+      }
     }
-    heads({s, run_doc, doc - run_doc, off, run_len, 0, 0, off, run_len, owner, owner, -1, run_pairs},
-          off);
+    const i64 count = doc - run_doc;
+    heads({s, run_doc, count, off, run_len, 0, 0, off, run_len, owner, owner, -1, run_pairs}, off,
+          priced && count > 1 ? m.whole_documents(run_price, count, p.heads_local) : kUnpriced);
     off += run_len;
   }
 }
@@ -428,21 +446,16 @@ Cut best_cut(const StepPlan& plan, const CostModel& m, const GroupTiles& gt, con
     const i64 a = t.q_start - t.kv_start, b = a + t.q_len;
     const i64 h = t.head_count;
     i64 c;
-    if (!m.active()) {
+    if (m.active()) {
+      c = m.tail_start(a + min_rows, b - min_rows, b, h, want);
+    } else {
       // smallest c with pairs(c, b) * hc <= want: c(c+1) >= b(b+1) - 2 want / hc
       const double x = static_cast<double>(b) * static_cast<double>(b + 1) - 2.0 * want / hc;
       c = static_cast<i64>(std::ceil((-1.0 + std::sqrt(1.0 + 4.0 * std::max(0.0, x))) / 2.0));
       c = std::min(std::max(c, a + min_rows), b - min_rows);
-    } else {  // the work of rows [c, b) falls as c rises: the smallest c within want, by halving
-      i64 lo_c = a + min_rows, hi_c = b - min_rows;
-      while (lo_c < hi_c) {
-        const i64 mid = lo_c + (hi_c - lo_c) / 2;
-        if (rows_work(m, mid, b, h) <= want) hi_c = mid; else lo_c = mid + 1;
-      }
-      c = lo_c;
+      while (c > a + min_rows && rows_work(m, c - 1, b, h) <= want) --c;
+      while (c < b - min_rows && rows_work(m, c, b, h) > want) ++c;
     }
-    while (c > a + min_rows && rows_work(m, c - 1, b, h) <= want) --c;
-    while (c < b - min_rows && rows_work(m, c, b, h) > want) ++c;
     for (i64 cc : {c, c - 1}) {  // just under and just over half the gap
       if (cc < a + min_rows || cc > b - min_rows) continue;
       consider(k, cc, rows_work(m, cc, b, h), gt.local_doc[k], b - cc, b);

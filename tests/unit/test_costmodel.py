@@ -136,6 +136,58 @@ def test_wlbs_packing_balances_the_tables_time():
     assert sorted(timed.doc_lengths) == sorted(pairs.doc_lengths)  # the same documents
 
 
+def test_a_tail_cut_is_the_first_row_within_the_budget():
+    """TAP cuts a tile's tail rows where their price first fits half the gap; the O(log bins)
+    search (bins' prefix sums, the quadratic inside a bin) lands on the row a scan of the
+    planner's own prices finds, for any table, including zero rates and no per-row cost."""
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        per_pair = rng.uniform(0.5e-9, 4e-9, cm.BINS)
+        per_pair[rng.random(cm.BINS) < 0.2] = 0.0  # bins the device is free in
+        per_pair[0] = 1e-9
+        table = cm.CostTable(per_pair, per_row=float(rng.choice([0.0, 3e-8])),
+                             per_segment=float(rng.choice([0.0, 1e-5])))
+        c = table.to_core().prepared()  # priced as the planner prices
+        b = int(rng.integers(8, 6000))
+        heads = int(rng.integers(1, 9))
+        lo = int(rng.integers(1, b // 2))
+        hi = int(rng.integers(lo, b))
+        prices = np.array([c.rows(x, b, heads) for x in range(lo, hi + 1)])
+        for want in (0.0, prices.min(), prices.max(), float(rng.uniform(prices.min(), prices.max())),
+                     float(prices[rng.integers(len(prices))]), 2 * prices.max()):
+            fits = np.flatnonzero(prices <= want)
+            expect = lo + int(fits[0]) if len(fits) else hi
+            assert c.tail_start(lo, hi, b, heads, want) == expect, (trial, lo, hi, b, heads, want)
+    with pytest.raises(ValueError, match="hi must be in"):
+        c.tail_start(5, 3, 100, 1, 1.0)
+    with pytest.raises(ValueError, match="want must be finite"):
+        c.tail_start(1, 3, 100, 1, float("nan"))
+
+
+def test_a_table_changed_in_place_is_priced_anew():
+    """Options keep their table's O(1) price tables from one plan to the next; an entry changed
+    in place (options.cost.per_pair = ...) is priced and planned as a table set afresh."""
+    a, b = _short_heavy(), cm.CostTable(np.full(cm.BINS, 1e-9), per_row=1e-8, per_segment=5e-6)
+    changed = PlannerOptions(system="libra").to_core()
+    changed.cost = a.to_core()
+    changed.cost.per_pair = list(b.to_core().per_pair)
+    changed.cost.per_row, changed.cost.per_segment = 1e-8, 5e-6
+    fresh = PlannerOptions(system="libra").to_core()
+    fresh.cost = b.to_core()
+    for q, kv in ((1, 1), (100, 5000), (3000, 3000), (10, 200000)):
+        assert changed.cost.segment(q, kv, 4) == fresh.cost.segment(q, kv, 4)
+    seqs = _steps()[0]
+    plans = []
+    for opts in (changed, fresh):
+        p = Planner(LAYOUT, MODEL, PlannerOptions(system="libra"))
+        p._options = opts
+        plans.append(p.plan(seqs))
+    assert plans[0].hash == plans[1].hash
+    with_a = Planner(LAYOUT, MODEL, PlannerOptions(system="libra"))
+    with_a.set_cost_model(a)
+    assert with_a.plan(seqs).hash != plans[0].hash
+
+
 def test_a_bad_table_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"per_pair\[3\]"):
         cm.CostTable(np.r_[np.ones(3), -1.0, np.ones(cm.BINS - 4)])

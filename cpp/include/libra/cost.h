@@ -15,6 +15,7 @@
 // but the same on every rank, so it never changes a placement.
 #pragma once
 
+#include <array>
 #include <vector>
 
 #include "libra/common.h"
@@ -70,28 +71,58 @@ struct CostModel {
   // step prices each of them.
   static constexpr i64 kSmallAttended = 4096;
   std::vector<double> small;
-
-  // Per step, set by the planner once the documents are known (prepare_documents): over the
-  // plan's documents d, the prefix sums of attended(l_d) + l_d * per_row, so that a run of whole
-  // documents costs O(1): heads * (difference) + count * per_segment.
-  std::vector<double> doc_prefix;
+  std::vector<double> small_doc;  // doc_price(l) for l < kSmallAttended, set by prepare()
+  // cost_bin_start(b) for b <= kCostBins, set by prepare() (a look-up without the clamps).
+  std::array<i64, kCostBins + 1> bin_start{};
+  // The per_pair table prefix and small were made from (prepare() is a no-op while it matches).
+  std::vector<double> prepared_for;
 
   bool active() const { return !per_pair.empty(); }
+  // Makes prefix and small from per_pair (O(1) prices); nothing while they were made from the
+  // same entries, and nothing for a model without a table or with a per_pair of the wrong size
+  // (prices then walk the bins).
   void prepare();
-  void prepare_documents(const i64* lengths, std::size_t n);
-  // Whole documents [first, first + count) of the plan, over `heads` heads (after
-  // prepare_documents).
-  double documents(i64 first, i64 count, i64 heads) const {
-    return static_cast<double>(heads) * (doc_prefix[static_cast<std::size_t>(first + count)] -
-                                         doc_prefix[static_cast<std::size_t>(first)]) +
-           static_cast<double>(count) * per_segment;
+  void unprepare() {
+    prefix.clear();
+    small.clear();
+    small_doc.clear();
+    prepared_for.clear();
+  }
+  // A whole document of l tokens over one head, without per_segment.
+  double doc_price(i64 l) const {
+    if (l >= 0 && l < static_cast<i64>(small_doc.size())) return small_doc[static_cast<std::size_t>(l)];
+    return attended(l) + static_cast<double>(l) * per_row;
+  }
+  // Whole documents of these lengths over `heads` heads, the price of a tile of several whole
+  // documents and of a sequence: heads * (their doc_price summed in order) + count *
+  // per_segment.
+  double documents(const i64* lengths, i64 count, i64 heads) const {
+    double sum = 0.0;
+    for (i64 d = 0; d < count; ++d) sum += doc_price(lengths[d]);
+    return whole_documents(sum, count, heads);
+  }
+  // The same from their doc_price summed in order (where a loop over them sums it anyway).
+  double whole_documents(double price_sum, i64 count, i64 heads) const {
+    return static_cast<double>(heads) * price_sum + static_cast<double>(count) * per_segment;
   }
   // sum over l = 1 .. x of l * per_pair[bin(l)]: the pairs of rows [0, x) of a document priced
-  double attended(i64 x) const;
+  // (O(1) after prepare(): a look-up below kSmallAttended, two above).
+  double attended(i64 x) const {
+    if (x <= 0) return 0.0;
+    if (x < static_cast<i64>(small.size())) return small[static_cast<std::size_t>(x)];
+    if (prefix.empty()) return attended_walk(x);
+    const i64 b = cost_bin(x), u = bin_start[static_cast<std::size_t>(b)];
+    return prefix[static_cast<std::size_t>(b)] +
+           static_cast<double>((u + x) * (x - u + 1) / 2) * per_pair[static_cast<std::size_t>(b)];
+  }
   // Sizes, finite and non-negative entries, at least one positive per_pair entry; names the
   // field and index of the first that is not.
   void validate() const;
-  double segment(i64 q_len, i64 kv_len, i64 heads) const;
+  double segment(i64 q_len, i64 kv_len, i64 heads) const {
+    return static_cast<double>(heads) *
+               (attended(kv_len) - attended(kv_len - q_len) + static_cast<double>(q_len) * per_row) +
+           per_segment;
+  }
   // Rows [a, b) of a document against their prefix [0, b), as the planner prices a tile: the
   // segment's time, per_segment only where the rows start the document (a == 0) - the operator
   // runs a document's consecutive rows on one rank as one segment, so later row blocks
@@ -99,9 +130,17 @@ struct CostModel {
   double rows(i64 a, i64 b, i64 heads) const {
     return segment(b - a, b, heads) - (a > 0 ? per_segment : 0.0);
   }
+  // The smallest c in [lo, hi] (0 < lo) whose rows [c, b) weigh at most `want` over `heads`
+  // heads (rows(c, b, heads) <= want), hi when none does; rows(c, b) falls as c rises. O(log
+  // bins) after prepare(): the crossing's bin found among the bins' prefix sums, the quadratic
+  // inside it solved, the estimate settled on rows() itself.
+  i64 tail_start(i64 lo, i64 hi, i64 b, i64 heads, double want) const;
   // [kCostFeatures] in the order of the features.
   std::vector<double> coefficients() const;
   static CostModel from_coefficients(const std::vector<double>& x);
+
+ private:
+  double attended_walk(i64 x) const;  // without prepare(): a walk over the bins
 };
 
 // Adds one segment's features to f ([kCostFeatures]); the constant is not touched.
