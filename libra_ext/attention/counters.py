@@ -111,12 +111,21 @@ def on_storage_resize(hook) -> None:
     _KERNEL.on_resize = hook
 
 
+def _cpu_clock():
+    """The clock a CPU kernel is timed by: with one intra-op thread, the calling thread's CPU
+    time (the kernel runs on it, forward and backward alike, so ranks that share the cores are
+    not charged for each other's work); with a thread pool, wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 class KernelTimer:
     """The time this rank spends inside its attention kernels (every call's forward and its
     backward), apart from the operator's data path and collectives, whose waits follow the
     slowest rank: what a rank's own attention work costs (`system.cost_model = online` fits
-    it). A context-manager factory (`ExecEnv.kernel_timer`): on the CPU wall time; on a GPU
-    CUDA events on the current stream, read once per step (`seconds`)."""
+    it). A context-manager factory (`ExecEnv.kernel_timer`): on the CPU the calling thread's
+    CPU time with one intra-op thread (as `libra train` gives each of several local workers),
+    else wall time; on a GPU CUDA events on the current stream, read once per step
+    (`seconds`)."""
 
     def __init__(self):
         self._host = 0.0
@@ -133,11 +142,12 @@ class KernelTimer:
                 end.record()
                 self._events.append((start, end))
             return
-        t0 = time.perf_counter()
+        clock = _cpu_clock()
+        t0 = clock()
         try:
             yield
         finally:
-            self._host += time.perf_counter() - t0
+            self._host += clock() - t0
 
     def seconds(self) -> float:
         """The kernels' seconds since the last reset (waits for the last event on a GPU)."""

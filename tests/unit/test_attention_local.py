@@ -308,3 +308,35 @@ def test_core_attention_reads_megatrons_packed_seq_params_and_refuses_other_mask
     bad = LibraCoreAttention(attn_mask_type=AttnMaskType.no_mask, system="wlb", runtime=runtime)
     with pytest.raises(ValueError, match="attn_mask_type no_mask is not supported"):
         bad(q, k, v, packed_seq_params=psp)
+
+
+def test_kernel_time_on_one_cpu_thread_is_the_threads_own_work():
+    """With one intra-op thread (each of several local workers gets one), a kernel is timed by
+    its thread's CPU time: time the thread spends off the core - another rank's work on a
+    shared core, here a sleep - is not charged to it, while its own work is; with a thread pool
+    it is wall time."""
+    import time
+
+    from libra_ext.attention.counters import KernelTimer
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        timer = KernelTimer()
+        with timer():
+            time.sleep(0.2)
+        off_core = timer.seconds()
+        timer.reset()
+        x = torch.randn(256, 256)
+        t0 = time.thread_time()
+        with timer():
+            while time.thread_time() - t0 < 0.05:
+                x = x @ x.T / 256
+        assert off_core < 0.02 and timer.seconds() >= 0.04
+        torch.set_num_threads(2)  # a pool: its threads' work is not on this thread's clock
+        timer.reset()
+        with timer():
+            time.sleep(0.2)
+        assert timer.seconds() >= 0.2
+    finally:
+        torch.set_num_threads(before)
