@@ -137,6 +137,17 @@ i64 CostModel::tail_start(i64 lo, i64 hi, i64 b, i64 heads, double want) const {
   return c;
 }
 
+double CostModel::documents(const i64* lengths, i64 count, i64 heads) const {
+  double even = 0.0, odd = 0.0;  // PriceSum's order, two documents a step
+  i64 d = 0;
+  for (; d + 2 <= count; d += 2) {
+    even += doc_price(lengths[d]);
+    odd += doc_price(lengths[d + 1]);
+  }
+  if (d < count) even += doc_price(lengths[d]);
+  return whole_documents(even + odd, count, heads);
+}
+
 std::vector<double> CostModel::coefficients() const {
   std::vector<double> x(static_cast<std::size_t>(kCostFeatures), 0.0);
   std::copy(per_pair.begin(), per_pair.end(), x.begin());

@@ -383,18 +383,24 @@ std::vector<i64> read_sequences(StepPlan& p, const SequencesView& sequences, i64
             most = std::max(most, l);
             *len++ = l;
           }
-        } else {  // the same, and the prices summed (their additions overlap the rest)
-          double price = 0.0;
-          for (const i64* it = sequences.begin(s); it != end; ++it) {
-            piece.bad |= *it <= 0 || *it > context;
-            const i64 l = std::min(std::max(*it, i64{0}), context);
+        } else {  // the same, and the prices summed in PriceSum's order, two documents a step
+          double even = 0.0, odd = 0.0;
+          const i64* it = sequences.begin(s);
+          auto read = [&](i64 x) {
+            piece.bad |= x <= 0 || x > context;
+            const i64 l = std::min(std::max(x, i64{0}), context);
             tokens += l;
             pairs += causal_pairs(l);
             most = std::max(most, l);
             *len++ = l;
-            price += cost.doc_price(l);
+            return cost.doc_price(l);
+          };
+          for (; it + 2 <= end; it += 2) {
+            even += read(it[0]);
+            odd += read(it[1]);
           }
-          seq_work[s] = cost.whole_documents(price, static_cast<i64>(sequences.docs(s)),
+          if (it != end) even += read(*it);
+          seq_work[s] = cost.whole_documents(even + odd, static_cast<i64>(sequences.docs(s)),
                                              p.heads_local);
         }
         piece.bad |= tokens > context;

@@ -187,15 +187,15 @@ void sequence_tiles(const StepPlan& p, const CostModel& m, i64 s, i64 block, i64
     // a run: this short document and the next ones while the run stays within `block` tokens
     const i64 run_doc = doc;
     i64 run_len = l, run_pairs = causal_pairs(l);
-    double run_price = 0.0;  // with a table: the documents' doc_price summed, as tile_work does
+    PriceSum run_price;  // with a table: the documents' doc_price summed, as tile_work does
     if (priced) {
-      run_price = m.doc_price(l);
+      run_price.add(m.doc_price(l));
       for (++doc; doc < end; ++doc) {
         const i64 n = len[doc];
         if (n >= block || run_len + n > block) break;
         run_len += n;
         run_pairs += causal_pairs(n);
-        run_price += m.doc_price(n);
+        run_price.add(m.doc_price(n));
       }
     } else {
       for (++doc; doc < end; ++doc) {
@@ -207,7 +207,8 @@ void sequence_tiles(const StepPlan& p, const CostModel& m, i64 s, i64 block, i64
     }
     const i64 count = doc - run_doc;
     heads({s, run_doc, count, off, run_len, 0, 0, off, run_len, owner, owner, -1, run_pairs}, off,
-          priced && count > 1 ? m.whole_documents(run_price, count, p.heads_local) : kUnpriced);
+          priced && count > 1 ? m.whole_documents(run_price.total(), count, p.heads_local)
+                              : kUnpriced);
     off += run_len;
   }
 }

@@ -58,6 +58,19 @@ constexpr i64 kCostFeatures = kCostBins + 3;
 constexpr i64 kFeatureRows = kCostBins, kFeatureSegments = kCostBins + 1,
               kFeatureConstant = kCostBins + 2;
 
+// How the planner sums a run of documents' prices: those at even positions into one sum, those
+// at odd positions into another, then the two added - a fixed order (the same bits wherever a
+// run is summed) whose two chains of additions overlap.
+struct PriceSum {
+  double even = 0.0, odd = 0.0;
+  bool at_odd = false;
+  void add(double x) {
+    (at_odd ? odd : even) += x;
+    at_odd = !at_odd;
+  }
+  double total() const { return even + odd; }
+};
+
 struct CostModel {
   std::vector<double> per_pair;  // [kCostBins] time per causal pair and head; empty = no table
   double per_row = 0;            // time per query row and head
@@ -94,14 +107,9 @@ struct CostModel {
     return attended(l) + static_cast<double>(l) * per_row;
   }
   // Whole documents of these lengths over `heads` heads, the price of a tile of several whole
-  // documents and of a sequence: heads * (their doc_price summed in order) + count *
-  // per_segment.
-  double documents(const i64* lengths, i64 count, i64 heads) const {
-    double sum = 0.0;
-    for (i64 d = 0; d < count; ++d) sum += doc_price(lengths[d]);
-    return whole_documents(sum, count, heads);
-  }
-  // The same from their doc_price summed in order (where a loop over them sums it anyway).
+  // documents and of a sequence: heads * (their doc_price summed as PriceSum sums them) +
+  // count * per_segment.
+  double documents(const i64* lengths, i64 count, i64 heads) const;
   double whole_documents(double price_sum, i64 count, i64 heads) const {
     return static_cast<double>(heads) * price_sum + static_cast<double>(count) * per_segment;
   }
