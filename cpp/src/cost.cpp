@@ -110,8 +110,16 @@ i64 CostModel::tail_start(i64 lo, i64 hi, i64 b, i64 heads, double want) const {
     return (h * (Ab - attended(c) + static_cast<double>(b - c) * per_row) + per_segment) -
            per_segment;
   };
-  if (R(lo) <= want) return lo;
-  if (!(R(hi) <= want)) return hi;
+  // an estimate settled on rows() itself (a row or two at most): the first c in [lo, hi] that
+  // fits, hi when none does
+  auto settle = [&](i64 c) {
+    while (c > lo && R(c - 1) <= want) --c;
+    while (c < hi && R(c) > want) ++c;
+    return c;
+  };
+  // (the ends decided on F; the settling below decides them on rows() itself)
+  if (F(lo) >= target) return settle(lo);
+  if (F(hi) < target) return settle(hi);
   // the crossing's bin: the last whose first row is still short of the target
   i64 bin_lo = cost_bin(lo), bin_hi = cost_bin(hi);
   while (bin_lo < bin_hi) {
@@ -129,12 +137,8 @@ i64 CostModel::tail_start(i64 lo, i64 hi, i64 b, i64 heads, double want) const {
   } else {
     k = B > 0 ? need / B : static_cast<double>(hi - u);
   }
-  i64 c = std::isfinite(k) ? u + static_cast<i64>(std::ceil(std::max(0.0, k))) : hi;
-  c = std::min(std::max(c, lo), hi);
-  // the estimate settled on rows() itself, a row or two at most
-  while (c > lo && R(c - 1) <= want) --c;
-  while (c < hi && R(c) > want) ++c;
-  return c;
+  const i64 c = std::isfinite(k) ? u + static_cast<i64>(std::ceil(std::max(0.0, k))) : hi;
+  return settle(std::min(std::max(c, lo), hi));
 }
 
 double CostModel::documents(const i64* lengths, i64 count, i64 heads) const {
