@@ -153,8 +153,9 @@ def test_a_tail_cut_is_the_first_row_within_the_budget():
         lo = int(rng.integers(1, b // 2))
         hi = int(rng.integers(lo, b))
         prices = np.array([c.rows(x, b, heads) for x in range(lo, hi + 1)])
-        for want in (0.0, prices.min(), prices.max(), float(rng.uniform(prices.min(), prices.max())),
-                     float(prices[rng.integers(len(prices))]), 2 * prices.max()):
+        wants = (0.0, prices.min(), prices.max(), float(rng.uniform(prices.min(), prices.max())),
+                 float(prices[rng.integers(len(prices))]), 2 * prices.max())
+        for want in wants:
             fits = np.flatnonzero(prices <= want)
             expect = lo + int(fits[0]) if len(fits) else hi
             assert c.tail_start(lo, hi, b, heads, want) == expect, (trial, lo, hi, b, heads, want)
