@@ -111,7 +111,7 @@ def on_storage_resize(hook) -> None:
     _KERNEL.on_resize = hook
 
 
-def _cpu_clock():
+def cpu_clock():
     """The clock a CPU kernel is timed by: with one intra-op thread, the calling thread's CPU
     time (the kernel runs on it, forward and backward alike, so ranks that share the cores are
     not charged for each other's work); with a thread pool, wall time."""
@@ -142,7 +142,7 @@ class KernelTimer:
                 end.record()
                 self._events.append((start, end))
             return
-        clock = _cpu_clock()
+        clock = cpu_clock()
         t0 = clock()
         try:
             yield
