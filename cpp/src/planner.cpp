@@ -373,33 +373,26 @@ std::vector<i64> read_sequences(StepPlan& p, const SequencesView& sequences, i64
         }
         i64 tokens = 0, pairs = 0, most = 0;
         i64* len = p.doc_lengths.data() + p.seq_doc_offsets[s];
+        const i64* it = sequences.begin(s);
         const i64* const end = sequences.end(s);
+        auto read = [&](i64 x) {  // one document: checked, counted, copied; its length
+          piece.bad |= x <= 0 || x > context;
+          const i64 l = std::min(std::max(x, i64{0}), context);  // no overflow on bad input
+          tokens += l;
+          pairs += causal_pairs(l);
+          most = std::max(most, l);
+          *len++ = l;
+          return l;
+        };
         if (!cost.active()) {
-          for (const i64* it = sequences.begin(s); it != end; ++it) {
-            piece.bad |= *it <= 0 || *it > context;
-            const i64 l = std::min(std::max(*it, i64{0}), context);  // no overflow on bad input
-            tokens += l;
-            pairs += causal_pairs(l);
-            most = std::max(most, l);
-            *len++ = l;
-          }
+          for (; it != end; ++it) read(*it);
         } else {  // the same, and the prices summed in PriceSum's order, two documents a step
           double even = 0.0, odd = 0.0;
-          const i64* it = sequences.begin(s);
-          auto read = [&](i64 x) {
-            piece.bad |= x <= 0 || x > context;
-            const i64 l = std::min(std::max(x, i64{0}), context);
-            tokens += l;
-            pairs += causal_pairs(l);
-            most = std::max(most, l);
-            *len++ = l;
-            return cost.doc_price(l);
-          };
           for (; it + 2 <= end; it += 2) {
-            even += read(it[0]);
-            odd += read(it[1]);
+            even += cost.doc_price(read(it[0]));
+            odd += cost.doc_price(read(it[1]));
           }
-          if (it != end) even += read(*it);
+          if (it != end) even += cost.doc_price(read(*it));
           seq_work[s] = cost.whole_documents(even + odd, static_cast<i64>(sequences.docs(s)),
                                              p.heads_local);
         }

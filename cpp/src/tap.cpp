@@ -188,22 +188,13 @@ void sequence_tiles(const StepPlan& p, const CostModel& m, i64 s, i64 block, i64
     const i64 run_doc = doc;
     i64 run_len = l, run_pairs = causal_pairs(l);
     PriceSum run_price;  // with a table: the documents' doc_price summed, as tile_work does
-    if (priced) {
-      run_price.add(m.doc_price(l));
-      for (++doc; doc < end; ++doc) {
-        const i64 n = len[doc];
-        if (n >= block || run_len + n > block) break;
-        run_len += n;
-        run_pairs += causal_pairs(n);
-        run_price.add(m.doc_price(n));
-      }
-    } else {
-      for (++doc; doc < end; ++doc) {
-        const i64 n = len[doc];
-        if (n >= block || run_len + n > block) break;
-        run_len += n;
-        run_pairs += causal_pairs(n);
-      }
+    if (priced) run_price.add(m.doc_price(l));
+    for (++doc; doc < end; ++doc) {
+      const i64 n = len[doc];
+      if (n >= block || run_len + n > block) break;
+      run_len += n;
+      run_pairs += causal_pairs(n);
+      if (priced) run_price.add(m.doc_price(n));
     }
     const i64 count = doc - run_doc;
     heads({s, run_doc, count, off, run_len, 0, 0, off, run_len, owner, owner, -1, run_pairs}, off,
