@@ -37,12 +37,16 @@ bool interpreter_exiting() {
 // finalization by unwinding its stack, and unwinding through these C++ frames aborts the
 // process ("terminate called without an active exception"). A daemon thread that plans (the
 // sampler's) is then parked for good instead, as Python 3.14 does itself; the process exits.
+// Finalization can also begin between that check and taking the GIL back: the thread is then
+// ended inside PyEval_RestoreThread by a forced unwind, which may leave the destructor (hence
+// noexcept(false): out of a noexcept one it would terminate the process) and pybind11, which
+// rethrows it, as it leaves a thread Python ends.
 class ReleaseGil {
  public:
   ReleaseGil() : state_(PyEval_SaveThread()) {}
   ReleaseGil(const ReleaseGil&) = delete;
   ReleaseGil& operator=(const ReleaseGil&) = delete;
-  ~ReleaseGil() {
+  ~ReleaseGil() noexcept(false) {
     if (interpreter_exiting())
       for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
     PyEval_RestoreThread(state_);
