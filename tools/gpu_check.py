@@ -243,6 +243,7 @@ def main() -> int:
         ("alignment", lambda: [selfcheck.alignment(dev, dtype, b) for b in backends]),
         ("sync", lambda: selfcheck.sync_free(dev, context=2048 if cpu else 32_768)),
         ("rebuild", lambda: [selfcheck.rebuild_storage(dev, dtype, b) for b in backends]),
+        ("rowops", lambda: selfcheck.row_ops(dev, dtype, rows=4096 if cpu else 1 << 21)),
         ("overhead", lambda: _overhead(args, cpu)),
         ("calibration", lambda: _calibration(args.device, cpu, out.parent)),
         ("replay", lambda: _replay(args.device, cpu)),
@@ -303,8 +304,8 @@ def _skip(why: str) -> dict:
 def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
     """Each check's status: pass, fail, or skip (with the reason); a skip is never a pass."""
     out = {}
-    for name in ("kernels", "alignment", "sync", "rebuild", "overhead", "calibration",
-                 "replay"):
+    for name in ("kernels", "alignment", "sync", "rebuild", "rowops", "overhead",
+                 "calibration", "replay"):
         failed = _failed(res, name)
         if failed is not None:
             out[name] = failed
@@ -324,6 +325,12 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
                 f", {r['left_after_release']} B left after the release (statistics "
                 f"{r['stats_bytes']} B)" if r["left_after_release"] is not None else "")
             for r in rb))
+    if "rowops" not in out:  # the exchange's fused gathers and scatters: one launch each
+        r = res["rowops"]
+        out["rowops"] = _check(r["ok"], f"triton {r['triton']}, add err {r['add_err']:.2g}, "
+                               f"gather {r['gather_ms']['fused']:.2f} ms fused / "
+                               f"{r['gather_ms']['torch']:.2f} ms torch, scatter "
+                               f"{r['scatter_ms']['fused']:.2f} / {r['scatter_ms']['torch']:.2f}")
     if "sync" not in out:
         sync = res["sync"]
         bad = [n for n, v in sync.items() if v != "ok" and not v.startswith("skipped")]

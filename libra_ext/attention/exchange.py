@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from libra_ext.attention import counters
+from libra_ext.attention import counters, rowops
 from libra_ext.attention.comm import ByteCounter, all_gather_rows, all_to_all
 from libra_ext.attention.counters import CallCounts, RuntimeStats
 from libra_ext.attention.kernels import Backend
@@ -197,12 +197,11 @@ class PlannedAttention(torch.autograd.Function):
         direct = _Call(prog.direct, xq, xk, xv, env, counts)
         o = direct.out.data  # [S', hl, d]: the layer's O, written in place where others run
         of = o.view(-1, d)
-        lpacks = [_run_pack(p, xqf, xkf, xvf, env, counts, of) for p in prog.lpacks]
+        lpacks = [_run_pack(p, xqf, xkf, xvf, env, counts) for p in prog.lpacks]
         if prog.tokens < prog.rows:
             o[prog.tokens:].zero_()  # the padding rows past the sequence
         executed = ex.execute(counts) if moving else []
-        if moving:
-            ex.place_outputs(of)
+        ex.place_outputs(of, lpacks, moving)
         del xqf, xkf, xvf, xq, xk, xv
         ctx.prog, ctx.env = prog, env
         ctx.graph = (direct, lpacks, executed, ex)
@@ -253,8 +252,7 @@ class PlannedAttention(torch.autograd.Function):
         del direct
         if lpacks or executed:
             dqf, dkf, dvf = _flat(dq, d), _flat(dk, d), _flat(dv, d)
-            for p, call in lpacks:
-                _pack_backward(p, call, dof, dqf, dkf, dvf, counts)
+            _packs_backward(lpacks, dof, dqf, dkf, dvf, counts)
             if executed:
                 ex.return_grads(executed, counts)
                 ex.add_returned(dqf, dkf, dvf)
@@ -288,11 +286,7 @@ def _rebuild(ctx, direct, lpacks) -> tuple:
         del send
     x = tuple(_flat(leaf.detach(), d) for leaf in direct.leaves)
     for p, call in lpacks:
-        ro, rq, rk, rv = call.restore()
-        torch.index_select(of, 0, p.q.idx, out=ro)
-        torch.index_select(x[0], 0, p.q.idx, out=rq)
-        torch.index_select(x[1], 0, p.k.idx, out=rk)
-        torch.index_select(x[2], 0, p.k.idx, out=rv)
+        rowops.gather_into(call.restore(), (of,) + x, [p.q.idx, p.q.idx, p.k.idx, p.k.idx])
     return (of,) + x
 
 
@@ -309,28 +303,43 @@ def _ulysses_out(dq, dk, dv, prog: SlotProgram, env: ExecEnv, shape) -> tuple:
     return tuple(out)
 
 
-def _run_pack(p: PackCall, qf, kf, vf, env: ExecEnv, counts: CallCounts, of=None):
-    """A pack's call on vectors gathered from the sources; its outputs scattered into `of` at
-    its query vectors (when given). Returns (the pack, its _Call)."""
+def _run_pack(p: PackCall, qf, kf, vf, env: ExecEnv, counts: CallCounts):
+    """A pack's call on vectors gathered from the sources (one gather into one buffer).
+    Returns (the pack, its _Call); `_scatter_outputs` puts its output in place."""
     d = qf.shape[-1]
     c = p.call
-    call = _Call(c, qf.index_select(0, p.q.idx).view(-1, c.hc, d),
-                 kf.index_select(0, p.k.idx).view(-1, c.hk, d),
-                 vf.index_select(0, p.k.idx).view(-1, c.hk, d), env, counts)
-    if of is not None:
-        of.index_put_((p.q.idx,), call.out.detach().view(-1, d))
+    _, (q, k, v) = rowops.gather([qf, kf, vf], [p.q.idx, p.k.idx, p.k.idx])
+    call = _Call(c, q.view(-1, c.hc, d), k.view(-1, c.hk, d), v.view(-1, c.hk, d), env, counts)
+    del q, k, v
     return p, call
 
 
-def _pack_backward(p: PackCall, call: _Call, dof, dqf, dkf, dvf, counts: CallCounts) -> None:
-    """A pack's backward: dO gathered at its query vectors; dQ written there (each query vector
-    is one piece's), dK/dV added at its key vectors."""
+def _scatter_outputs(of, graph: list, idxs=(), srcs=()) -> None:
+    """The outputs of packs' calls (`graph`: (pack, _Call) pairs) written into `of` at their
+    query vectors, and `srcs` at `idxs` beside them: one scatter."""
+    d = of.shape[-1]
+    rowops.scatter([of] * (len(graph) + len(idxs)), [p.q.idx for p, _ in graph] + list(idxs),
+                   [call.out.detach().view(-1, d) for _, call in graph] + list(srcs),
+                   [False] * (len(graph) + len(idxs)))
+
+
+def _packs_backward(graph: list, dof, dqf, dkf, dvf, counts: CallCounts) -> None:
+    """The backward of packs' calls on one source (`graph`: (pack, _Call) pairs, at most two):
+    their dO gathered at their query vectors (one gather), each call's backward, then dQ
+    written there (each query vector is one piece's) and dK/dV added at their key vectors (one
+    scatter)."""
+    if not graph:
+        return
     d = dof.shape[-1]
-    g = dof.index_select(0, p.q.idx).view(-1, p.call.hc, d)
-    gq, gk, gv = call.backward(g, counts)
-    dqf.index_put_((p.q.idx,), gq.view(-1, d))
-    dkf.index_add_(0, p.k.idx, gk.view(-1, d))
-    dvf.index_add_(0, p.k.idx, gv.view(-1, d))
+    _, gs = rowops.gather([dof] * len(graph), [p.q.idx for p, _ in graph])
+    dsts, idxs, srcs = [], [], []
+    for (p, call), g in zip(graph, gs):
+        gq, gk, gv = call.backward(g.view(-1, p.call.hc, d), counts)
+        dsts += [dqf, dkf, dvf]
+        idxs += [p.q.idx, p.k.idx, p.k.idx]
+        srcs += [gq.view(-1, d), gk.view(-1, d), gv.view(-1, d)]
+    del gs
+    rowops.scatter(dsts, idxs, srcs, [False, True, True] * len(graph))
 
 
 def _wait(works: list, env: ExecEnv) -> None:
@@ -349,7 +358,6 @@ class _Exchange:
     def __init__(self, prog: SlotProgram, env: ExecEnv, d: int, dtype, device):
         self.prog, self.env, self.d = prog, env, d
         self.new = lambda n: torch.empty(n, d, dtype=dtype, device=device)
-        self.zeros = lambda n: torch.zeros(n, d, dtype=dtype, device=device)
 
     def _post(self, out, inp, sc: SubChunk, kind: str, q: bool, back: bool):
         """One all-to-all of sub-chunk `sc` (Q-sized or KV-sized messages), owners to executors
@@ -360,13 +368,12 @@ class _Exchange:
                     self.env.pipelined)
 
     def post_inputs(self, xqf, xkf, xvf) -> None:
-        """Every sub-chunk's Q / K / V messages out (one gather per tensor builds them all);
-        each sub-chunk's arrive in buffers of their own (a pack sub-chunk's are freed once
-        gathered, a direct one's are what its kernel keeps)."""
+        """Every sub-chunk's Q / K / V messages out (one gather builds them all); each
+        sub-chunk's arrive in buffers of their own (a pack sub-chunk's are freed once gathered,
+        a direct one's are what its kernel keeps)."""
         p = self.prog
-        sq = xqf.index_select(0, p.send_q.idx)
-        sk = xkf.index_select(0, p.send_kv.idx)
-        sv = xvf.index_select(0, p.send_kv.idx)
+        _, (sq, sk, sv) = rowops.gather([xqf, xkf, xvf], [p.send_q.idx, p.send_kv.idx,
+                                                          p.send_kv.idx])
         self.recv, self.in_works = [], []
         for sc in p.subchunks:
             qs = slice(sc.q_send_off, sc.q_send_off + sc.n_q_send)
@@ -394,7 +401,8 @@ class _Exchange:
                 msg, graph = call.out.detach().view(-1, d), [(None, call)]
             elif sc.packs:
                 msg = self.new(sc.n_q_recv)
-                graph = [_run_pack(pk, q, k, v, self.env, counts, msg) for pk in sc.packs]
+                graph = [_run_pack(pk, q, k, v, self.env, counts) for pk in sc.packs]
+                _scatter_outputs(msg, graph)
             else:
                 msg, graph = self.new(0), []
             del q, k, v
@@ -404,10 +412,14 @@ class _Exchange:
         del self.in_works, self.recv
         return done
 
-    def place_outputs(self, of) -> None:
-        """The returned O of this rank's moved units into its O buffer."""
+    def place_outputs(self, of, lpacks: list, moving: bool) -> None:
+        """The local packs' outputs and (`moving`) the returned O of this rank's moved units
+        into its O buffer, in one scatter."""
+        if not moving:
+            _scatter_outputs(of, lpacks)
+            return
         _wait(self.o_works, self.env)
-        of.index_put_((self.prog.send_q.idx,), self.o_recv)
+        _scatter_outputs(of, lpacks, [self.prog.send_q.idx], [self.o_recv])
         del self.o_recv, self.o_works
 
     def post_grads(self, dof, executed: list, rebuilt=None) -> None:
@@ -416,12 +428,16 @@ class _Exchange:
         and Q / K / V too, into the memory of the executed calls (a pack sub-chunk's through
         buffers its packs gather from)."""
         p = self.prog
-        send = dof.index_select(0, p.send_q.idx)
-        again = [] if rebuilt is None else [
-            (rebuilt[0].index_select(0, p.send_q.idx), True, "pool.o.rebuild"),
-            (rebuilt[1].index_select(0, p.send_q.idx), True, "pool.q.rebuild"),
-            (rebuilt[2].index_select(0, p.send_kv.idx), False, "pool.k.rebuild"),
-            (rebuilt[3].index_select(0, p.send_kv.idx), False, "pool.v.rebuild")]
+        srcs, idxs = [dof], [p.send_q.idx]
+        if rebuilt is not None:
+            srcs += list(rebuilt)
+            idxs += [p.send_q.idx, p.send_q.idx, p.send_kv.idx, p.send_kv.idx]
+        _, parts = rowops.gather(srcs, idxs)  # one gather builds every message
+        send = parts[0]
+        again = [(x, q, kind) for x, q, kind in zip(
+            parts[1:], (True, True, False, False),
+            ("pool.o.rebuild", "pool.q.rebuild", "pool.k.rebuild", "pool.v.rebuild"))]
+        del parts
         self.d_o, self.do_works, self.again = {}, {}, {}
         for i in reversed(range(len(p.subchunks))):
             sc = p.subchunks[i]
@@ -455,18 +471,18 @@ class _Exchange:
             bufs = self.again.pop(i, None)
             if bufs is not None and sc.call is None:  # the packs' from what arrived
                 for pk, call in graph:
-                    for dst, src, idx in zip(call.restore(), bufs,
-                                             (pk.q.idx, pk.q.idx, pk.k.idx, pk.k.idx)):
-                        torch.index_select(src, 0, idx, out=dst)
+                    rowops.gather_into(call.restore(), bufs,
+                                       [pk.q.idx, pk.q.idx, pk.k.idx, pk.k.idx])
             del bufs
             if sc.call is not None:
                 gq, gk, gv = graph[0][1].backward(g.view(-1, sc.call.hc, d), counts)
                 gq, gk, gv = gq.view(-1, d), gk.view(-1, d), gv.view(-1, d)
             else:  # a stream's keys are read by several pieces: their gradients add up
-                gq, gk, gv = self.new(sc.n_q_recv), self.zeros(sc.n_kv_recv), \
-                    self.zeros(sc.n_kv_recv)
-                for pk, call in graph:
-                    _pack_backward(pk, call, g, gq, gk, gv, counts)
+                gq, gkv = self.new(sc.n_q_recv), self.new(2 * sc.n_kv_recv)
+                if graph:  # dK and dV in one buffer: one fill
+                    gkv.zero_()
+                gk, gv = gkv.view(2, sc.n_kv_recv, d)
+                _packs_backward(graph, g, gq, gk, gv, counts)
             del g
             qs = slice(sc.q_send_off, sc.q_send_off + sc.n_q_send)
             ks = slice(sc.kv_send_off, sc.kv_send_off + sc.n_kv_send)
@@ -481,9 +497,8 @@ class _Exchange:
         dK / dV added to the local ones."""
         _wait(self.ret_works, self.env)
         p = self.prog
-        dqf.index_put_((p.send_q.idx,), self.dq_ret)
-        dkf.index_add_(0, p.send_kv.idx, self.dk_ret)
-        dvf.index_add_(0, p.send_kv.idx, self.dv_ret)
+        rowops.scatter([dqf, dkf, dvf], [p.send_q.idx, p.send_kv.idx, p.send_kv.idx],
+                       [self.dq_ret, self.dk_ret, self.dv_ret], [False, True, True])
         del self.ret_works, self.dq_ret, self.dk_ret, self.dv_ret
 
 
@@ -498,9 +513,11 @@ class PerDocAttention(torch.autograd.Function):
             kg = all_gather_rows(k, env.cp_group, env.counter, "wlb.k")  # [C*t, hkv, d]
             vg = all_gather_rows(v, env.cp_group, env.counter, "wlb.v")
             rows = prog.kv.idx
-            call = _Call(prog.call, q, kg.index_select(0, rows), vg.index_select(0, rows), env,
-                         counts)
-            del kg, vg  # the key and value packs hold what the kernel reads of them
+            _, (kp, vp) = rowops.gather([kg.view(kg.shape[0], -1), vg.view(vg.shape[0], -1)],
+                                        [rows, rows])  # the key and value packs: one gather
+            del kg, vg  # the packs hold what the kernel reads of them
+            call = _Call(prog.call, q, kp.view(-1, hkv, d), vp.view(-1, hkv, d), env, counts)
+            del kp, vp
             o = call.out.data
             if prog.pad.size:  # padding slots attend to nothing: zero, whatever the kernel wrote
                 o.index_put_((prog.pad.idx,), o.new_zeros(()))
@@ -517,15 +534,16 @@ class PerDocAttention(torch.autograd.Function):
             dq, dk, dv = call.backward(grad.view(t, h, d), counts)
             del call
             C = prog.cp
-            out = []
-            for g, kind in ((dk, "wlb.k.bwd"), (dv, "wlb.v.bwd")):
-                buf = g.new_zeros(C * t, hkv, d)
-                buf.index_add_(0, prog.kv.idx, g)
-                # reduce-scatter: rank j gets every rank's gradient of its rows, summed
-                recv = torch.empty_like(buf)
-                n = t * hkv * d
-                all_to_all(recv.view(-1), buf.view(-1), [n] * C, [n] * C, env.cp_group,
+            buf = dk.new_zeros(2, C * t, hkv * d)  # dK and dV of every rank's rows
+            rowops.scatter([buf[0], buf[1]], [prog.kv.idx, prog.kv.idx],
+                           [dk.view(-1, hkv * d), dv.view(-1, hkv * d)], [True, True])
+            del dk, dv
+            # reduce-scatter: rank j gets every rank's gradient of its rows, summed
+            recv = torch.empty_like(buf)
+            n = t * hkv * d
+            for i, kind in enumerate(("wlb.k.bwd", "wlb.v.bwd")):
+                all_to_all(recv[i].view(-1), buf[i].view(-1), [n] * C, [n] * C, env.cp_group,
                            env.counter, kind)
-                del buf
-                out.append(recv.view(C, t, hkv, d).sum(0))
+            del buf
+            out = recv.view(2, C, t, hkv, d).sum(1)
             return dq, out[0], out[1], None, None

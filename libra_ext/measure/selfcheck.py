@@ -9,17 +9,21 @@ tools/gpu_check.py (which writes their numbers to one JSON file):
   `torch.cuda.set_sync_debug_mode("error")` (any hidden device sync raises);
 - `rebuild_storage`: system.attention_memory = rebuild on one kernel call - gradients after
   the release and refill, and on a GPU whether the kernel keeps anything beyond the storages the
-  release frees.
+  release frees;
+- `row_ops`: the exchange's fused row gathers and scatters (`rowops`) against the torch ops
+  they replace, at the exchange's shapes, with the path taken (one Triton launch on CUDA) and
+  both timed.
 """
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from libra_ext.attention import kernels
+from libra_ext.attention import kernels, rowops
 from libra_ext.attention.comm import GroupCache
 from libra_ext.attention.core import Runtime, core_attention
 from libra_ext.attention.counters import CallCounts
@@ -226,3 +230,61 @@ def sync_free(device, systems=("libra", "ulysses", "wlb"), context=32_768, dtype
             torch.cuda.set_sync_debug_mode(0)
             torch.cuda.synchronize(device)
     return out
+
+
+def row_ops(device, dtype=torch.bfloat16, rows=1 << 20, d=128, reps=5, seed=4) -> dict:
+    """The fused row ops against per-part torch ops on `device`: Q / K / V gathered out of X
+    (rows, rows / 8, rows / 8 indices into buffers of 2 rows, rows / 4, rows / 4), then dQ
+    written and dK / dV added back with K/V rows repeated (each twice on average). Equal for
+    gathers and writes; adds within the dtype's tolerance of a float64 sum (atomic additions on
+    a GPU take any order). Times (ms, median of `reps`) both ways."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    src = [torch.randn(n, d, device=device, dtype=dtype, generator=gen)
+           for n in (2 * rows, rows // 4, rows // 4)]
+    idx = [torch.randint(0, x.shape[0], (n,), device=device, generator=gen, dtype=torch.int32)
+           for x, n in zip(src, (rows, rows // 8, rows // 8))]
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+
+    def timed(fn) -> float:
+        ms = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(ms))
+
+    fused, views = rowops.gather(src, idx)
+    want = [x.index_select(0, i) for x, i in zip(src, idx)]
+    gather_ok = all(torch.equal(v, w) for v, w in zip(views, want))
+    t_fused = timed(lambda: rowops.gather(src, idx, out=fused))
+    t_torch = timed(lambda: [x.index_select(0, i) for x, i in zip(src, idx)])
+    # back: dQ written (each row once), dK / dV added (rows repeat)
+    wq = torch.randperm(src[0].shape[0], device=device, generator=gen)[:rows].to(torch.int32)
+    dst = [torch.zeros_like(x) for x in src]
+    parts = [wq, idx[1], idx[2]]
+    rowops.scatter(dst, parts, views, [False, True, True])
+    write_ok = torch.equal(dst[0][wq], views[0])
+    tol = TOLERANCE[dtype][1]
+    add_err = 0.0
+    for p in (1, 2):
+        ref = torch.zeros(src[p].shape, device=device, dtype=torch.float64)
+        ref.index_add_(0, idx[p], views[p].double())
+        add_err = max(add_err, _err(dst[p], ref))
+    t_scatter = timed(lambda: rowops.scatter(dst, parts, views, [False, True, True]))
+    t_scatter_torch = timed(lambda: (dst[0].index_put_((wq,), views[0]),
+                                     dst[1].index_add_(0, idx[1], views[1]),
+                                     dst[2].index_add_(0, idx[2], views[2])))
+    moved = sum(v.numel() * v.element_size() for v in views)
+    return {
+        "dtype": str(dtype).replace("torch.", ""), "rows": rows, "head_dim": d,
+        "triton": rowops._use_triton(fused),
+        "gather_equal": gather_ok, "write_equal": write_ok, "add_err": add_err,
+        "gather_ms": {"fused": t_fused, "torch": t_torch},
+        "scatter_ms": {"fused": t_scatter, "torch": t_scatter_torch},
+        "gather_gb_per_s": 2 * moved / t_fused / 1e6 if t_fused else None,
+        "ok": gather_ok and write_ok and add_err <= tol and (rowops._use_triton(fused) or not cuda),
+    }

@@ -8,7 +8,8 @@ fill only writes, index tensors count once; any other op reads its device inputs
 outputs.
 
 `TrafficProbe` (a TorchDispatchMode) counts, per phase, the ops with an output on its device
-(what would be kernel launches), their bytes, and the live bytes of the tensors they create,
+(what would be kernel launches; a fused row op of `libra_ext.attention.rowops`, which writes its
+first argument in place, is one), their bytes, and the live bytes of the tensors they create,
 with the peak. Work inside an attention kernel (`counters.inside_kernel`, entered by the
 reference kernel) is the kernel's, not the operator's: its ops are not counted and its transient
 workspace does not enter the peak (what it leaves alive - its output and what it saves for
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from libra_ext.attention import counters
+from libra_ext.attention import counters, rowops
 
 _aten = torch.ops.aten
 
@@ -93,7 +94,7 @@ def op_bytes(func, args, kwargs, out, on) -> int:
     index = sum(nbytes(t) for t in tensors[1:] if t.dtype in INDEX_DTYPES)
     if name in FILLS:
         return sum(nbytes(o) for o in outs)
-    if name.startswith(GATHERS) and name not in ("index_put", "index_put_"):
+    if name.startswith(GATHERS) and not name.startswith(ADDS + SCATTERS):
         return 2 * sum(nbytes(o) for o in outs) + index
     if name.startswith(ADDS + SCATTERS):
         dst = tensors[0]
@@ -185,6 +186,13 @@ class TrafficProbe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if rowops.is_rowop(func):  # one launch, writing its first argument in place
+            if not counters.in_kernel() and any(self.on(o) for o in
+                                                rowops.written(func, args, kwargs)):
+                ph = self.current()
+                ph.ops += 1
+                ph.bytes_by_op[func.__name__] += rowops.op_bytes(func, args, kwargs, self.on)
+            return out
         outs = [o for o in outputs(out) if self.on(o)]
         if not outs or is_view(func) or func.namespace in COLLECTIVES:
             return out  # (a collective's transfers are the network's, not device traffic)

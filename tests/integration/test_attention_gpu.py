@@ -38,6 +38,13 @@ def test_operator_makes_no_hidden_device_sync():
     assert set(selfcheck.sync_free("cuda").values()) == {"ok"}
 
 
+@cuda
+def test_fused_row_ops_run_one_triton_kernel_with_the_torch_ops_results():
+    for dtype in (torch.float32, torch.bfloat16):
+        r = selfcheck.row_ops("cuda", dtype, rows=1 << 16)
+        assert r["triton"] and r["ok"], r
+
+
 def test_reference_checks_pass_on_cpu():
     cases = selfcheck.kernel_cases("cpu", torch.float32, ["reference"])
     assert cases and all(c["ok"] for c in cases), cases
@@ -58,6 +65,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     checks = r["checks"]
     assert r["ok"] and checks["kernels"]["status"] == checks["no_host_copies"]["status"] == "pass"
     assert checks["rebuild"]["status"] == "pass" and r["rebuild"][0]["bitwise"]
+    assert checks["rowops"]["status"] == "pass" and r["rowops"]["gather_equal"]
     assert checks["train"]["status"] == "skip"  # a skip is reported as one, not as a pass
     assert checks["train_megatron_hybrid"]["status"] == "skip"  # a GPU with TE only
     # Megatron-LM's loop runs where megatron.training is installed (on the CPU: gloo, fp32)
@@ -97,6 +105,9 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
         "sync": {"libra": "ok"},
         "rebuild": [{"backend": "varlen", "ok": True, "grad_err": 0.0, "bitwise": True,
                      "left_after_release": 65536, "stats_bytes": 64000}],
+        "rowops": {"ok": True, "triton": True, "add_err": 0.004,
+                   "gather_ms": {"fused": 1.1, "torch": 1.3},
+                   "scatter_ms": {"fused": 1.6, "torch": 2.0}},
         "overhead": {"libra-256k/p50": {"systems": {
             "libra": {"host_copies": 0, "ratio": 1.01}}}},
         "calibration": {"peak_tflops": 400.0, "rows": [{"fwd_tflops": 380.0}]},
@@ -110,7 +121,7 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
     checks = gc._checks(good, cpu=False, skip_train=False)
     assert {k: c["status"] for k, c in checks.items()} == {
         "kernels": "pass", "alignment": "pass", "sync": "pass", "rebuild": "pass",
-        "no_host_copies": "pass",
+        "rowops": "pass", "no_host_copies": "pass",
         "overhead_within_5pct": "pass", "train": "pass", "train_megatron_lm": "pass",
         "train_megatron_hybrid": "skip",
         "calibration": "pass",
@@ -127,12 +138,15 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
         # a kernel that keeps copies of its own: the release frees nothing of them
         "rebuild": [{"backend": "varlen", "ok": False, "grad_err": 0.0, "bitwise": True,
                      "left_after_release": 9 << 20, "stats_bytes": 64000}],
+        # fused row ops on a GPU without Triton: correct, but a launch per part
+        "rowops": {**good["rowops"], "ok": False, "triton": False},
     }
     checks = gc._checks(bad, cpu=False, skip_train=False)
     assert checks["calibration"]["status"] == "fail" and checks["replay"]["status"] == "fail"
     assert checks["rebuild"]["status"] == "fail" and "9437184 B left" in checks["rebuild"]["detail"]
     assert checks["train"] == {"status": "skip", "detail": "megatron-core is not installed"}
     assert checks["train_megatron_lm"]["status"] == "fail"
+    assert checks["rowops"]["status"] == "fail" and "triton False" in checks["rowops"]["detail"]
 
     # on the CPU one round of milliseconds per rank on a shared host is recorded, not judged:
     # Libra measured above Ulysses still passes while the deterministic modeled figures hold;

@@ -78,17 +78,23 @@ EXTRA_BOUND_ULYSSES = 8.0
 PEER_BOUND = 2.0
 """Libra, DistCA and WLB-LLM where ranks exchange: extra device bytes at most this many times
 Ulysses's at the same layout and kernel. Measured on the gate's sequences (one replica holds a
-document of half the sequence, so most of its tiles move): 1.71 / 1.81 (libra, pool 2 / 8),
-1.21 / 1.49 (distca), 0.39 (wlb). What a pool exchange adds is 8 x the moved Q (its gather
-out, O placed back, dO gathered out, dQ placed back), 5 x the moved K/V and, for an owner's
-local runs the direct call cannot take (a document's earlier runs, head-partial pieces), a
-pack with their key prefixes; the goal of 1.25 needs kernels that read and write the exchange's
-buffers strided."""
-OPS_BOUND = 6.0
+document of half the sequence, so most of its tiles move): 1.70 / 1.93 (libra, pool 2 / 8),
+1.20 / 1.66 (distca), 0.49 (wlb); an indexed add counts the rows it adds, read twice and
+written once, wherever the same K/V rows go to several executors. What a pool exchange adds is
+8 x the moved Q (its gather out, O placed back, dO gathered out, dQ placed back), 5 x the moved
+K/V and, for an owner's local runs the direct call cannot take (a document's earlier runs,
+head-partial pieces), a pack with their key prefixes; the goal of 1.25 needs kernels that read
+and write the exchange's buffers strided."""
+OPS_BOUND = 3.0
 """Device ops of the forward and of the backward, each at most this many times Ulysses's at the
-same layout and kernel (Ulysses: 3 / 7). Measured: libra 18 / 31, distca 9 / 15, wlb 6 / 9 at
-pool 2 and pool 8 alike - a fixed number per exchange sub-chunk, whatever the documents, tiles
-and members; the goal of 2x needs fused gathers."""
+same layout and kernel (Ulysses: 6 / 7, its three layout copies before the all-to-alls
+included). Measured: libra 13-15 / 19-21, distca 8 / 11, wlb 5 / 6 at pool 2 and pool 8; with
+rebuild, libra 13-15 / 22-24 against Ulysses 6 / 8. Each group of rows moved together (Q, K
+and V out; dQ, dK and dV back; the packs' outputs) is one fused row op
+(`libra_ext.attention.rowops`), so the count is a fixed number per exchange sub-chunk and kernel
+call, whatever the documents, tiles and members. What remains over 2x is the kernel calls
+themselves (the direct call, a local pack, each sub-chunk's call: each a forward, a backward and
+the backward's zeroed softmax gradient)."""
 KEPT_BOUND = 1.15
 """At one rank, bytes a layer call keeps for backward at most this many times a plain varlen
 call's over the same kernel (measured: equal)."""

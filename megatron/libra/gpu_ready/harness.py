@@ -12,9 +12,11 @@ tensors). Pinned host memory is marked, not allocated.
 
 `Probe` (a TorchDispatchMode inside the fake mode) records, per phase ("setup", "fwd", "bwd"):
 device ops (what would be kernel launches: every op with a CUDA output that is not a view or a
-bare allocation), host-to-device copies (blocking, or from memory that is not pinned, is a sync),
-device-to-host copies, host reads of device values, and the live bytes of device tensors (each
-non-view output counted until it is freed), with their peak.
+bare allocation - device-to-device copies included - and each fused row op of
+`libra_ext.attention.rowops`, which writes its first argument in place), host-to-device
+copies (blocking, or from memory that is not pinned, is a sync), device-to-host copies, host
+reads of device values, and the live bytes of device tensors (each non-view output counted until
+it is freed), with their peak.
 
 Only the gate's process loads any of this (`megatron.libra.gpu_ready.__main__` re-executes itself
 with the library preloaded); it refuses to run where a real GPU is present.
@@ -37,7 +39,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from libra_ext.attention import counters
+from libra_ext.attention import counters, rowops
 from libra_ext.measure import traffic
 
 SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
@@ -130,6 +132,17 @@ _HOST_READS = {_aten._local_scalar_dense.default, _aten.nonzero.default,
                _aten.masked_select.default, _aten.unique_consecutive.default,
                _aten._unique2.default}
 """Ops that read a device value on the host (nonzero_static, whose size is given, does not)."""
+
+
+def _device_copy(func, args, kwargs) -> bool:
+    """A copy from the device to the device (a launch, unlike an upload or download)."""
+    if func is _aten.copy_.default:
+        return len(args) >= 2 and _is_cuda(args[0]) and _is_cuda(args[1])
+    if func is _aten._to_copy.default:
+        dst = kwargs.get("device")
+        return bool(args) and _is_cuda(args[0]) and (dst is None or
+                                                     torch.device(dst).type == "cuda")
+    return False
 
 
 def _where() -> str:
@@ -276,10 +289,15 @@ class Probe(TorchDispatchMode):
             if args[0].device.type == "cuda":
                 args = (args[0], self._fake(args[1]), *args[2:])
         out = func(*args, **kwargs)
+        if rowops.is_rowop(func):  # one launch, writing its first argument in place
+            if any(_is_cuda(o) for o in rowops.written(func, args, kwargs)):
+                ph.ops[func.__name__] += 1
+                ph.bytes_by_op[func.__name__] += rowops.op_bytes(func, args, kwargs, _is_cuda)
+            return out
         outs = [o for o in _outputs(out) if _is_cuda(o)]
         returns = func._schema.returns
         view = traffic.is_view(func)
-        if outs and func not in _NOT_KERNELS and not view:
+        if outs and (func not in _NOT_KERNELS or _device_copy(func, args, kwargs)) and not view:
             ph.ops[func.__name__] += 1
         if outs and not view and func not in _ALLOCATIONS:
             nb = op_bytes(func, args, kwargs, out)

@@ -1,0 +1,238 @@
+"""Fused row gathers and scatters: several (buffer, index) parts moved by one device op.
+
+The exchange moves rows (vectors: one head of one token, `d` elements) between its buffers by
+index arrays built once per slot (`meta.upload`). Q, K and V - or dQ, dK and dV - travel
+together, so their gathers and scatters come in groups of two to six parts. Each group is one
+op here, and one kernel launch on a GPU:
+
+  gather_rows_(outs, srcs, idxs)             outs[p][r] = srcs[p][idxs[p][r]]
+  scatter_rows_(dsts, idxs, srcs, adds)      dsts[p][idxs[p][r]] = srcs[p][r]   (adds[p]: +=)
+
+Every tensor is [rows, d] with unit stride along d and one dtype per call; indices are int32 or
+int64 on the same device. On CUDA, with Triton installed, one Triton kernel runs every part: a
+grid of (row blocks of the largest part, parts), each program moving a block of one part's rows.
+An accumulating part adds with atomics, as `index_add_` does on CUDA (a row addressed several
+times gets each addition once, in an order the hardware picks). Elsewhere (CPU, or CUDA without
+Triton) each part is one `index_select` / `index_put_` / `index_add_`, in part order; a write
+part whose index repeats a row keeps one of the values, as `index_put_` does.
+
+Both are `torch.library` custom ops that mutate their first argument, so a dispatch mode (the
+GPU-readiness gate's probe, `measure.traffic.TrafficProbe`) sees one op per call: `written`
+names the tensors it writes, `op_bytes` what it reads and writes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:  # the CUDA path's kernel; CPU runs the torch ops
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - an install without triton (the CPU wheels)
+    triton = None
+
+MAX_PARTS = 6
+"""Parts one call may carry (the kernel's pointer arguments)."""
+
+NAMESPACE = "libra"
+
+
+def _check(name: str, a: list, b: list, c: list) -> None:
+    if not (len(a) == len(b) == len(c)) or not 1 <= len(a) <= MAX_PARTS:
+        raise ValueError(f"{name}: 1 to {MAX_PARTS} parts with one tensor of each kind per part, "
+                         f"got {len(a)} / {len(b)} / {len(c)}")
+    dtype, device = a[0].dtype, a[0].device
+    for p, x in enumerate(a):
+        if x.dtype != dtype or x.device != device or b[p].dtype != dtype:
+            raise ValueError(f"{name}: part {p} has dtype {x.dtype} / {b[p].dtype} on "
+                             f"{x.device}; the call's is {dtype} on {device}")
+        if x.dim() != 2 or b[p].dim() != 2 or x.shape[1] != b[p].shape[1]:
+            raise ValueError(f"{name}: part {p} must be two [rows, d] tensors of one d, got "
+                             f"{tuple(x.shape)} and {tuple(b[p].shape)}")
+        if c[p].dim() != 1 or c[p].dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: part {p}'s index must be 1-D int32 / int64, got "
+                             f"{tuple(c[p].shape)} {c[p].dtype}")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::gather_rows_", mutates_args=("outs",))
+def gather_rows_(outs: list[Tensor], srcs: list[Tensor], idxs: list[Tensor]) -> None:
+    """outs[p][r] = srcs[p][idxs[p][r]] for every part p, in one op."""
+    _check("gather_rows_", outs, srcs, idxs)
+    for p, (o, s, i) in enumerate(zip(outs, srcs, idxs)):
+        if o.shape[0] != i.shape[0]:
+            raise ValueError(f"gather_rows_: part {p} has {o.shape[0]} rows out and "
+                             f"{i.shape[0]} indices")
+    if _use_triton(outs[0]):
+        _launch(outs, srcs, idxs, gather=True, adds=(False,) * len(outs))
+        return
+    for o, s, i in zip(outs, srcs, idxs):
+        torch.index_select(s, 0, i, out=o)
+
+
+@gather_rows_.register_fake
+def _gather_fake(outs, srcs, idxs) -> None:
+    _check("gather_rows_", outs, srcs, idxs)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::scatter_rows_", mutates_args=("dsts",))
+def scatter_rows_(dsts: list[Tensor], idxs: list[Tensor], srcs: list[Tensor],
+                  adds: list[bool]) -> None:
+    """dsts[p][idxs[p][r]] = srcs[p][r] (adds[p]: +=) for every part p, in one op."""
+    _check("scatter_rows_", dsts, srcs, idxs)
+    if len(adds) != len(dsts):
+        raise ValueError(f"scatter_rows_: {len(adds)} add flags for {len(dsts)} parts")
+    for p, (s, i) in enumerate(zip(srcs, idxs)):
+        if s.shape[0] != i.shape[0]:
+            raise ValueError(f"scatter_rows_: part {p} has {s.shape[0]} source rows and "
+                             f"{i.shape[0]} indices")
+    if _use_triton(dsts[0]):
+        _launch(dsts, srcs, idxs, gather=False, adds=tuple(adds))
+        return
+    for d, i, s, add in zip(dsts, idxs, srcs, adds):
+        if add:
+            d.index_add_(0, i, s)
+        else:
+            d.index_put_((i,), s)
+
+
+@scatter_rows_.register_fake
+def _scatter_fake(dsts, idxs, srcs, adds) -> None:
+    _check("scatter_rows_", dsts, srcs, idxs)
+
+
+def gather(srcs: list, idxs: list, out: Tensor | None = None) -> tuple[Tensor, list]:
+    """The parts gathered into one new [rows, d] buffer, part after part (or into `out`).
+    Returns (the buffer, each part's rows as a view of it)."""
+    n = [int(i.shape[0]) for i in idxs]
+    if out is None:
+        out = srcs[0].new_empty(sum(n), srcs[0].shape[1])
+    views = list(out.split(n)) if len(n) > 1 else [out]
+    if sum(n):
+        gather_rows_(views, srcs, idxs)
+    return out, views
+
+
+def gather_into(outs: list, srcs: list, idxs: list) -> None:
+    """`gather_rows_` into given buffers (nothing launched when no part has rows)."""
+    if any(int(i.shape[0]) for i in idxs):
+        gather_rows_(outs, srcs, idxs)
+
+
+def scatter(dsts: list, idxs: list, srcs: list, adds: list) -> None:
+    """`scatter_rows_` over the parts that move rows (an empty call launches nothing)."""
+    keep = [p for p in range(len(dsts)) if idxs[p].shape[0]]
+    if keep:
+        scatter_rows_([dsts[p] for p in keep], [idxs[p] for p in keep],
+                      [srcs[p] for p in keep], [adds[p] for p in keep])
+
+
+# ----------------------------------------------------------------------------------------------
+# What a dispatch mode sees
+# ----------------------------------------------------------------------------------------------
+
+
+def is_rowop(func) -> bool:
+    return getattr(func, "namespace", None) == NAMESPACE
+
+
+def written(func, args, kwargs) -> list:
+    """The tensors a row op writes (its first argument's)."""
+    first = args[0] if args else next(iter(kwargs.values()))
+    return list(first)
+
+
+def op_bytes(func, args, kwargs, on) -> int:
+    """Device bytes a row op reads and writes, as `measure.traffic.op_bytes` counts its
+    single-part peers: a gather reads and writes the rows it gathers, a write scatter writes the
+    rows it addresses and reads its source, an adding one also reads the rows it adds to; the
+    indices count once."""
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args)) | dict(kwargs)
+
+    def nb(t) -> int:
+        return t.numel() * t.element_size() if on(t) else 0
+
+    if func.__name__.startswith("gather_rows_"):
+        return sum(2 * nb(o) + nb(i) for o, i in zip(bound["outs"], bound["idxs"]))
+    return sum((3 if add else 2) * nb(s) + nb(i)
+               for s, i, add in zip(bound["srcs"], bound["idxs"], bound["adds"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _use_triton(x: Tensor) -> bool:
+    return triton is not None and (x.device.type == "cuda" or
+                                   os.environ.get("TRITON_INTERPRET") == "1")
+
+
+BLOCK_ROWS = 16
+
+
+def _launch(bufs: list, srcs: list, idxs: list, gather: bool, adds: tuple) -> None:
+    """One launch over every part: `bufs` are the gather's outputs or the scatter's
+    destinations."""
+    parts = len(bufs)
+    d = bufs[0].shape[1]
+    rows = [int(i.shape[0]) for i in idxs]
+    if not max(rows):
+        return
+    pad = MAX_PARTS - parts
+    args = []
+    for b, s, i, n in zip(bufs, srcs, idxs, rows):
+        args += [b, s, i, n, b.stride(0), s.stride(0)]
+    args += [bufs[0], srcs[0], idxs[0], 0, 0, 0] * pad
+    add_mask = sum(1 << p for p, a in enumerate(adds) if a)
+    grid = (triton.cdiv(max(rows), BLOCK_ROWS), parts)
+    _rows_kernel[grid](*args, d, GATHER=gather, ADDS=add_mask, BLOCK_R=BLOCK_ROWS,
+                       BLOCK_D=triton.next_power_of_2(d))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _move(buf, src, idx, n, bstride, sstride, d, block, GATHER: tl.constexpr,
+              ADD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Rows [block * BLOCK_R, ...) of one part."""
+        r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.arange(0, BLOCK_D)
+        rmask = r < n
+        mask = rmask[:, None] & (c < d)[None, :]
+        at = tl.load(idx + r, mask=rmask, other=0).to(tl.int64)
+        r64 = r.to(tl.int64)
+        if GATHER:
+            x = tl.load(src + at[:, None] * sstride + c[None, :], mask=mask)
+            tl.store(buf + r64[:, None] * bstride + c[None, :], x, mask=mask)
+        else:
+            x = tl.load(src + r64[:, None] * sstride + c[None, :], mask=mask)
+            dst = buf + at[:, None] * bstride + c[None, :]
+            if ADD:
+                tl.atomic_add(dst, x, mask=mask)
+            else:
+                tl.store(dst, x, mask=mask)
+
+    @triton.jit
+    def _rows_kernel(b0, s0, i0, n0, bs0, ss0, b1, s1, i1, n1, bs1, ss1,
+                     b2, s2, i2, n2, bs2, ss2, b3, s3, i3, n3, bs3, ss3,
+                     b4, s4, i4, n4, bs4, ss4, b5, s5, i5, n5, bs5, ss5,
+                     d, GATHER: tl.constexpr, ADDS: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+        block = tl.program_id(0)
+        part = tl.program_id(1)
+        if part == 0:
+            _move(b0, s0, i0, n0, bs0, ss0, d, block, GATHER, (ADDS >> 0) & 1, BLOCK_R, BLOCK_D)
+        elif part == 1:
+            _move(b1, s1, i1, n1, bs1, ss1, d, block, GATHER, (ADDS >> 1) & 1, BLOCK_R, BLOCK_D)
+        elif part == 2:
+            _move(b2, s2, i2, n2, bs2, ss2, d, block, GATHER, (ADDS >> 2) & 1, BLOCK_R, BLOCK_D)
+        elif part == 3:
+            _move(b3, s3, i3, n3, bs3, ss3, d, block, GATHER, (ADDS >> 3) & 1, BLOCK_R, BLOCK_D)
+        elif part == 4:
+            _move(b4, s4, i4, n4, bs4, ss4, d, block, GATHER, (ADDS >> 4) & 1, BLOCK_R, BLOCK_D)
+        else:
+            _move(b5, s5, i5, n5, bs5, ss5, d, block, GATHER, (ADDS >> 5) & 1, BLOCK_R, BLOCK_D)

@@ -1,0 +1,132 @@
+"""Fused row gathers and scatters (`libra_ext.attention.rowops`): the torch path, the Triton
+kernel under Triton's CPU interpreter, the errors, and what a probe counts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from libra_ext.attention import rowops
+from libra_ext.measure import traffic
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _parts(dtype, seed=0, d=40):
+    g = torch.Generator().manual_seed(seed)
+    srcs = [torch.randn(n, d, generator=g).to(dtype) for n in (50, 30, 7)]
+    idxs = [torch.randint(0, 50, (40,), generator=g, dtype=torch.int32),
+            torch.randint(0, 30, (13,), generator=g),  # int64 beside int32
+            torch.zeros(0, dtype=torch.int32)]
+    return srcs, idxs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gather_of_several_parts_is_each_parts_index_select(dtype):
+    srcs, idxs = _parts(dtype)
+    buf, views = rowops.gather(srcs, idxs)
+    assert buf.shape == (53, 40) and [v.shape[0] for v in views] == [40, 13, 0]
+    for v, s, i in zip(views, srcs, idxs):
+        assert torch.equal(v, s.index_select(0, i))
+        assert v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scatter_writes_and_adds_as_index_put_and_index_add_do(dtype):
+    g = torch.Generator().manual_seed(1)
+    dq, dk = torch.zeros(60, 8, dtype=dtype), torch.randn(30, 8, generator=g).to(dtype)
+    iq = torch.randperm(60, generator=g)[:25].to(torch.int32)  # written: each row once
+    ik = torch.randint(0, 30, (40,), generator=g, dtype=torch.int32)  # added: rows repeat
+    sq, sk = torch.randn(25, 8, generator=g).to(dtype), torch.randn(40, 8, generator=g).to(dtype)
+    want_q, want_k = dq.clone(), dk.clone()
+    want_q.index_put_((iq,), sq)
+    want_k.index_add_(0, ik, sk)
+    rowops.scatter([dq, dk, dk], [iq, ik, ik[:0]], [sq, sk, sk[:0]], [False, True, True])
+    assert torch.equal(dq, want_q) and torch.equal(dk, want_k)
+
+
+def test_bad_parts_are_refused_naming_the_part():
+    x, i = torch.zeros(4, 8), torch.zeros(2, dtype=torch.int32)
+    cases = [
+        (lambda: rowops.gather_rows_([torch.zeros(2, 8)], [x.double()], [i]), "part 0 has dtype"),
+        (lambda: rowops.gather_rows_([torch.zeros(2, 8), torch.zeros(2, 4)], [x, x], [i, i]),
+         "part 1 must be two [rows, d] tensors"),
+        (lambda: rowops.gather_rows_([torch.zeros(3, 8)], [x], [i]), "part 0 has 3 rows out"),
+        (lambda: rowops.gather_rows_([torch.zeros(2, 8)], [x], [i.float()]),
+         "part 0's index must be 1-D int32 / int64"),
+        (lambda: rowops.scatter_rows_([x], [i], [torch.zeros(3, 8)], [True]),
+         "part 0 has 3 source rows"),
+        (lambda: rowops.scatter_rows_([x], [i], [torch.zeros(2, 8)], [True, False]),
+         "2 add flags for 1 parts"),
+        (lambda: rowops.gather_rows_([x] * 7, [x] * 7, [i] * 7), "1 to 6 parts"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            call()
+
+
+def test_a_probe_counts_a_fused_call_as_one_op_with_its_parts_bytes():
+    srcs, idxs = _parts(torch.float32)
+    d = torch.zeros(50, 40)
+    with traffic.TrafficProbe("cpu") as probe:
+        probe.start("gather")
+        buf, _ = rowops.gather(srcs, idxs)
+        probe.start("scatter")
+        rowops.scatter([d, d], idxs[:1] * 2, [buf[:40], buf[:40]], [False, True])
+        probe.start("done")
+    g, s = probe.phases["gather"], probe.phases["scatter"]
+    row, i4, i8 = 40 * 4, 4, 8
+    assert g.ops == 1 and g.bytes == 2 * 53 * row + 40 * i4 + 13 * i8
+    # a written row: its source read and the row written; an added one also read first
+    assert s.ops == 1 and s.bytes == 2 * 40 * row + 3 * 40 * row + 2 * 40 * i4
+
+
+_INTERPRETED = textwrap.dedent("""
+    import torch
+    from libra_ext.attention import rowops
+    assert rowops._use_triton(torch.zeros(1))
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        srcs = [torch.randn(n, 100, generator=g).to(dtype) for n in (70, 20, 5, 9)]
+        idxs = [torch.randint(0, len(s), (m,), generator=g, dtype=torch.int32)
+                for s, m in zip(srcs, (37, 18, 0, 40))]
+        idxs[1] = idxs[1].long()
+        _, views = rowops.gather(srcs, idxs)
+        for v, s, i in zip(views, srcs, idxs):
+            assert torch.equal(v, s.index_select(0, i)), dtype
+        dst = torch.zeros(70, 100, dtype=dtype)
+        rows = torch.randperm(70, generator=g)[:33].to(torch.int32)
+        src = torch.randn(33, 100, generator=g).to(dtype)
+        want = dst.clone()
+        want.index_put_((rows,), src)
+        rowops.scatter([dst], [rows], [src], [False])
+        assert torch.equal(dst, want), dtype
+    # additions with repeated rows (Triton's interpreter adds atomically in fp32 only; a GPU
+    # adds bf16 too)
+    dk = torch.randn(20, 100, generator=g)
+    ik = torch.randint(0, 20, (64,), generator=g, dtype=torch.int32)
+    sk = torch.randn(64, 100, generator=g)
+    want = dk.clone()
+    want.index_add_(0, ik, sk)
+    rowops.scatter([dk, dk], [ik, ik[:0]], [sk, sk[:0]], [True, False])
+    assert torch.allclose(dk, want, atol=1e-6), (dk - want).abs().max()
+    print("interpreted ok")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed in this environment (the CPU torch wheel)")
+def test_the_triton_kernel_moves_the_rows_the_torch_path_moves():
+    # the CUDA path's kernel, run by Triton's CPU interpreter (the variable is read when the
+    # kernel is defined, so in a process of its own)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "interpreted ok" in r.stdout, r.stdout + r.stderr
