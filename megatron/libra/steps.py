@@ -21,10 +21,12 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -285,6 +287,21 @@ def micro_batch_order(cfg: TrainConfig):
     return order
 
 
+_LIVE_SAMPLERS: weakref.WeakSet = weakref.WeakSet()
+"""Samplers whose thread may still run (closed at interpreter exit)."""
+
+
+@atexit.register
+def _close_live_samplers() -> None:
+    """Stop and join every sampler's thread at interpreter exit, before Python ends daemon
+    threads: one ended inside a torch op (which releases the GIL, as most do) is unwound through
+    torch's noexcept frames, which aborts the process ("terminate called without an active
+    exception") - a loop that exits without closing its samplers (Megatron-LM's, after its last
+    evaluation) would otherwise abort whenever a sampler was still staging ahead."""
+    for sampler in list(_LIVE_SAMPLERS):
+        sampler.close()
+
+
 class StepSampler:
     """Plans step k+1 in a background thread while step k trains. Every rank plans the whole
     global batch (the plan is the same everywhere and checked by hash) but reads only the
@@ -328,6 +345,7 @@ class StepSampler:
         self._next, self._doc_base = start_step, doc_base
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        _LIVE_SAMPLERS.add(self)
         self._thread.start()
 
     def _plan(self, step: int) -> StepBatch:
@@ -410,6 +428,7 @@ class StepSampler:
             except queue.Empty:
                 pass
         self._thread.join()
+        _LIVE_SAMPLERS.discard(self)
 
 
 # ------------------------------------------------------------------------------ per step

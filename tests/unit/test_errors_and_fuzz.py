@@ -1,6 +1,7 @@
 """Bad input: one clear ValueError naming the field; the C++ core never crashes on Python input."""
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -244,3 +245,44 @@ def test_an_interpreter_exiting_while_a_thread_plans_exits_cleanly():
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0 and "terminate" not in r.stderr, (r.returncode, r.stderr[-500:])
+
+
+def test_samplers_still_staging_are_stopped_before_the_interpreter_exits():
+    # a daemon thread inside a torch op when the interpreter ends it aborts the process (torch
+    # releases the GIL in most ops and takes it back through noexcept frames); the sampler's
+    # thread stages with torch ops one step ahead, and Megatron-LM's loop exits without closing
+    # its samplers - so every sampler still running is stopped and joined at exit
+    import subprocess
+    import sys
+    import textwrap
+
+    hazard = textwrap.dedent("""
+        import threading, time, torch
+        x = torch.randn(256, 256)
+        def work():
+            while True:
+                torch.mm(x, x)
+        threading.Thread(target=work, daemon=True).start()
+        time.sleep(0.05)
+    """)
+    r = subprocess.run([sys.executable, "-c", hazard], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "terminate called" in r.stderr, (r.returncode, r.stderr[-300:])
+    script = textwrap.dedent("""
+        import atexit
+        held = {}
+        # (registered first, so it runs after the samplers' own exit hook)
+        atexit.register(lambda: print("alive at exit:", held["s"]._thread.is_alive()))
+        from megatron.libra.config import TrainConfig
+        from megatron.libra.steps import StepSampler, new_planner
+        cfg = TrainConfig.load("configs/train/cpu_tiny.yaml", [
+            "data.context=16384", "data.gbs=8", "parallel.cp=2", "parallel.pool_size=2"])
+        held["s"] = s = StepSampler(cfg, new_planner(cfg, 2, 4), replica=0, cp_rank=0,
+                                    stop_step=10**9)
+        s.next()  # its thread plans and stages the next steps
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0 and "alive at exit: False" in r.stdout, (r.returncode,
+                                                                     r.stdout[-300:],
+                                                                     r.stderr[-500:])
