@@ -12,7 +12,8 @@ Every tensor is [rows, d] with unit stride along d and one dtype per call; indic
 int64 on the same device. On CUDA, with Triton installed, one Triton kernel runs every part: a
 grid of (row blocks of the largest part, parts), each program moving a block of one part's rows.
 An accumulating part adds with atomics, as `index_add_` does on CUDA (a row addressed several
-times gets each addition once, in an order the hardware picks). Elsewhere (CPU, or CUDA without
+times gets each addition once, in an order the hardware picks); with
+`torch.use_deterministic_algorithms(True)` a scatter that adds runs the torch ops instead. Elsewhere (CPU, or CUDA without
 Triton) each part is one `index_select` / `index_put_` / `index_add_`, in part order; a write
 part whose index repeats a row keeps one of the values, as `index_put_` does.
 
@@ -88,7 +89,7 @@ def scatter_rows_(dsts: list[Tensor], idxs: list[Tensor], srcs: list[Tensor],
         if s.shape[0] != i.shape[0]:
             raise ValueError(f"scatter_rows_: part {p} has {s.shape[0]} source rows and "
                              f"{i.shape[0]} indices")
-    if _use_triton(dsts[0]):
+    if _use_triton(dsts[0], adds=any(adds)):
         _launch(dsts, srcs, idxs, gather=False, adds=tuple(adds))
         return
     for d, i, s, add in zip(dsts, idxs, srcs, adds):
@@ -166,7 +167,12 @@ def op_bytes(func, args, kwargs, on) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _use_triton(x: Tensor) -> bool:
+def _use_triton(x: Tensor, adds: bool = False) -> bool:
+    """Whether the Triton kernel runs: on CUDA (or under Triton's CPU interpreter) with Triton
+    installed - except for a scatter that adds while torch.use_deterministic_algorithms is set,
+    which takes `index_add_`'s deterministic path instead of atomics."""
+    if adds and torch.are_deterministic_algorithms_enabled():
+        return False
     return triton is not None and (x.device.type == "cuda" or
                                    os.environ.get("TRITON_INTERPRET") == "1")
 

@@ -88,6 +88,18 @@ def test_a_probe_counts_a_fused_call_as_one_op_with_its_parts_bytes():
     assert s.ops == 1 and s.bytes == 2 * 40 * row + 3 * 40 * row + 2 * 40 * i4
 
 
+def test_deterministic_algorithms_keep_additions_off_the_atomic_kernel(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the decision only: nothing is launched)
+    monkeypatch.setattr(rowops, "triton", object())
+    x = torch.zeros(1)
+    assert rowops._use_triton(x) and rowops._use_triton(x, adds=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert rowops._use_triton(x) and not rowops._use_triton(x, adds=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 _INTERPRETED = textwrap.dedent("""
     import torch
     from libra_ext.attention import rowops
