@@ -52,14 +52,15 @@ class StepTimes:
         return self.attention + self.cp_comm + self.pool_exposed + self.operator
 
 
-OPERATOR_LAUNCHES = {"ulysses": 5, "wlb": 10}
+OPERATOR_LAUNCHES = {"ulysses": 8, "wlb": 6}
 """Device ops of one layer call, forward + backward, beyond a plain call's (whose kernel calls
 `call_floor` counts): the Ulysses layout copies, per-document CP's key pack and reduction (the
-GPU-readiness gate's counts at 256K tokens, 32 / 4 heads: 10 and 15 against a plain call's 5).
+GPU-readiness gate's counts at 256K tokens, 32 / 4 heads: 13 and 11 against a plain call's 5).
 At one cp rank the operator is the plain call: nothing beyond it."""
-LAUNCHES_PER_SUBCHUNK = 8
-"""Device ops one sub-chunk of the pool exchange adds to a layer call (its gathers, kernel calls
-and scatters, forward + backward; the gate: 29-31 backward and 18 forward ops at pool 2 and 8)."""
+LAUNCHES_PER_SUBCHUNK = 6
+"""Device ops one sub-chunk of the pool exchange adds to a layer call (its fused gathers, kernel
+calls and fused scatters, forward + backward; the gate: libra 13-15 forward and 19-21 backward
+at pool 2 and 8, against Ulysses's 6 / 7, over 2 x chunks sub-chunks)."""
 EXECUTOR_PACKED = 0.5
 """The share of an executor's received units run from packs (gathered, their outputs and
 gradients scattered) rather than directly on the receive buffers."""
