@@ -13,9 +13,10 @@ int64 on the same device. On CUDA, with Triton installed, one Triton kernel runs
 grid of (row blocks of the largest part, parts), each program moving a block of one part's rows.
 An accumulating part adds with atomics, as `index_add_` does on CUDA (a row addressed several
 times gets each addition once, in an order the hardware picks); with
-`torch.use_deterministic_algorithms(True)` a scatter that adds runs the torch ops instead. Elsewhere (CPU, or CUDA without
-Triton) each part is one `index_select` / `index_put_` / `index_add_`, in part order; a write
-part whose index repeats a row keeps one of the values, as `index_put_` does.
+`torch.use_deterministic_algorithms(True)` a scatter that adds runs the torch ops instead.
+Elsewhere (CPU, or CUDA without Triton) each part is one `index_select` / `index_put_` /
+`index_add_`, in part order; a write part whose index repeats a row keeps one of the values,
+as `index_put_` does.
 
 Both are `torch.library` custom ops that mutate their first argument, so a dispatch mode (the
 GPU-readiness gate's probe, `measure.traffic.TrafficProbe`) sees one op per call: `written`
