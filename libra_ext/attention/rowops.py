@@ -25,16 +25,12 @@ names the tensors it writes, `op_bytes` what it reads and writes.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 import torch
 from torch import Tensor
-
-try:  # the CUDA path's kernel; CPU runs the torch ops
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - an install without triton (the CPU wheels)
-    triton = None
 
 MAX_PARTS = 6
 """Parts one call may carry (the kernel's pointer arguments)."""
@@ -174,8 +170,14 @@ def _use_triton(x: Tensor, adds: bool = False) -> bool:
     which takes `index_add_`'s deterministic path instead of atomics."""
     if adds and torch.are_deterministic_algorithms_enabled():
         return False
-    return triton is not None and (x.device.type == "cuda" or
-                                   os.environ.get("TRITON_INTERPRET") == "1")
+    return (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and \
+        have_triton()
+
+
+@functools.cache
+def have_triton() -> bool:
+    """Triton is installed (imported only where its kernel runs: CPU processes never load it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 BLOCK_ROWS = 16
@@ -195,51 +197,16 @@ def _launch(bufs: list, srcs: list, idxs: list, gather: bool, adds: tuple) -> No
         args += [b, s, i, n, b.stride(0), s.stride(0)]
     args += [bufs[0], srcs[0], idxs[0], 0, 0, 0] * pad
     add_mask = sum(1 << p for p, a in enumerate(adds) if a)
+    triton, kernel = _kernel()
     grid = (triton.cdiv(max(rows), BLOCK_ROWS), parts)
-    _rows_kernel[grid](*args, d, GATHER=gather, ADDS=add_mask, BLOCK_R=BLOCK_ROWS,
-                       BLOCK_D=triton.next_power_of_2(d))
+    kernel[grid](*args, d, GATHER=gather, ADDS=add_mask, BLOCK_R=BLOCK_ROWS,
+                 BLOCK_D=triton.next_power_of_2(d))
 
 
-if triton is not None:
+@functools.cache
+def _kernel():
+    """(triton, the row kernel): their module is imported at first use (TRITON_INTERPRET is
+    read then), so a process that never launches it never loads Triton."""
+    from libra_ext.attention import _rowops_kernel as k
 
-    @triton.jit
-    def _move(buf, src, idx, n, bstride, sstride, d, block, GATHER: tl.constexpr,
-              ADD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Rows [block * BLOCK_R, ...) of one part."""
-        r = block * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = tl.arange(0, BLOCK_D)
-        rmask = r < n
-        mask = rmask[:, None] & (c < d)[None, :]
-        at = tl.load(idx + r, mask=rmask, other=0).to(tl.int64)
-        r64 = r.to(tl.int64)
-        if GATHER:
-            x = tl.load(src + at[:, None] * sstride + c[None, :], mask=mask)
-            tl.store(buf + r64[:, None] * bstride + c[None, :], x, mask=mask)
-        else:
-            x = tl.load(src + r64[:, None] * sstride + c[None, :], mask=mask)
-            dst = buf + at[:, None] * bstride + c[None, :]
-            if ADD:
-                tl.atomic_add(dst, x, mask=mask)
-            else:
-                tl.store(dst, x, mask=mask)
-
-    @triton.jit
-    def _rows_kernel(b0, s0, i0, n0, bs0, ss0, b1, s1, i1, n1, bs1, ss1,
-                     b2, s2, i2, n2, bs2, ss2, b3, s3, i3, n3, bs3, ss3,
-                     b4, s4, i4, n4, bs4, ss4, b5, s5, i5, n5, bs5, ss5,
-                     d, GATHER: tl.constexpr, ADDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-        block = tl.program_id(0)
-        part = tl.program_id(1)
-        if part == 0:
-            _move(b0, s0, i0, n0, bs0, ss0, d, block, GATHER, (ADDS >> 0) & 1, BLOCK_R, BLOCK_D)
-        elif part == 1:
-            _move(b1, s1, i1, n1, bs1, ss1, d, block, GATHER, (ADDS >> 1) & 1, BLOCK_R, BLOCK_D)
-        elif part == 2:
-            _move(b2, s2, i2, n2, bs2, ss2, d, block, GATHER, (ADDS >> 2) & 1, BLOCK_R, BLOCK_D)
-        elif part == 3:
-            _move(b3, s3, i3, n3, bs3, ss3, d, block, GATHER, (ADDS >> 3) & 1, BLOCK_R, BLOCK_D)
-        elif part == 4:
-            _move(b4, s4, i4, n4, bs4, ss4, d, block, GATHER, (ADDS >> 4) & 1, BLOCK_R, BLOCK_D)
-        else:
-            _move(b5, s5, i5, n5, bs5, ss5, d, block, GATHER, (ADDS >> 5) & 1, BLOCK_R, BLOCK_D)
+    return k.triton, k.rows_kernel
