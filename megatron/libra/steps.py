@@ -292,7 +292,7 @@ _LIVE_SAMPLERS: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
-def _close_live_samplers() -> None:
+def close_live_samplers() -> None:
     """Stop and join every sampler's thread at interpreter exit, before Python ends daemon
     threads: one ended inside a torch op (which releases the GIL, as most do) is unwound through
     torch's noexcept frames, which aborts the process ("terminate called without an active
