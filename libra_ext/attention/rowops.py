@@ -207,6 +207,7 @@ def _launch(bufs: list, srcs: list, idxs: list, gather: bool, adds: tuple) -> No
 def _kernel():
     """(triton, the row kernel): their module is imported at first use (TRITON_INTERPRET is
     read then), so a process that never launches it never loads Triton."""
+    # deferred: Triton reads TRITON_INTERPRET when the kernel is defined
     from libra_ext.attention import _rowops_kernel as k
 
     return k.triton, k.rows_kernel
