@@ -16,6 +16,7 @@
 #include "libra/packing.h"
 #include "libra/parallel.h"
 #include "libra/plan.h"
+#include "libra/program.h"
 #include "libra/vrsp.h"
 #include "libra/workload.h"
 
@@ -639,6 +640,94 @@ void bind_moe(py::module_& m) {
 
 }
 
+// Per-slot attention programs (libra_ext.attention.meta.compile_slot): the plan's arrays read
+// with the GIL held, the program compiled without it, returned as nested tuples of numpy arrays.
+void bind_program(py::module_& m) {
+  using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
+  auto vec1d = [](std::vector<i64>&& v) { return to_numpy(std::move(v)); };
+  auto call = [vec1d](ProgCall&& c) {
+    return py::make_tuple(c.hc, c.hk, vec1d(std::move(c.cu_q)), vec1d(std::move(c.cu_k)),
+                          c.max_q, c.max_k);
+  };
+  auto gather = [](ProgGather&& g) {
+    const py::ssize_t n = static_cast<py::ssize_t>(g.runs.size() / 4);
+    return py::make_tuple(to_numpy(std::move(g.runs)).reshape({n, py::ssize_t(4)}), g.size);
+  };
+  auto packs = [call, gather](std::vector<ProgPack>&& ps) {
+    py::list out;
+    for (ProgPack& p : ps)
+      out.append(py::make_tuple(call(std::move(p.call)), gather(std::move(p.q)),
+                                gather(std::move(p.k))));
+    return out;
+  };
+  m.def(
+      "compile_slots",
+      [call, gather, packs](py::object plan, i64 replica, const std::vector<i64>& slots,
+                            i64 chunks) {
+        ProgramPlan p;
+        auto scalar = [&](const char* name) { return plan.attr(name).cast<i64>(); };
+        p.dp = scalar("dp");
+        p.slots = scalar("slots");
+        p.cp = scalar("cp");
+        p.exchange_pool = scalar("exchange_pool");
+        p.heads_local = scalar("heads_local");
+        p.kv_heads_local = scalar("kv_heads_local");
+        std::vector<I64Array> keep;
+        keep.reserve(17);
+        auto view = [&](const char* name) {
+          keep.emplace_back(I64Array::ensure(plan.attr(name)));
+          if (!keep.back()) fail(std::string("plan.") + name + " must be an integer array");
+          if (keep.back().ndim() != 1) fail(std::string("plan.") + name + " must be 1-D");
+          return ArrayView{keep.back().data(), static_cast<i64>(keep.back().size())};
+        };
+        p.doc_lengths = view("doc_lengths");
+        p.seq_doc_offsets = view("seq_doc_offsets");
+        p.seq_replica = view("seq_replica");
+        p.seq_slot = view("seq_slot");
+        p.send_order = view("send_order");
+        p.send_group_offsets = view("send_group_offsets");
+        p.tile_doc = view("tile_doc");
+        p.tile_doc_count = view("tile_doc_count");
+        p.tile_q_start = view("tile_q_start");
+        p.tile_q_len = view("tile_q_len");
+        p.tile_kv_start = view("tile_kv_start");
+        p.tile_kv_len = view("tile_kv_len");
+        p.tile_head_start = view("tile_head_start");
+        p.tile_head_count = view("tile_head_count");
+        p.tile_owner = view("tile_owner");
+        p.tile_executor = view("tile_executor");
+        p.tile_cp = view("tile_cp");
+        std::vector<Program> progs;
+        progs.reserve(slots.size());
+        {
+          ReleaseGil release;
+          for (i64 slot : slots) progs.push_back(compile_slot_program(p, replica, slot, chunks));
+        }
+        py::list out;
+        for (Program& prog : progs) {
+          py::list subs;
+          for (ProgSub& sc : prog.subchunks)
+            subs.append(py::make_tuple(
+                sc.direct, sc.part, py::cast(sc.q_send), py::cast(sc.kv_send),
+                py::cast(sc.q_recv), py::cast(sc.kv_recv), sc.q_send_off, sc.kv_send_off,
+                sc.has_call ? py::object(call(std::move(sc.call))) : py::object(py::none()),
+                packs(std::move(sc.packs))));
+          out.append(py::make_tuple(prog.t, prog.tokens, prog.executed,
+                                    call(std::move(prog.direct)), packs(std::move(prog.lpacks)),
+                                    subs, gather(std::move(prog.send_q)),
+                                    gather(std::move(prog.send_kv))));
+        }
+        return out;
+      },
+      "The attention programs of (replica, slot) for each of `slots` of a StepPlan (libra, "
+      "distca, ulysses), each as nested tuples: (t, tokens, tiles executed, direct call, local "
+      "packs, sub-chunks, send_q, send_kv); a call is (hc, hk, cu_q, cu_k, max_q, max_k), a "
+      "gather (runs [n, 4], size), a pack (call, q, k), a sub-chunk (direct, part, q_send, "
+      "kv_send, q_recv, kv_recv, q_send_off, kv_send_off, call or None, packs). The plan is read "
+      "once; the GIL is released while they compile.",
+      py::arg("plan"), py::arg("replica"), py::arg("slots"), py::arg("chunks"));
+}
+
 PYBIND11_MODULE(_planner, m) {
   m.doc() = "Libra planner core (C++17): cost model, packing, generators, VRSP, TAP, baselines.";
 
@@ -646,4 +735,5 @@ PYBIND11_MODULE(_planner, m) {
   bind_workload(m);
   bind_planner(m);
   bind_moe(m);
+  bind_program(m);
 }

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from libra_ext import _planner as _core
 from libra_ext.attention import thd
 from libra_ext.attention.kernels import Segments
 from libra_ext.planner import StepPlan
@@ -615,9 +616,7 @@ def compile_plain(doc_lengths, heads_local: int, kv_heads_local: int, head_dim: 
         subchunks=[], send_q=empty, send_kv=replace(empty), tiles_executed=len(L))
 
 
-def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 2) -> SlotProgram:
-    """The program of rank (replica, any cp rank) for `slot` of `plan` (libra, distca,
-    ulysses; the same for every cp rank of the replica)."""
+def _check_slot_args(plan: StepPlan, replica: int, slot: int, chunks: int) -> None:
     if plan.system == "wlb":
         raise ValueError("compile_slot serves libra, distca and ulysses plans; use compile_wlb")
     if chunks < 1:
@@ -626,6 +625,52 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 2) -> Sl
         raise ValueError(
             f"(replica, slot) = ({replica}, {slot}) outside the plan's {plan.dp} x {plan.slots}"
         )
+
+
+def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 2) -> SlotProgram:
+    """The program of rank (replica, any cp rank) for `slot` of `plan` (libra, distca,
+    ulysses; the same for every cp rank of the replica). Compiled by the C++ core with the GIL
+    released (`cpp/src/program.cpp`): a thread launching kernels runs on while the sampler's
+    thread compiles. `compile_slot_reference` is its oracle, array for array."""
+    return compile_slots(plan, replica, [slot], chunks)[0]
+
+
+def compile_slots(plan: StepPlan, replica: int, slots, chunks: int = 2) -> list:
+    """`compile_slot` for each of `slots`, the plan read once and all of them compiled in one
+    call with the GIL released."""
+    slots = [int(s) for s in slots]
+    for slot in slots:
+        _check_slot_args(plan, replica, slot, chunks)
+    return [_program_of(plan, replica, slot, raw)
+            for slot, raw in zip(slots, _core.compile_slots(plan, int(replica), slots,
+                                                            int(chunks)), strict=True)]
+
+
+def _program_of(plan: StepPlan, replica: int, slot: int, raw) -> SlotProgram:
+    t, tokens, executed, direct, lpacks, subs, send_q, send_kv = raw
+    return SlotProgram(
+        replica=replica, slot=slot, cp=plan.cp, t=t, tokens=tokens,
+        heads_local=plan.heads_local, kv_heads_local=plan.kv_heads_local,
+        head_dim=plan.head_dim, members=plan.exchange_pool, direct=CallPlan(*direct),
+        lpacks=[_pack_of(p) for p in lpacks],
+        subchunks=[SubChunk(direct=d, part=part, q_send=qs, kv_send=ks, q_recv=qr, kv_recv=kr,
+                            q_send_off=qo, kv_send_off=ko,
+                            call=CallPlan(*call) if call is not None else None,
+                            packs=[_pack_of(p) for p in packs])
+                   for d, part, qs, ks, qr, kr, qo, ko, call, packs in subs],
+        send_q=Gather(*send_q), send_kv=Gather(*send_kv), tiles_executed=executed)
+
+
+def _pack_of(raw) -> PackCall:
+    call, q, k = raw
+    return PackCall(CallPlan(*call), Gather(*q), Gather(*k))
+
+
+def compile_slot_reference(plan: StepPlan, replica: int, slot: int,
+                           chunks: int = 2) -> SlotProgram:
+    """`compile_slot` in vectorized numpy: the specification the C++ compiler is tested
+    against (tests/unit/test_attention_meta.py), with the functions above as its steps."""
+    _check_slot_args(plan, replica, slot, chunks)
     hl, kvl = plan.heads_local, plan.kv_heads_local
     gl = hl // kvl
     L = sequence_lengths(plan, replica, slot)
@@ -706,7 +751,7 @@ def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> lis
     """Host programs of every slot of rank (replica, cp_rank): what the sampler's background
     thread builds one step ahead."""
     if plan.system != "wlb":
-        return [compile_slot(plan, replica, slot, chunks) for slot in range(plan.slots)]
+        return compile_slots(plan, replica, range(plan.slots), chunks)
     out = []
     for slot in range(plan.slots):
         L = sequence_lengths(plan, replica, slot)
@@ -777,12 +822,11 @@ def stage(prog, pin: bool = False) -> Staged:
     copy). Runs off the critical path (the sampler's thread)."""
     prog = _clone(prog)
     arrays = [np.asarray(getattr(h, a)).reshape(-1) for h, a in _walk(prog)]
-    top = max((int(np.abs(x).max()) for x in arrays if len(x)), default=0)
-    if top >= 2**31:
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=_I64)
+    if len(flat) and (int(flat.max()) >= 2**31 or int(flat.min()) < -(2**31)):
+        top = int(np.abs(flat).max())
         raise ValueError(f"an index of this rank's program ({top}) does not fit in int32")
-    flat = (np.concatenate(arrays).astype(INDEX_DTYPE, copy=False) if arrays
-            else np.zeros(0, dtype=INDEX_DTYPE))
-    host = torch.from_numpy(flat)
+    host = torch.from_numpy(flat.astype(INDEX_DTYPE, copy=False))
     if pin:
         host = host.pin_memory()
     return Staged(prog, host, [len(x) for x in arrays])

@@ -311,3 +311,81 @@ def test_one_cp_rank_runs_one_call_on_the_inputs_themselves():
         L = meta.sequence_lengths(plan, replica, 0)
         assert p.direct.cu_q.tolist() == np.r_[0, np.cumsum(L)].tolist()
         assert p.direct.cu_k.tolist() == p.direct.cu_q.tolist()
+
+
+def _assert_same_program(a, b, path="program"):
+    """Two host programs equal field by field, array for array."""
+    if isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_program(x, y, f"{path}[{i}]")
+    elif hasattr(a, "__dataclass_fields__"):
+        assert type(a) is type(b), path
+        for name in a.__dataclass_fields__:
+            if name not in ("_keep", "seg", "idx"):
+                _assert_same_program(getattr(a, name), getattr(b, name), f"{path}.{name}")
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), path
+        assert a.shape == b.shape and np.array_equal(a, b), (path, a, b)
+    else:
+        assert a == b and isinstance(a, (bool, int, type(None))) and type(a) is type(b), \
+            (path, a, b)
+
+
+@pytest.mark.parametrize("system", ["libra", "distca", "ulysses"])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_the_native_compiler_gives_the_reference_program(system, data):
+    """compile_slot (C++, the GIL released) equals compile_slot_reference (numpy) on random
+    plans of every shape: every call, gather run, sub-chunk count and offset."""
+    layout, model = data.draw(layouts(max_dp=8))
+    seqs = data.draw(step_inputs(layout))
+    opts = PlannerOptions(system=system, block=data.draw(st.sampled_from([None, 7, 64])),
+                          head_group=data.draw(st.sampled_from([0, 1, 3])),
+                          max_tile_share=data.draw(st.sampled_from([0.0, 0.1, 0.01])))
+    plan = Planner(layout, model, opts).plan(seqs, flush=True)
+    chunks = data.draw(st.integers(1, 4))
+    for replica in range(plan.dp):
+        native = meta.compile_rank(plan, replica, 0, chunks)
+        for slot in range(plan.slots):
+            _assert_same_program(native[slot],
+                                 meta.compile_slot_reference(plan, replica, slot, chunks))
+
+
+@pytest.mark.parametrize("workload", ["libra-256k", "many-short"])
+def test_the_native_compiler_gives_the_reference_program_on_many_tiles(workload):
+    seqs = (_many_short(4096) if workload == "many-short"
+            else LengthSource(preset="libra-256k").step(8, 4096, seed=3, step=0))
+    plan = _scaled_preset_plan(seqs, context=4096, block=256)
+    assert plan.n_tiles > 100 and len(plan.send_order)
+    for replica in range(4):
+        for chunks in (1, 2, 4):
+            for slot, prog in enumerate(meta.compile_rank(plan, replica, 0, chunks)):
+                _assert_same_program(prog, meta.compile_slot_reference(plan, replica, slot,
+                                                                       chunks))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("tile_owner", 99, r"plan tile \d+: owner 99 or executor \d+ outside its pool \[0, 4\)"),
+    ("tile_executor", -3, r"plan tile \d+: owner \d+ or executor -3 outside its pool"),
+    ("tile_doc", 10**6, r"plan.doc_lengths: index 1000000 outside its \d+ entries"),
+    ("tile_head_count", 0, r"plan tile \d+: heads \[\d+, \d+\) outside the 4 local heads"),
+    ("tile_head_start", 3, r"plan tile \d+: heads \[3, \d+\) outside the 4 local heads"),
+    ("tile_q_len", 10**6, r"plan tile \d+: its KV range must be its document's prefix"),
+    ("send_order", 10**6, r"plan.tile_cp: index 1000000 outside its \d+ entries"),
+    ("send_group_offsets", 10**6, r"plan.send_group_offsets: group \d+ spans \[\d+, 1000000\)"),
+    ("seq_doc_offsets", 10**6, r"plan.seq_doc_offsets\[\d+\]: documents"),
+])
+def test_the_native_compiler_refuses_a_malformed_plan_naming_the_field(field, value, message):
+    """Every index the C++ compiler reads from the plan is checked: a corrupt plan raises a
+    ValueError naming the field (and the tile), never a crash."""
+    plan = _scaled_preset_plan(LengthSource(preset="libra-256k").step(8, 4096, seed=3, step=0),
+                               context=4096, block=256)
+    arr = getattr(plan, field).copy()
+    if field in ("send_group_offsets", "seq_doc_offsets"):
+        arr[-1] = value
+    else:
+        arr[:] = value
+    setattr(plan, field, arr)
+    with pytest.raises(ValueError, match=message):
+        meta.compile_rank(plan, 0, 0, 2)

@@ -1,8 +1,10 @@
 """Bad input: one clear ValueError naming the field; the C++ core never crashes on Python input."""
 
+import copy
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -214,6 +216,47 @@ def test_fuzz_random_small_layouts_with_valid_types():
             core.plan_step(seqs, layout, model, opt, core.PlannerState(), rng.random() < 0.5)
         except ValueError:
             pass
+
+
+_PROGRAM_FIELDS = (
+    "doc_lengths", "seq_doc_offsets", "seq_replica", "seq_slot", "send_order",
+    "send_group_offsets", "tile_doc", "tile_doc_count", "tile_q_start", "tile_q_len",
+    "tile_kv_start", "tile_kv_len", "tile_head_start", "tile_head_count", "tile_owner",
+    "tile_executor", "tile_cp",
+)
+
+
+def test_fuzz_program_compiler_never_crashes():
+    """The C++ program compiler (meta.compile_slot) on plans with corrupted arrays and scalars:
+    a program or a ValueError naming the field, never a crash."""
+    rng = random.Random(0)
+    layout = LayoutConfig(dp=4, cp=2, pool_size=4, context=256)
+    model = ModelConfig(hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=64, layers=1,
+                        moe_topk=0, moe_ffn=0)
+    seqs = [[100, 60, 90], [256], [1] * 40, [200, 56], [30] * 8, [], [128, 128], [7, 249]]
+    clean = Planner(layout, model, PlannerOptions(system="libra", block=16,
+                                                  max_tile_share=0.01)).plan(seqs)
+    values = [-(2**62), -7, -1, 0, 1, 2, 3, 5, 64, 255, 256, 10**6, 2**62]
+    refused = 0
+    for _ in range(600):
+        plan = copy.copy(clean)
+        for _ in range(rng.randint(1, 3)):
+            name = rng.choice(_PROGRAM_FIELDS)
+            arr = np.array(getattr(plan, name), copy=True)
+            if len(arr) and rng.random() < 0.8:
+                arr[rng.randrange(len(arr))] = rng.choice(values)
+            else:
+                arr = arr[: rng.randint(0, len(arr))]
+            setattr(plan, name, arr)
+        if rng.random() < 0.2:
+            field = rng.choice(["heads_local", "kv_heads_local", "exchange_pool", "cp"])
+            setattr(plan, field, rng.choice(values[:9]))
+        try:
+            core.compile_slots(plan, rng.randrange(4), [rng.randrange(plan.slots)],
+                               rng.randint(1, 4))
+        except ValueError:
+            refused += 1
+    assert 0 < refused < 600
 
 
 def test_an_interpreter_exiting_while_a_thread_plans_exits_cleanly():

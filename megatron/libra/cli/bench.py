@@ -479,6 +479,20 @@ def _slot_programs(plan, replica: int) -> tuple[list, list, int]:
     return ms, staged, sum(x.host.numel() * x.host.element_size() for x in staged)
 
 
+def _rank_programs(plan, replica: int, reference: bool = False) -> list:
+    """What the sampler's thread does for a rank each step: every slot's program compiled (by
+    the C++ core, or by the numpy reference compiler) and staged."""
+    # deferred: the CLI starts without torch
+    from libra_ext.attention import meta
+
+    if reference:
+        progs = [meta.compile_slot_reference(plan, replica, s, DEFAULT_CHUNKS)
+                 for s in range(plan.slots)]
+    else:
+        progs = meta.compile_rank(plan, replica, 0, DEFAULT_CHUNKS)
+    return [meta.stage(p) for p in progs]
+
+
 def _launch_loop(stop, lat: list) -> None:
     """A thread that launches work the way a training loop does: small torch ops, each
     releasing and retaking the GIL; every iteration's latency recorded."""
@@ -494,27 +508,34 @@ def _launch_loop(stop, lat: list) -> None:
 
 
 def gil_blocking(work, seconds: float = 1.0) -> dict:
-    """How much a launching thread (`_launch_loop`) is slowed while `work()` runs in another
-    thread of the same process, as the sampler's compile runs beside the training loop:
-    `blocked_fraction` = 1 - its iterations per second with the work / alone, and its longest
-    pause with the work (ms)."""
+    """How much a launching thread (`_launch_loop`) is slowed while `work()` runs over and over
+    in another thread of the same process, as the sampler's compile runs beside the training
+    loop: `blocked_fraction` = 1 - its iterations per second with the work / alone (while the
+    work runs back to back: the worst case), its longest pause with the work (ms), and
+    `lost_ms_per_call`: the launching thread's time lost per `work()` call (the blocked
+    fraction times the wall time of one call) - per step, where `work` is one step's compile."""
     def run(with_work: bool):
         stop, lat = threading.Event(), []
         t = threading.Thread(target=_launch_loop, args=(stop, lat))
         t.start()
+        calls = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             if with_work:
                 work()
+                calls += 1
             else:
                 time.sleep(0.01)
+        wall = time.perf_counter() - t0
         stop.set()
         t.join()
-        return len(lat) / (time.perf_counter() - t0), max(lat, default=0.0)
+        return len(lat) / wall, max(lat, default=0.0), wall / max(calls, 1)
 
-    alone, _ = run(False)
-    busy, pause = run(True)
-    return {"blocked_fraction": max(0.0, 1.0 - busy / alone), "max_pause_ms": pause * 1e3}
+    alone, _, _ = run(False)
+    busy, pause, per_call = run(True)
+    blocked = max(0.0, 1.0 - busy / alone)
+    return {"blocked_fraction": blocked, "max_pause_ms": pause * 1e3,
+            "call_ms": per_call * 1e3, "lost_ms_per_call": blocked * per_call * 1e3}
 
 
 def run_bench_host(args) -> dict | None:
@@ -546,9 +567,11 @@ def run_bench_host(args) -> dict | None:
         r["host_ms"] = r["source_ms"] + r["plan_ms"] + r["rank_host_ms"]
         r["lead_ms"] = r["gpu_step_ms"] - r["host_ms"]
         r["host_over_step"] = r["host_ms"] / r["gpu_step_ms"]
-        if args.gil:
+        if args.gil:  # the C++ compiler and, side by side, the numpy reference compiler
             heavy = max(range(plan.dp), key=lambda i: sum(per_rank[i][0]))
-            r["gil"] = gil_blocking(lambda: _slot_programs(plan, heavy), args.gil_seconds)
+            r["gil"] = gil_blocking(lambda: _rank_programs(plan, heavy), args.gil_seconds)
+            r["gil_reference"] = gil_blocking(lambda: _rank_programs(plan, heavy, True),
+                                              args.gil_seconds)
         out["layouts"][name] = r
     if args.json:
         return out
@@ -562,10 +585,13 @@ def run_bench_host(args) -> dict | None:
         print(f"  {name:7s} {r['source_ms']:8.1f} {r['plan_ms']:8.1f} {r['rank_host_ms']:9.1f} "
               f"{r['host_ms']:9.1f} {r['gpu_step_ms']:10.1f} {r['lead_ms']:10.1f} "
               f"{c['median']:7.2f}/{c['max']:<8.2f} {u['max'] / 1024:13.1f}")
-        if "gil" in r:
-            print(f"          a launching thread beside the compile: "
-                  f"{100 * r['gil']['blocked_fraction']:.1f}% slower, longest pause "
-                  f"{r['gil']['max_pause_ms']:.1f} ms")
+        for key, what in (("gil", "the compile (C++)"), ("gil_reference", "numpy reference")):
+            if key in r:
+                g = r[key]
+                print(f"          a launching thread beside {what:17s}: one step's compile "
+                      f"{g['call_ms']:6.2f} ms, {g['lost_ms_per_call']:6.3f} ms lost per step "
+                      f"({100 * g['blocked_fraction']:.1f}% slower while it runs back to back, "
+                      f"longest pause {g['max_pause_ms']:.1f} ms)")
     return None
 
 

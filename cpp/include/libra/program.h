@@ -1,0 +1,69 @@
+// A rank's attention program for one (replica, slot) of a plan: the compact descriptors the
+// context-parallel operator runs (kernel calls as cu_seqlens, gathers as runs). The native
+// twin of `libra_ext.attention.meta.compile_slot_reference`, which is its oracle: both give the
+// same program, array for array. See docs/plan_contract.md ("Programs").
+#pragma once
+
+#include <vector>
+
+#include "libra/common.h"
+
+namespace libra {
+
+// A read-only int64 array of the plan (a numpy array's buffer), with the field's name for errors.
+struct ArrayView {
+  const i64* data = nullptr;
+  i64 size = 0;
+};
+
+// What compiling a slot reads of a StepPlan (Ulysses family: libra, distca, ulysses).
+struct ProgramPlan {
+  i64 dp = 0, slots = 0, cp = 0, exchange_pool = 0, heads_local = 0, kv_heads_local = 0;
+  ArrayView doc_lengths, seq_doc_offsets, seq_replica, seq_slot, send_order, send_group_offsets,
+      tile_doc, tile_doc_count, tile_q_start, tile_q_len, tile_kv_start, tile_kv_len,
+      tile_head_start, tile_head_count, tile_owner, tile_executor, tile_cp;
+};
+
+// One batched varlen call: segments (cu_q, cu_k), hc query and hk KV heads each, max lengths
+// rounded up to a power of two (at least 128).
+struct ProgCall {
+  i64 hc = 0, hk = 0;
+  std::vector<i64> cu_q, cu_k;
+  i64 max_q = 0, max_k = 0;
+};
+
+// Vector indices as runs (base, rows, width, stride), flattened [n_runs * 4]; `size` vectors.
+struct ProgGather {
+  std::vector<i64> runs;
+  i64 size = 0;
+};
+
+struct ProgPack {
+  ProgCall call;
+  ProgGather q, k;
+};
+
+// One all-to-all round of the pool exchange, seen from one member.
+struct ProgSub {
+  bool direct = false;
+  i64 part = 0;
+  std::vector<i64> q_send, kv_send, q_recv, kv_recv;  // vectors per member
+  i64 q_send_off = 0, kv_send_off = 0;
+  bool has_call = false;  // direct: the call over the received regions (when it receives any)
+  ProgCall call;
+  std::vector<ProgPack> packs;  // not direct: calls on packs gathered from the received regions
+};
+
+struct Program {
+  i64 t = 0, tokens = 0, executed = 0;
+  ProgCall direct;
+  std::vector<ProgPack> lpacks;
+  std::vector<ProgSub> subchunks;
+  ProgGather send_q, send_kv;
+};
+
+// The program of (replica, any cp rank of it) for `slot`. Every index read from the plan is
+// checked: a malformed plan raises std::invalid_argument naming the field and index.
+Program compile_slot_program(const ProgramPlan& plan, i64 replica, i64 slot, i64 chunks);
+
+}  // namespace libra
