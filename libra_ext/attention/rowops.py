@@ -20,7 +20,7 @@ as `index_put_` does.
 
 Both are `torch.library` custom ops that mutate their first argument, so a dispatch mode (the
 GPU-readiness gate's probe, `measure.traffic.TrafficProbe`) sees one op per call: `written`
-names the tensors it writes, `op_bytes` what it reads and writes.
+names the tensors it writes, `measure.traffic.op_bytes` prices what it reads and writes.
 """
 
 from __future__ import annotations
@@ -140,23 +140,6 @@ def written(func, args, kwargs) -> list:
     """The tensors a row op writes (its first argument's)."""
     first = args[0] if args else next(iter(kwargs.values()))
     return list(first)
-
-
-def op_bytes(func, args, kwargs, on) -> int:
-    """Device bytes a row op reads and writes, as `measure.traffic.op_bytes` counts its
-    single-part peers: a gather reads and writes the rows it gathers, a write scatter writes the
-    rows it addresses and reads its source, an adding one also reads the rows it adds to; the
-    indices count once."""
-    names = [a.name for a in func._schema.arguments]
-    bound = dict(zip(names, args)) | dict(kwargs)
-
-    def nb(t) -> int:
-        return t.numel() * t.element_size() if on(t) else 0
-
-    if func.__name__.startswith("gather_rows_"):
-        return sum(2 * nb(o) + nb(i) for o, i in zip(bound["outs"], bound["idxs"]))
-    return sum((3 if add else 2) * nb(s) + nb(i)
-               for s, i, add in zip(bound["srcs"], bound["idxs"], bound["adds"]))
 
 
 # ----------------------------------------------------------------------------------------------

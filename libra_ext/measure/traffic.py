@@ -81,7 +81,11 @@ def is_view(func) -> bool:
 def op_bytes(func, args, kwargs, out, on) -> int:
     """Bytes op `func` reads and writes on the device (`on(tensor)`: the tensor is there); 0
     for an op without a device output. Copies count only device to device (uploads and
-    downloads are transfers)."""
+    downloads are transfers). A fused row op (`rowops`) counts each of its parts as its
+    single-part peer: a gather part as `index_select`, a scatter part as `index_put_` or, adding,
+    `index_add_`."""
+    if rowops.is_rowop(func):
+        return _row_op_bytes(func, args, kwargs, on)
     name = func.overloadpacket.__name__
     outs = [o for o in outputs(out) if on(o)]
     if not outs:
@@ -114,6 +118,31 @@ def op_bytes(func, args, kwargs, out, on) -> int:
     if returns_alias(func):  # an in-place op writes its first argument
         return read + nbytes(args[0])
     return read + sum(nbytes(o) for o in outs)
+
+
+def _row_op_bytes(func, args, kwargs, on) -> int:
+    """A row op's parts priced by the rules above: a gather part reads and writes its rows, a
+    write part writes the rows it addresses and reads its source, an adding part also reads
+    the rows it adds to; the indices count once."""
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args)) | dict(kwargs)
+
+    def nb(t) -> int:
+        return t.numel() * t.element_size() if on(t) else 0
+
+    if func.__name__.startswith("gather_rows_"):
+        return sum(2 * nb(o) + nb(i) for o, i in zip(bound["outs"], bound["idxs"]))
+    return sum((3 if add else 2) * nb(s) + nb(i)
+               for s, i, add in zip(bound["srcs"], bound["idxs"], bound["adds"]))
+
+
+def row_op(func, args, kwargs, on) -> int | None:
+    """For a fused row op of `rowops` that writes a tensor where `on` says (one launch, writing
+    its first argument in place): its bytes (`op_bytes`). None for any other op - a probe then
+    counts it as it counts every op."""
+    if not rowops.is_rowop(func) or not any(on(o) for o in rowops.written(func, args, kwargs)):
+        return None
+    return op_bytes(func, args, kwargs, None, on)
 
 
 def resized(holders: dict, storage, before: int, after: int) -> int:
@@ -186,12 +215,12 @@ class TrafficProbe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if rowops.is_rowop(func):  # one launch, writing its first argument in place
-            if not counters.in_kernel() and any(self.on(o) for o in
-                                                rowops.written(func, args, kwargs)):
+        row_bytes = row_op(func, args, kwargs, self.on)
+        if row_bytes is not None:  # one launch, writing its first argument in place
+            if not counters.in_kernel():
                 ph = self.current()
                 ph.ops += 1
-                ph.bytes_by_op[func.__name__] += rowops.op_bytes(func, args, kwargs, self.on)
+                ph.bytes_by_op[func.__name__] += row_bytes
             return out
         outs = [o for o in outputs(out) if self.on(o)]
         if not outs or is_view(func) or func.namespace in COLLECTIVES:

@@ -39,7 +39,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from libra_ext.attention import counters, rowops
+from libra_ext.attention import counters
 from libra_ext.measure import traffic
 
 SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
@@ -289,10 +289,10 @@ class Probe(TorchDispatchMode):
             if args[0].device.type == "cuda":
                 args = (args[0], self._fake(args[1]), *args[2:])
         out = func(*args, **kwargs)
-        if rowops.is_rowop(func):  # one launch, writing its first argument in place
-            if any(_is_cuda(o) for o in rowops.written(func, args, kwargs)):
-                ph.ops[func.__name__] += 1
-                ph.bytes_by_op[func.__name__] += rowops.op_bytes(func, args, kwargs, _is_cuda)
+        row_bytes = traffic.row_op(func, args, kwargs, _is_cuda)
+        if row_bytes is not None:  # one launch, writing its first argument in place
+            ph.ops[func.__name__] += 1
+            ph.bytes_by_op[func.__name__] += row_bytes
             return out
         outs = [o for o in _outputs(out) if _is_cuda(o)]
         returns = func._schema.returns
