@@ -423,6 +423,18 @@ void bind_workload(py::module_& m) {
     d.validate();
     return linear_fwd_flops_per_token(d);
   });
+  m.def(
+      "block_pool",
+      [] {
+        const PoolStats s = pool_stats();
+        py::dict d;
+        d["kept_bytes"] = s.kept_bytes;
+        d["reused"] = s.reused;
+        d["fresh"] = s.fresh;
+        return d;
+      },
+      "The plan arrays' block pool: bytes kept for reuse, and how many blocks of at least 64 "
+      "KiB were handed out again (reused) or taken from the system (fresh).");
   m.def("usable_cores", &usable_cores, "Cores this process may run on (its affinity mask).");
   m.def("idle_cores", &idle_cores,
         "Usable cores that no other runnable thread holds right now (at least 1): what automatic "

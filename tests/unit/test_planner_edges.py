@@ -9,7 +9,7 @@ import pytest
 
 from libra_ext import _planner as core
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
-from libra_ext.workload import ModelConfig, PackedBatch, block_pairs
+from libra_ext.workload import LengthSource, ModelConfig, PackedBatch, block_pairs
 
 MODEL = ModelConfig(heads=8, kv_heads=2, head_dim=64)
 LAYOUT = LayoutConfig(dp=4, cp=2, pool_size=2, context=4096)
@@ -420,3 +420,28 @@ def test_automatic_threads_leave_the_cores_other_processes_hold():
         stop.set()
         for proc in procs:
             proc.join(timeout=5)
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+def test_a_plans_large_arrays_reuse_the_blocks_a_dropped_plan_freed():
+    """The plan's arrays come from the core's block pool: once a plan is dropped, the next one of
+    the same size takes its blocks again instead of fresh pages from the system (which glibc may
+    or may not hand back, depending on the process's earlier allocations)."""
+    layout = LayoutConfig(dp=64, cp=8, pool_size=8, context=262144)
+    planner = Planner(layout, ModelConfig(), PlannerOptions(system="libra"))
+    steps = [LengthSource(preset="libra-256k").step(8 * 64, 262144, 0, s) for s in range(2)]
+    plan = planner.plan(steps[0])
+    assert plan.tile_seq.nbytes >= 1 << 16  # arrays large enough to be pooled
+    del plan
+    before = core.block_pool()
+    assert before["kept_bytes"] > 0
+    for seqs in steps * 2:
+        plan = planner.plan(seqs)
+        del plan
+    after = core.block_pool()
+    assert after["reused"] > before["reused"]
+    # a step of about the same size finds its size classes kept: (almost) nothing fresh
+    assert after["fresh"] - before["fresh"] <= 0.05 * (after["reused"] - before["reused"])
+    assert after["kept_bytes"] <= 1 << 28
