@@ -171,6 +171,20 @@ def test_bench_planner_under_busy_loops_times_one_thread_beside_automatic(capsys
     assert row["auto_over_one_thread"] == pytest.approx(row["ms"] / row["ms_one_thread"])
 
 
+def test_bench_planner_times_a_cost_table_beside_pairs(capsys):
+    from megatron.libra.cli import main
+
+    assert main(["bench", "planner", "--dp", "8", "--steps", "1", "--cost-table", "profile",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    row = r["rows"][0]
+    assert r["cost_table"] == "profile" and row["ms_table"] > 0
+    assert row["table_over_pairs"] == pytest.approx(row["ms_table"] / row["ms"])
+    assert set(row["phase_ms_table"]) == set(row["phase_ms"])
+    assert main(["bench", "planner", "--dp", "8", "--cost-table", "no-such-file.json"]) == 2
+    assert "cost table no-such-file.json: cannot open" in capsys.readouterr().err
+
+
 def test_lengths_longer_than_the_context_are_said_to_be_cut(tmp_path, capsys):
     from megatron.libra.cli import main
 

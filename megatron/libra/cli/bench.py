@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from libra_ext import sweep
+from libra_ext import costmodel, sweep
 from libra_ext.attention import DEFAULT_CHUNKS
 from libra_ext.planner import (
     ORDERS,
@@ -69,6 +69,14 @@ def add_bench_parser(sub) -> None:
         help="with --dp: run this many busy-loop processes meanwhile and time automatic threads "
         "against one thread on the same steps",
     )
+    b.add_argument(
+        "--cost-table",
+        help="with --dp: also plan every step balancing this cost table's predicted time, in "
+        "the same process, interleaved step by step with pairs: 'profile' (the --hardware "
+        "profile's table) or a table file (as libra plan --cost-table)",
+    )
+    b.add_argument("--hardware", default="h200-sxm",
+                   help="hardware profile for --cost-table profile")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=run_bench_planner)
     bh = bsub.add_parser(
@@ -384,6 +392,10 @@ def run_bench_scaling(args) -> dict | None:
     dps = int_list_arg(args.dp, "dp")
     busy = positive(args.busy, "busy", 0)
     model = ModelConfig()
+    table = None
+    if args.cost_table:
+        table = costmodel.load_table(args.cost_table, HardwareProfile.load(args.hardware),
+                                     model.head_dim)
     rows = []
     with BusyLoops(busy):
         for dp in dps:
@@ -392,8 +404,14 @@ def run_bench_scaling(args) -> dict | None:
             layout = LayoutConfig(dp=dp, cp=8, pool_size=8, context=262_144)
             planner = Planner(layout, model, PlannerOptions(system="libra", threads=args.threads))
             one = Planner(layout, model, PlannerOptions(system="libra", threads=1))
+            priced = None
+            if table is not None:
+                priced = Planner(layout, model, PlannerOptions(system="libra",
+                                                               threads=args.threads))
+                priced.set_cost_model(table)
             steps, source_ms = _time_source("libra-256k", 8 * dp, 262_144, args.seed, args.steps)
             ms, ms_one, tiles, balance, phases, convert, convert_lists = [], [], [], [], [], [], []
+            ms_table, phases_table = [], []
             # warm-up: one pass over the steps untimed, so the timed pass sees the process as a
             # training run does after its first steps (the allocator grown to plan-sized buffers)
             plan = None
@@ -401,6 +419,8 @@ def run_bench_scaling(args) -> dict | None:
                 plan = planner.plan(seqs)
                 if busy:
                     one.plan(seqs)
+                if priced is not None:
+                    priced.plan(seqs)
             for seqs in steps:
                 # the previous step's plan stays alive while the next is planned, as in training
                 t0 = time.perf_counter()
@@ -412,6 +432,11 @@ def run_bench_scaling(args) -> dict | None:
                 phases.append(plan.phase_ms)
                 if busy:  # the same step on one thread, right after
                     ms_one.append(one.plan(seqs).plan_ms)
+                if priced is not None:  # the same step balancing the table, right after
+                    timed = priced.plan(seqs)
+                    ms_table.append(timed.plan_ms)
+                    phases_table.append(timed.phase_ms)
+                    del timed
             as_lists = steps[0].tolist()
             t0 = time.perf_counter()
             listed = planner.plan(as_lists)
@@ -432,6 +457,11 @@ def run_bench_scaling(args) -> dict | None:
             if busy:
                 row["ms_one_thread"] = statistics.median(ms_one)
                 row["auto_over_one_thread"] = row["ms"] / row["ms_one_thread"]
+            if priced is not None:
+                row["ms_table"] = statistics.median(ms_table)
+                row["table_over_pairs"] = row["ms_table"] / row["ms"]
+                row["phase_ms_table"] = {k: statistics.median(p[k] for p in phases_table)
+                                         for k in PLAN_PHASES}
             rows.append(row)
     exponent = None
     if len(rows) > 1:
@@ -439,11 +469,13 @@ def run_bench_scaling(args) -> dict | None:
         y = np.log([r["ms"] for r in rows])
         exponent = float(np.polyfit(x, y, 1)[0])
     out = {"rows": rows, "growth_exponent": exponent, "busy": busy,
-           "threads": args.threads or "auto"}
+           "threads": args.threads or "auto", "cost_table": args.cost_table}
     if args.json:
         return out
     print("libra bench planner: host time per step, 256K, B = 8D, C = 8, P = 8, "
           f"{args.threads or 'auto'} threads" + (f", {busy} busy-loop processes" if busy else "")
+          + (f", and balancing cost table {args.cost_table} (table, its ratio to pairs)"
+             if table is not None else "")
           + ": step source (amortized), conversion into the call (flat / lists), plan (median); "
           "then the median ms of each phase")
     head = "".join(f" {k:>9s}" for k in PLAN_PHASES)
@@ -451,6 +483,8 @@ def run_bench_scaling(args) -> dict | None:
             f"{'convert':>8s} {'lists':>7s} {'plan':>8s}")
     if busy:
         cols += f" {'1 thread':>9s} {'ratio':>6s}"
+    if table is not None:
+        cols += f" {'table':>8s} {'ratio':>6s}"
     print(f"  {cols} {'max/mean':>9s} |{head}")
     for r in rows:
         cells = "".join(f" {r['phase_ms'][k]:9.2f}" for k in PLAN_PHASES)
@@ -459,7 +493,12 @@ def run_bench_scaling(args) -> dict | None:
                 f"{r['ms']:8.2f}")
         if busy:
             line += f" {r['ms_one_thread']:9.2f} {r['auto_over_one_thread']:6.2f}"
+        if table is not None:
+            line += f" {r['ms_table']:8.2f} {r['table_over_pairs']:6.3f}"
         print(f"{line} {r['max_over_mean']:9.4f} |{cells}")
+        if table is not None:
+            cells = "".join(f" {r['phase_ms_table'][k]:9.2f}" for k in PLAN_PHASES)
+            print(f"  {'':{len(line) - 2}s} {'(table)':>9s} |{cells}")
     if exponent is not None:
         print(f"  growth: plan time ~ D^{exponent:.2f}")
     return None
