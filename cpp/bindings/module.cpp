@@ -431,10 +431,12 @@ void bind_workload(py::module_& m) {
         d["kept_bytes"] = s.kept_bytes;
         d["reused"] = s.reused;
         d["fresh"] = s.fresh;
+        d["evicted"] = s.evicted;
         return d;
       },
       "The plan arrays' block pool: bytes kept for reuse, and how many blocks of at least 64 "
-      "KiB were handed out again (reused) or taken from the system (fresh).");
+      "KiB were handed out again (reused), taken from the system (fresh) or given back to it to "
+      "make room for another size (evicted).");
   m.def("usable_cores", &usable_cores, "Cores this process may run on (its affinity mask).");
   m.def("idle_cores", &idle_cores,
         "Usable cores that no other runnable thread holds right now (at least 1): what automatic "

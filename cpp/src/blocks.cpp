@@ -1,5 +1,6 @@
 // The block pool of the plan's large arrays (common.h): freed blocks kept by size class and
-// handed to the next array of the same class.
+// handed to the next array of the same class; when full, classes other than the one being freed
+// are given back to the system first.
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -56,6 +57,20 @@ void pool_deallocate(void* block, std::size_t bytes) noexcept {
   if (c >= kPooledBytes) {
     Pool& p = pool();
     std::lock_guard<std::mutex> lock(p.mu);
+    // full: blocks of other classes (sizes the plans no longer take) make room, so a pool
+    // filled by earlier, differently sized plans still serves the current ones
+    for (auto it = p.free.begin(); p.stats.kept_bytes + c > kPoolBytes && it != p.free.end();) {
+      if (it->first != c) {
+        for (void* old : it->second) {
+          ::operator delete(old);
+          p.stats.kept_bytes -= it->first;
+          ++p.stats.evicted;
+        }
+        it = p.free.erase(it);
+      } else {
+        ++it;
+      }
+    }
     if (p.stats.kept_bytes + c <= kPoolBytes) {
       try {
         p.free[c].push_back(block);

@@ -417,9 +417,13 @@ std::vector<Seg> group_segments(const ProgramPlan& p, i64 replica, i64 slot, i64
     fail("plan.send_group_offsets: group " + std::to_string(g) + " spans [" +
          std::to_string(lo) + ", " + std::to_string(hi) + ") of " +
          std::to_string(p.send_order.size) + " send_order entries");
-  for (i64 i = lo; i < hi; ++i)
-    if (at(p.tile_cp, at(p.send_order, i, "send_order"), "tile_cp") != -1)
-      fail("plan tiles name a cp rank: a per-document CP plan (wlb)");
+  for (i64 i = lo; i < hi; ++i) {
+    const i64 t = p.send_order.data[i];
+    if (t < 0 || t >= p.tile_cp.size)
+      fail("plan.send_order[" + std::to_string(i) + "]: tile " + std::to_string(t) +
+           " outside the plan's " + std::to_string(p.tile_cp.size) + " tiles");
+    if (p.tile_cp.data[t] != -1) fail("plan tiles name a cp rank: a per-document CP plan (wlb)");
+  }
   // each document's first token inside its packed sequence
   const i64 n_doc = p.doc_lengths.size, n_seq = p.seq_doc_offsets.size - 1;
   V ds(static_cast<size_t>(n_doc), 0);
@@ -456,7 +460,10 @@ std::vector<Seg> group_segments(const ProgramPlan& p, i64 replica, i64 slot, i64
     executed += (exe + base == replica);
     for (i64 j = 0; j < cnt; ++j) {
       const i64 doc = at(p.tile_doc, t, "tile_doc") + j;
-      const i64 len = at(p.doc_lengths, doc, "doc_lengths");
+      if (doc < 0 || doc >= n_doc)
+        fail(tile + ": document " + std::to_string(doc) + " outside the plan's " +
+             std::to_string(n_doc) + " documents");
+      const i64 len = p.doc_lengths.data[doc];
       const i64 d = ds[static_cast<size_t>(doc)];
       i64 a = 0, b = len;
       if (cnt == 1) {
@@ -484,6 +491,7 @@ Program compile_slot_program(const ProgramPlan& p, i64 replica, i64 slot, i64 ch
   require_positive(p.cp, "plan.cp");
   require_positive(p.exchange_pool, "plan.exchange_pool");
   require_positive(p.kv_heads_local, "plan.kv_heads_local");
+  require_at_most(p.heads_local, i64(1) << 20, "plan.heads_local", "2^20");
   if (p.heads_local < p.kv_heads_local || p.heads_local % p.kv_heads_local != 0)
     fail("plan.heads_local (" + std::to_string(p.heads_local) +
          ") must be a multiple of plan.kv_heads_local (" + std::to_string(p.kv_heads_local) + ")");

@@ -368,11 +368,11 @@ def test_the_native_compiler_gives_the_reference_program_on_many_tiles(workload)
 @pytest.mark.parametrize("field,value,message", [
     ("tile_owner", 99, r"plan tile \d+: owner 99 or executor \d+ outside its pool \[0, 4\)"),
     ("tile_executor", -3, r"plan tile \d+: owner \d+ or executor -3 outside its pool"),
-    ("tile_doc", 10**6, r"plan.doc_lengths: index 1000000 outside its \d+ entries"),
+    ("tile_doc", 10**6, r"plan tile \d+: document 1000000 outside the plan's \d+ documents"),
     ("tile_head_count", 0, r"plan tile \d+: heads \[\d+, \d+\) outside the 4 local heads"),
     ("tile_head_start", 3, r"plan tile \d+: heads \[3, \d+\) outside the 4 local heads"),
     ("tile_q_len", 10**6, r"plan tile \d+: its KV range must be its document's prefix"),
-    ("send_order", 10**6, r"plan.tile_cp: index 1000000 outside its \d+ entries"),
+    ("send_order", 10**6, r"plan.send_order\[\d+\]: tile 1000000 outside the plan's \d+ tiles"),
     ("send_group_offsets", 10**6, r"plan.send_group_offsets: group \d+ spans \[\d+, 1000000\)"),
     ("seq_doc_offsets", 10**6, r"plan.seq_doc_offsets\[\d+\]: documents"),
 ])

@@ -25,13 +25,16 @@ constexpr i64 kMaxTokens = i64(1) << 30;
 // and whether glibc hands one back or gives a fresh one depends on every allocation the process
 // made before (its dynamic mmap and trim thresholds) - measured at D = 512, the same plan took
 // 11.5 or 22.6 ms depending on it. Blocks of at least kPooledBytes are rounded up to eight size
-// classes per octave and kept up to kPoolBytes in all; smaller ones come from operator new.
+// classes per octave and kept up to kPoolBytes in all (a full pool gives back other size classes
+// first); smaller ones come from operator new.
 constexpr std::size_t kPooledBytes = std::size_t(1) << 16;
 constexpr std::size_t kPoolBytes = std::size_t(1) << 28;
 void* pool_allocate(std::size_t bytes);
 void pool_deallocate(void* block, std::size_t bytes) noexcept;
 struct PoolStats {
-  std::size_t kept_bytes = 0, reused = 0, fresh = 0;  // blocks of at least kPooledBytes
+  // blocks of at least kPooledBytes: bytes kept, blocks handed out again, taken from the
+  // system, and given back to it to make room for another size class
+  std::size_t kept_bytes = 0, reused = 0, fresh = 0, evicted = 0;
 };
 PoolStats pool_stats();
 
