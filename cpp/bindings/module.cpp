@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <iterator>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -679,38 +680,40 @@ void bind_program(py::module_& m) {
       [call, gather, packs](py::object plan, i64 replica, const std::vector<i64>& slots,
                             i64 chunks) {
         ProgramPlan p;
-        auto scalar = [&](const char* name) { return plan.attr(name).cast<i64>(); };
-        p.dp = scalar("dp");
-        p.slots = scalar("slots");
-        p.cp = scalar("cp");
-        p.exchange_pool = scalar("exchange_pool");
-        p.heads_local = scalar("heads_local");
-        p.kv_heads_local = scalar("kv_heads_local");
-        std::vector<I64Array> keep;
-        keep.reserve(17);
-        auto view = [&](const char* name) {
+        static constexpr std::pair<const char*, i64 ProgramPlan::*> kScalars[] = {
+            {"dp", &ProgramPlan::dp},
+            {"slots", &ProgramPlan::slots},
+            {"cp", &ProgramPlan::cp},
+            {"exchange_pool", &ProgramPlan::exchange_pool},
+            {"heads_local", &ProgramPlan::heads_local},
+            {"kv_heads_local", &ProgramPlan::kv_heads_local}};
+        static constexpr std::pair<const char*, ArrayView ProgramPlan::*> kArrays[] = {
+            {"doc_lengths", &ProgramPlan::doc_lengths},
+            {"seq_doc_offsets", &ProgramPlan::seq_doc_offsets},
+            {"seq_replica", &ProgramPlan::seq_replica},
+            {"seq_slot", &ProgramPlan::seq_slot},
+            {"send_order", &ProgramPlan::send_order},
+            {"send_group_offsets", &ProgramPlan::send_group_offsets},
+            {"tile_doc", &ProgramPlan::tile_doc},
+            {"tile_doc_count", &ProgramPlan::tile_doc_count},
+            {"tile_q_start", &ProgramPlan::tile_q_start},
+            {"tile_q_len", &ProgramPlan::tile_q_len},
+            {"tile_kv_start", &ProgramPlan::tile_kv_start},
+            {"tile_kv_len", &ProgramPlan::tile_kv_len},
+            {"tile_head_start", &ProgramPlan::tile_head_start},
+            {"tile_head_count", &ProgramPlan::tile_head_count},
+            {"tile_owner", &ProgramPlan::tile_owner},
+            {"tile_executor", &ProgramPlan::tile_executor},
+            {"tile_cp", &ProgramPlan::tile_cp}};
+        for (const auto& [name, field] : kScalars) p.*field = plan.attr(name).cast<i64>();
+        std::vector<I64Array> keep;  // the arrays the views read, alive until the compile ends
+        keep.reserve(std::size(kArrays));
+        for (const auto& [name, field] : kArrays) {
           keep.emplace_back(I64Array::ensure(plan.attr(name)));
           if (!keep.back()) fail(std::string("plan.") + name + " must be an integer array");
           if (keep.back().ndim() != 1) fail(std::string("plan.") + name + " must be 1-D");
-          return ArrayView{keep.back().data(), static_cast<i64>(keep.back().size())};
-        };
-        p.doc_lengths = view("doc_lengths");
-        p.seq_doc_offsets = view("seq_doc_offsets");
-        p.seq_replica = view("seq_replica");
-        p.seq_slot = view("seq_slot");
-        p.send_order = view("send_order");
-        p.send_group_offsets = view("send_group_offsets");
-        p.tile_doc = view("tile_doc");
-        p.tile_doc_count = view("tile_doc_count");
-        p.tile_q_start = view("tile_q_start");
-        p.tile_q_len = view("tile_q_len");
-        p.tile_kv_start = view("tile_kv_start");
-        p.tile_kv_len = view("tile_kv_len");
-        p.tile_head_start = view("tile_head_start");
-        p.tile_head_count = view("tile_head_count");
-        p.tile_owner = view("tile_owner");
-        p.tile_executor = view("tile_executor");
-        p.tile_cp = view("tile_cp");
+          p.*field = ArrayView{keep.back().data(), static_cast<i64>(keep.back().size())};
+        }
         std::vector<Program> progs;
         progs.reserve(slots.size());
         {
