@@ -281,6 +281,7 @@ class _GroupPlacer:
 
     def __init__(self, step: _Step, members: list, replica: list, tiles: list):
         self.step, self.ms, self.replica, self.tiles = step, members, replica, tiles
+        self.start = len(tiles)  # this group's tiles are tiles[start:], in gt order
         self.gt: list = []
         self._cut_tiles()
         P = self.P = len(members)
@@ -430,6 +431,8 @@ class _GroupPlacer:
         self.keep_own_tiles()
         if self.step.options.refine and self.P > 1:
             self.refine()
+        if self.P > 1:
+            self.contiguous_pieces()
         self.settle()
 
     def keep_own_tiles(self) -> None:
@@ -592,6 +595,104 @@ class _GroupPlacer:
                     continue
                 consider(k, cc, float(block_pairs(cc, b)) * hc, gt[k][2], b - cc, b)
         return best
+
+    def contiguous_pieces(self) -> None:
+        """A document's rows (one head range) that the placement left fragmented - the owner
+        keeping rows after moved ones, or a member running separate blocks - re-cut into one
+        contiguous piece per member with the work it had: the owner's first, then the
+        executors by the longest prefix they read (ties by member); only where the tiles cover
+        the document and the re-cut ships no more bytes. Loads follow; dropped tiles go."""
+        gt, tiles, exe, load, P = self.gt, self.tiles, self.exe, self.load, self.P
+
+        def key(k):
+            t = tiles[gt[k][0]]
+            return (t[0], t[1], t[5], t[6], t[3], k)
+
+        idx = sorted((k for k in range(len(gt)) if tiles[gt[k][0]][2] == 1), key=key)
+        dead = set()
+        i = 0
+        while i < len(idx):
+            j = i + 1
+            while j < len(idx) and key(idx[j])[:4] == key(idx[i])[:4]:
+                j += 1
+            run, i = idx[i:j], j
+            if len(run) < 2:
+                continue
+            t0 = tiles[gt[run[0]][0]]
+            l = self.step.lengths[t0[1]]
+            row = 0
+            for k in run:
+                t = tiles[gt[k][0]]
+                if t[3] - t[7] != row or t[4] <= 0:
+                    row = -1
+                    break
+                row += t[4]
+            if row != l:
+                continue
+            owner = gt[run[0]][1]
+            runs = []
+            for k in run:
+                if not runs or runs[-1] != exe[k]:
+                    runs.append(exe[k])
+            if not (len(set(runs)) < len(runs) or owner in runs[1:]):
+                continue
+            work, ends, before = [0.0] * P, [-1] * P, 0
+            kv_n = len(self.kv_heads_of(t0))
+            for k in run:
+                t = tiles[gt[k][0]]
+                work[exe[k]] += gt[k][3]
+                ends[exe[k]] = max(ends[exe[k]], t[8])
+                if exe[k] != owner:
+                    before += self.qo(t[4], t[6])
+            rest = [e for e in range(P) if e != owner and ends[e] >= 0]
+            for e in rest:
+                before += kv_n * self.kvb(ends[e])
+            order = ([owner] if ends[owner] >= 0 else []) + sorted(rest, key=lambda e: ends[e])
+            hc = t0[6]
+
+            def prefix(c):
+                return float(block_pairs(0, c)) * float(hc)
+
+            cut = [0] * len(order) + [l]
+            target = 0.0
+            for p in range(len(order) - 1):
+                target += work[order[p]]
+                lo, hi = cut[p] + 1, l - (len(order) - 1 - p)
+                if lo > hi:
+                    cut = None
+                    break
+                while lo < hi:  # the smallest c with prefix(c) >= target (hi if none)
+                    mid = lo + (hi - lo) // 2
+                    if prefix(mid) >= target:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                if lo > cut[p] + 1 and target - prefix(lo - 1) <= prefix(lo) - target:
+                    lo -= 1
+                cut[p + 1] = lo
+            if cut is None:
+                continue
+            after = sum(self.qo(cut[p + 1] - cut[p], hc) + kv_n * self.kvb(cut[p + 1])
+                        for p in range(len(order)) if order[p] != owner)
+            if after > before:
+                continue
+            for k in run:
+                load[exe[k]] -= gt[k][3]
+            for p, e in enumerate(order):
+                ti, ow, ldoc, _ = gt[run[p]]
+                t = tiles[ti]
+                t[3], t[4], t[8] = t[7] + cut[p], cut[p + 1] - cut[p], cut[p + 1]
+                w = float(block_pairs(cut[p], cut[p + 1])) * float(hc)
+                gt[run[p]] = (ti, ow, ldoc, w)
+                exe[run[p]] = e
+                load[e] += w
+            dead.update(run[len(order):])
+        if not dead:
+            return
+        keep = [k for k in range(len(gt)) if k not in dead]
+        self.tiles[self.start:] = [tiles[gt[k][0]] for k in keep]
+        self.gt = [(self.start + i, gt[k][1], gt[k][2], gt[k][3]) for i, k in enumerate(keep)]
+        self.exe = [exe[k] for k in keep]
 
     def settle(self) -> None:
         """Each tile's executor; never worse than no moves."""

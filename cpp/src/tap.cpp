@@ -673,6 +673,157 @@ void refine_group(const StepPlan& plan, const PlanOptions& opt, i64 P, double to
   }
 }
 
+// Contiguous pieces: where the placement left a document's rows (one head range) fragmented -
+// the owner keeping rows after moved ones, or a member running several separate blocks - the
+// document's rows are re-cut so that each member runs one contiguous piece with the same work
+// it had: the owner the first rows [0, c1), then the executors in order of the longest prefix
+// they read (ties by member). Loads stay as placed up to whole rows; the owner's kept rows run
+// in place (no local pack) and each executor's piece is one unit (its stream goes direct).
+// Applied only where the document's tiles cover all its rows in that head range and the
+// re-cut ships no more bytes (Q/O of the moved rows, K/V of each executor's prefix).
+void contiguous_pieces(const StepPlan& plan, const CostModel& m, const TileBytes& bytes,
+                       GroupTiles& gt, Placer& placer) {
+  const std::size_t n = gt.size();
+  std::vector<std::size_t> idx;
+  for (std::size_t k = 0; k < n; ++k)
+    if (gt.tile[k].doc_count == 1) idx.push_back(k);
+  if (idx.size() < 2) return;
+  std::sort(idx.begin(), idx.end(), [&](std::size_t x, std::size_t y) {
+    const StepPlan::Tile &a = gt.tile[x], &b = gt.tile[y];
+    if (a.seq != b.seq) return a.seq < b.seq;
+    if (a.doc != b.doc) return a.doc < b.doc;
+    if (a.head_start != b.head_start) return a.head_start < b.head_start;
+    if (a.head_count != b.head_count) return a.head_count < b.head_count;
+    return a.q_start != b.q_start ? a.q_start < b.q_start : x < y;
+  });
+  auto& exec = placer.exec();
+  auto& load = placer.load();
+  std::vector<char> dead(n, 0);
+  bool any = false;
+  std::vector<i64> runs, order, ends;
+  std::vector<double> work;
+  for (std::size_t i = 0; i < idx.size();) {
+    const StepPlan::Tile& t0 = gt.tile[idx[i]];
+    std::size_t j = i + 1;
+    while (j < idx.size() && gt.tile[idx[j]].seq == t0.seq && gt.tile[idx[j]].doc == t0.doc &&
+           gt.tile[idx[j]].head_start == t0.head_start &&
+           gt.tile[idx[j]].head_count == t0.head_count)
+      ++j;
+    const std::size_t first = i;
+    i = j;
+    if (j - first < 2) continue;
+    // the tiles must cover the document's rows [0, l) in order
+    const i64 l = plan.doc_lengths[t0.doc];
+    i64 row = 0;
+    bool covers = true;
+    for (std::size_t r = first; r < j && covers; ++r) {
+      const StepPlan::Tile& t = gt.tile[idx[r]];
+      covers = t.q_start - t.kv_start == row && t.q_len > 0;
+      row += t.q_len;
+    }
+    if (!covers || row != l) continue;
+    // members along the rows, as runs; fragmented: a member in two runs, or the owner's run
+    // not first
+    const i64 owner = gt.owner[idx[first]];
+    runs.clear();
+    for (std::size_t r = first; r < j; ++r)
+      if (runs.empty() || runs.back() != exec[idx[r]]) runs.push_back(exec[idx[r]]);
+    bool fragmented = false;
+    for (std::size_t a = 0; a < runs.size() && !fragmented; ++a) {
+      if (runs[a] == owner && a > 0) fragmented = true;
+      for (std::size_t b = a + 1; b < runs.size() && !fragmented; ++b)
+        fragmented = runs[a] == runs[b];
+    }
+    if (!fragmented) continue;
+    // each member's work (summed in row order) and the longest prefix it reads
+    const i64 P = static_cast<i64>(load.size());
+    work.assign(static_cast<std::size_t>(P), 0.0);
+    ends.assign(static_cast<std::size_t>(P), -1);
+    i64 before = 0;
+    const KvHeads kv = kv_heads_of(plan, t0);
+    const i64 kv_n = kv.last - kv.first + 1;
+    for (std::size_t r = first; r < j; ++r) {
+      const std::size_t k = idx[r];
+      const StepPlan::Tile& t = gt.tile[k];
+      work[exec[k]] += gt.load[k];
+      ends[exec[k]] = std::max(ends[exec[k]], t.kv_len);
+      if (exec[k] != owner) before += bytes.qo_bytes(t.q_len, t.head_count);
+    }
+    order.clear();
+    if (ends[owner] >= 0) order.push_back(owner);
+    for (i64 e = 0; e < P; ++e)
+      if (e != owner && ends[e] >= 0) {
+        before += kv_n * bytes.kv_bytes(ends[e]);
+        order.push_back(e);
+      }
+    std::stable_sort(order.begin() + (ends[owner] >= 0 ? 1 : 0), order.end(),
+                     [&](i64 x, i64 y) { return ends[x] < ends[y]; });
+    // piece boundaries: the row whose prefix work is nearest each cumulative target
+    const i64 hc = t0.head_count;
+    auto prefix = [&](i64 c) { return rows_work(m, 0, c, hc); };
+    double total = 0;
+    for (const i64 e : order) total += work[e];
+    const double scale = m.active() ? prefix(l) / total : 1.0;
+    std::vector<i64> cut(order.size() + 1, 0);
+    cut.back() = l;
+    double target = 0;
+    bool ok = true;
+    for (std::size_t p = 0; p + 1 < order.size() && ok; ++p) {
+      target += work[order[p]];
+      const double want = target * scale;
+      i64 lo = cut[p] + 1, hi = l - static_cast<i64>(order.size() - 1 - p);
+      if (lo > hi) {
+        ok = false;
+        break;
+      }
+      while (lo < hi) {  // the smallest c with prefix(c) >= want (hi if none)
+        const i64 mid = lo + (hi - lo) / 2;
+        if (prefix(mid) >= want) hi = mid; else lo = mid + 1;
+      }
+      i64 c = lo;
+      if (c > cut[p] + 1 && want - prefix(c - 1) <= prefix(c) - want) --c;
+      cut[p + 1] = c;
+    }
+    if (!ok) continue;
+    i64 after = 0;
+    for (std::size_t p = 0; p < order.size(); ++p)
+      if (order[p] != owner)
+        after += bytes.qo_bytes(cut[p + 1] - cut[p], hc) + kv_n * bytes.kv_bytes(cut[p + 1]);
+    if (after > before) continue;
+    // the first tiles (in row order) become the pieces, the rest are dropped
+    for (std::size_t r = first; r < j; ++r) load[exec[idx[r]]] -= gt.load[idx[r]];
+    for (std::size_t p = 0; p < order.size(); ++p) {
+      const std::size_t k = idx[first + p];
+      StepPlan::Tile& t = gt.tile[k];
+      t.q_start = t.kv_start + cut[p];
+      t.q_len = cut[p + 1] - cut[p];
+      t.kv_len = cut[p + 1];
+      t.pairs = block_pairs(cut[p], cut[p + 1]);
+      gt.load[k] = tile_work(plan, m, t);
+      exec[k] = order[p];
+      load[order[p]] += gt.load[k];
+    }
+    for (std::size_t r = first + order.size(); r < j; ++r) dead[idx[r]] = 1;
+    any = true;
+  }
+  if (!any) return;
+  std::size_t w = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    if (dead[k]) continue;
+    gt.tile[w] = gt.tile[k];
+    gt.owner[w] = gt.owner[k];
+    gt.local_doc[w] = gt.local_doc[k];
+    gt.load[w] = gt.load[k];
+    exec[w] = exec[k];
+    ++w;
+  }
+  gt.tile.resize(w);
+  gt.owner.resize(w);
+  gt.local_doc.resize(w);
+  gt.load.resize(w);
+  exec.resize(w);
+}
+
 // Each tile's executor, as a replica id: the placement's, or, when the owners' own loads have a
 // lighter maximum (never worse than no moves), every tile on its owner.
 void settle_executors(const StepPlan& plan, const std::vector<i64>& members, i64 P,
@@ -726,6 +877,7 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
   keep_own_tiles(plan, bytes, P, cap, scratch, placer);
   place_rest(P, cap, scratch, placer);
   if (opt.refine && P > 1) refine_group(plan, opt, P, total, scratch, placer);
+  if (P > 1) contiguous_pieces(plan, opt.cost, bytes, gt, placer);
   settle_executors(plan, members, P, gt, placer);
 }
 

@@ -120,7 +120,8 @@ def test_rank_slices_are_consistent_with_the_whole(data):
 
 
 def test_kv_prefix_is_shipped_once_per_destination():
-    # one 4096-token document split into 8 query blocks, P = 2: whatever moves needs one prefix
+    # one 4096-token document split into 8 query blocks of one head each (two heads reading
+    # one KV head), P = 2: whatever moves needs one prefix
     from libra_ext.planner import LayoutConfig
     from libra_ext.workload import ModelConfig
 
@@ -128,7 +129,7 @@ def test_kv_prefix_is_shipped_once_per_destination():
     model = ModelConfig(
         hidden=64, heads=2, kv_heads=1, head_dim=8, ffn=64, layers=1, moe_topk=0, moe_ffn=0
     )
-    plan = Planner(layout, model, PlannerOptions(block=512, max_tile_share=0.0)).plan(
+    plan = Planner(layout, model, PlannerOptions(block=512, max_tile_share=0.0, head_group=1)).plan(
         [[4096], [16]]
     )
     moved = np.flatnonzero(plan.tile_owner != plan.tile_executor)
@@ -139,6 +140,47 @@ def test_kv_prefix_is_shipped_once_per_destination():
     # both members end up with the same attention work (up to one block's granularity)
     work = [plan.tile_pairs[plan.tile_executor == r].sum() for r in range(2)]
     assert abs(work[0] - work[1]) <= block_pairs(4096 - 512, 4096)
+
+
+def test_a_documents_moved_rows_are_its_tail_in_one_piece_per_executor():
+    # a long document's query blocks placed block by block leave the owner keeping rows after
+    # moved ones; TAP re-cuts them: the owner keeps the first rows, each executor runs one
+    # contiguous piece, with the same work (up to a row) and no more bytes
+    from libra_ext.planner import LayoutConfig
+    from libra_ext.workload import ModelConfig
+
+    model = ModelConfig(hidden=256, heads=32, kv_heads=4, head_dim=8, ffn=64, layers=1,
+                        moe_topk=0, moe_ffn=0)
+    from libra_ext.costmodel import BINS, CostTable
+
+    timed = CostTable(np.where(np.arange(BINS) < 16, 4e-9, 1e-9), per_row=2e-8, per_segment=2e-5)
+    rng = np.random.default_rng(0)
+    for P, seqs in [(2, [[65536], rng.multinomial(65536 - 300, np.ones(300) / 300) + 1]),
+                    (4, [[40000, 25536]] + [(rng.multinomial(65536 - 200, np.ones(200) / 200)
+                                             + 1) for _ in range(3)])]:
+        seqs = [[int(x) for x in s] for s in seqs]
+        layout = LayoutConfig(dp=P, cp=1, pool_size=P, context=65536)
+        for table in (None, timed):  # pairs, and a cost table's predicted time
+            planner = Planner(layout, model, PlannerOptions(block=4096))
+            planner.set_cost_model(table)
+            _assert_one_piece_per_member(planner.plan(seqs))
+
+
+def _assert_one_piece_per_member(plan):
+    checked = 0
+    for d in np.flatnonzero(plan.doc_lengths >= 4096):
+        mine = np.flatnonzero((plan.tile_doc == d) & (plan.tile_doc_count == 1))
+        if not (plan.tile_owner[mine] != plan.tile_executor[mine]).any():
+            continue
+        checked += 1
+        rows = plan.tile_q_start[mine] - plan.tile_kv_start[mine]
+        order = mine[np.argsort(rows, kind="stable")]
+        execs = plan.tile_executor[order]
+        runs = execs[np.r_[True, execs[1:] != execs[:-1]]]
+        assert len(set(runs.tolist())) == len(runs)  # one piece per member
+        assert plan.tile_owner[order[0]] not in runs[1:]  # the owner's rows come first
+    assert checked > 0
+    assert plan.max_over_mean < 1.01
 
 
 def test_libra_balances_a_skewed_step_and_ulysses_does_not():
