@@ -57,13 +57,15 @@ OPERATOR_LAUNCHES = {"ulysses": 8, "wlb": 6}
 `call_floor` counts): the Ulysses layout copies, per-document CP's key pack and reduction (the
 GPU-readiness gate's counts at 256K tokens, 32 / 4 heads: 13 and 11 against a plain call's 5).
 At one cp rank the operator is the plain call: nothing beyond it."""
-LAUNCHES_PER_SUBCHUNK = 6
+LAUNCHES_PER_SUBCHUNK = 3
 """Device ops one sub-chunk of the pool exchange adds to a layer call (its fused gathers, kernel
-calls and fused scatters, forward + backward; the gate: libra 13-15 forward and 19-21 backward
+calls and fused scatters, forward + backward; the gate: libra 8-10 forward and 9-13 backward
 at pool 2 and 8, against Ulysses's 6 / 7, over 2 x chunks sub-chunks)."""
-EXECUTOR_PACKED = 0.5
+EXECUTOR_PACKED = 0.2
 """The share of an executor's received units run from packs (gathered, their outputs and
-gradients scattered) rather than directly on the receive buffers."""
+gradients scattered) rather than directly on the receive buffers: with TAP's contiguous pieces
+0 on the libra-256k preset and 0.21 on libra-1m (DP 16, pool 8, two steps; before them 0.56 and
+0.46)."""
 
 
 def operator_time(plan: StepPlan, model: ModelConfig, hw: HardwareProfile,
