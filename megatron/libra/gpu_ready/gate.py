@@ -75,26 +75,28 @@ times its Q/K/V bytes: nothing needs to move there (measured: 0.01, a plain call
 EXTRA_BOUND_ULYSSES = 8.0
 """The same for Ulysses where ranks exchange: one layout copy on one side of each all-to-all,
 4 x (Q + K + V) + 4 x O (measured 7.21 at 32 / 4 heads)."""
-PEER_BOUND = 2.0
+PEER_BOUND = 1.75
 """Libra, DistCA and WLB-LLM where ranks exchange: extra device bytes at most this many times
 Ulysses's at the same layout and kernel. Measured on the gate's sequences (one replica holds a
-document of half the sequence, so most of its tiles move): 1.70 / 1.93 (libra, pool 2 / 8),
-1.20 / 1.66 (distca), 0.49 (wlb); an indexed add counts the rows it adds, read twice and
-written once, wherever the same K/V rows go to several executors. What a pool exchange adds is
-8 x the moved Q (its gather out, O placed back, dO gathered out, dQ placed back), 5 x the moved
-K/V and, for an owner's local runs the direct call cannot take (a document's earlier runs,
-head-partial pieces), a pack with their key prefixes; the goal of 1.25 needs kernels that read
-and write the exchange's buffers strided."""
-OPS_BOUND = 3.0
+document of half the sequence, so most of its tiles move): 1.33 / 1.66 (libra, pool 2 / 8;
+1.70 / 1.93 before TAP's contiguous pieces), 1.20 / 1.66 (distca), 0.49 (wlb); an indexed add
+counts the rows it adds, read twice and written once, wherever the same K/V rows go to several
+executors. What a pool exchange adds is 8 x the moved Q (its gather out, O placed back, dO
+gathered out, dQ placed back) and 5 x the moved K/V; with contiguous pieces the gate's owners
+run no local pack and its executors no pack. The goal of 1.25 needs the moved rows sent and
+received in place (the all-to-alls reading and writing the layer's buffers strided)."""
+OPS_BOUND = 2.0
 """Device ops of the forward and of the backward, each at most this many times Ulysses's at the
 same layout and kernel (Ulysses: 6 / 7, its three layout copies before the all-to-alls
-included). Measured: libra 13-15 / 19-21, distca 8 / 11, wlb 5 / 6 at pool 2 and pool 8; with
-rebuild, libra 13-15 / 22-24 against Ulysses 6 / 8. Each group of rows moved together (Q, K
+included). Measured: libra 8-10 / 9-13 (13-15 / 19-21 before TAP's contiguous pieces removed
+the local packs and the executors' packs), distca 8 / 11, wlb 5 / 6 at pool 2 and pool 8; with
+rebuild, libra 8-10 / 12-14 against Ulysses 6 / 8. Each group of rows moved together (Q, K
 and V out; dQ, dK and dV back; the packs' outputs) is one fused row op
 (`libra_ext.attention.rowops`), so the count is a fixed number per exchange sub-chunk and kernel
-call, whatever the documents, tiles and members. What remains over 2x is the kernel calls
-themselves (the direct call, a local pack, each sub-chunk's call: each a forward, a backward and
-the backward's zeroed softmax gradient)."""
+call, whatever the documents, tiles and members. What remains above Ulysses's is the kernel
+calls themselves (the direct call and each sub-chunk's call, and a pack's where a local run or
+a received unit needs one: each a forward, a backward and the backward's zeroed softmax
+gradient) and the row ops around them."""
 KEPT_BOUND = 1.15
 """At one rank, bytes a layer call keeps for backward at most this many times a plain varlen
 call's over the same kernel (measured: equal)."""
@@ -103,20 +105,21 @@ KEPT_BOUND_EXCHANGE = 1.9
 the all-to-all's receive, which the kernel keeps, and its output O before the all-to-all back;
 a plain call's output is the layer's own). Dropping O needs a kernel backward that takes it
 from the caller."""
-KEPT_PEER_EXTRA = 1.1
+KEPT_PEER_EXTRA = 1.0
 """Libra, DistCA and WLB-LLM where ranks exchange: kept bytes at most Ulysses's + this many
 times Q/K/V (what the moved units keep on their executor: their received Q/K/V and O;
-measured at most +1.05)."""
+measured at most +0.87, +1.05 before TAP's contiguous pieces)."""
 EXTRA_BOUND_ULYSSES_REBUILD = 9.0
 """Ulysses with system.attention_memory = rebuild (the "rebuild" scenarios): extra device bytes
 at most this many times its Q/K/V - EXTRA_BOUND_ULYSSES's copies plus one layout copy of the
 layer's output before its all-to-all back to the kernel's layout (2 x O; measured 8.81). There
 every system keeps at most KEPT_BOUND x a plain call's bytes (measured ulysses and distca 1.01,
 libra 1.02, against 1.81 / 1.98-2.14 / 2.65-2.86 keeping them)."""
-PEER_BOUND_REBUILD = 2.25
+PEER_BOUND_REBUILD = 2.0
 """Libra, DistCA and WLB-LLM with rebuild: extra device bytes at most this many times Ulysses's
 (also rebuilding) at the same layout: PEER_BOUND's, plus the moved units' O and Q / K / V
-gathered again for the pool (measured libra 1.86 / 2.01, distca 1.25 / 1.64 at pool 2 / 8)."""
+gathered again for the pool (measured libra 1.39 / 1.79, 1.86 / 2.01 before TAP's contiguous
+pieces; distca 1.24 / 1.78 at pool 2 / 8)."""
 REBUILDING = ("libra", "distca", "ulysses")
 """The systems whose kernels' outputs system.attention_memory = rebuild releases (wlb's per-
 document CP returns its kernel's output as the layer's)."""
@@ -126,9 +129,9 @@ times its Q/K/V, for every kernel, torch 2.11's varlen_attn included (measured 3
 PEAK_BOUND_EXCHANGE = 4.5
 """Ulysses where ranks exchange (measured 4.43: what is kept, the incoming gradient, its
 all-to-all's receive and the kernel's gradients, at once in the kernel's backward)."""
-PEAK_PEER_EXTRA = 1.5
+PEAK_PEER_EXTRA = 1.3
 """Libra, DistCA and WLB-LLM where ranks exchange: peak at most Ulysses's + this many times
-Q/K/V (measured at most +1.39)."""
+Q/K/V (measured at most +1.20, +1.39 before TAP's contiguous pieces)."""
 GROWTH_BOUND = 1.1
 """Device ops per layer call with 500 documents per sequence, at most this many times those
 with 50."""
