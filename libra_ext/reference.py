@@ -606,14 +606,14 @@ class _GroupPlacer:
 
         def key(k):
             t = tiles[gt[k][0]]
-            return (t[0], t[1], t[5], t[6], t[3], k)
+            return (gt[k][2], t[5], t[6], t[3], k)
 
         idx = sorted((k for k in range(len(gt)) if tiles[gt[k][0]][2] == 1), key=key)
         dead = set()
         i = 0
         while i < len(idx):
             j = i + 1
-            while j < len(idx) and key(idx[j])[:4] == key(idx[i])[:4]:
+            while j < len(idx) and key(idx[j])[:3] == key(idx[i])[:3]:
                 j += 1
             run, i = idx[i:j], j
             if len(run) < 2:

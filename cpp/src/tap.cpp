@@ -491,6 +491,9 @@ struct GroupScratch {
   std::vector<std::pair<double, std::size_t>> order;
   std::vector<std::size_t> rest;
   std::vector<std::vector<std::size_t>> on;
+  std::vector<std::size_t> pieces;  // contiguous_pieces: tiles of documents with a moved tile
+  std::vector<i64> moved_docs;
+  std::vector<char> dead;
   std::size_t last_count = 0;  // tiles of the previous group
 };
 
@@ -681,31 +684,54 @@ void refine_group(const StepPlan& plan, const PlanOptions& opt, i64 P, double to
 // in place (no local pack) and each executor's piece is one unit (its stream goes direct).
 // Applied only where the document's tiles cover all its rows in that head range and the
 // re-cut ships no more bytes (Q/O of the moved rows, K/V of each executor's prefix).
+// Only documents with a moved tile can be fragmented: their tiles are taken in (local document,
+// head start, head count, first row) order - grouped by document (stable), each document's
+// tiles (query blocks as made, then the pieces cut off later) sorted by insertion.
 void contiguous_pieces(const StepPlan& plan, const CostModel& m, const TileBytes& bytes,
-                       GroupTiles& gt, Placer& placer) {
+                       GroupScratch& scratch, Placer& placer) {
+  GroupTiles& gt = scratch.gt;
   const std::size_t n = gt.size();
-  std::vector<std::size_t> idx;
+  auto& exec = placer.exec();
+  auto& load = placer.load();
+  auto& docs = scratch.moved_docs;  // the local documents with a moved tile, ascending
+  docs.clear();
   for (std::size_t k = 0; k < n; ++k)
-    if (gt.tile[k].doc_count == 1) idx.push_back(k);
-  if (idx.size() < 2) return;
-  std::sort(idx.begin(), idx.end(), [&](std::size_t x, std::size_t y) {
+    if (gt.tile[k].doc_count == 1 && exec[k] != gt.owner[k]) docs.push_back(gt.local_doc[k]);
+  if (docs.empty()) return;
+  std::sort(docs.begin(), docs.end());
+  docs.erase(std::unique(docs.begin(), docs.end()), docs.end());
+  auto& idx = scratch.pieces;  // their one-document tiles, by document, in tile order
+  idx.clear();
+  for (std::size_t k = 0; k < n; ++k)
+    if (gt.tile[k].doc_count == 1 &&
+        std::binary_search(docs.begin(), docs.end(), gt.local_doc[k]))
+      idx.push_back(k);
+  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t x, std::size_t y) {
+    return gt.local_doc[x] < gt.local_doc[y];
+  });
+  auto earlier = [&](std::size_t x, std::size_t y) {  // within one document
     const StepPlan::Tile &a = gt.tile[x], &b = gt.tile[y];
-    if (a.seq != b.seq) return a.seq < b.seq;
-    if (a.doc != b.doc) return a.doc < b.doc;
     if (a.head_start != b.head_start) return a.head_start < b.head_start;
     if (a.head_count != b.head_count) return a.head_count < b.head_count;
     return a.q_start != b.q_start ? a.q_start < b.q_start : x < y;
-  });
-  auto& exec = placer.exec();
-  auto& load = placer.load();
-  std::vector<char> dead(n, 0);
+  };
+  for (std::size_t i = 0; i < idx.size();) {
+    std::size_t j = i + 1;
+    while (j < idx.size() && gt.local_doc[idx[j]] == gt.local_doc[idx[i]]) ++j;
+    for (std::size_t r = i + 1; r < j; ++r)
+      for (std::size_t q = r; q > i && earlier(idx[q], idx[q - 1]); --q)
+        std::swap(idx[q], idx[q - 1]);
+    i = j;
+  }
+  auto& dead = scratch.dead;
+  dead.assign(n, 0);
   bool any = false;
   std::vector<i64> runs, order, ends;
   std::vector<double> work;
   for (std::size_t i = 0; i < idx.size();) {
     const StepPlan::Tile& t0 = gt.tile[idx[i]];
     std::size_t j = i + 1;
-    while (j < idx.size() && gt.tile[idx[j]].seq == t0.seq && gt.tile[idx[j]].doc == t0.doc &&
+    while (j < idx.size() && gt.local_doc[idx[j]] == gt.local_doc[idx[i]] &&
            gt.tile[idx[j]].head_start == t0.head_start &&
            gt.tile[idx[j]].head_count == t0.head_count)
       ++j;
@@ -807,8 +833,8 @@ void contiguous_pieces(const StepPlan& plan, const CostModel& m, const TileBytes
     any = true;
   }
   if (!any) return;
-  std::size_t w = 0;
-  for (std::size_t k = 0; k < n; ++k) {
+  std::size_t w = static_cast<std::size_t>(std::find(dead.begin(), dead.end(), 1) - dead.begin());
+  for (std::size_t k = w; k < n; ++k) {
     if (dead[k]) continue;
     gt.tile[w] = gt.tile[k];
     gt.owner[w] = gt.owner[k];
@@ -877,7 +903,7 @@ void place_group(const StepPlan& plan, const PlanOptions& opt, i64 head_group,
   keep_own_tiles(plan, bytes, P, cap, scratch, placer);
   place_rest(P, cap, scratch, placer);
   if (opt.refine && P > 1) refine_group(plan, opt, P, total, scratch, placer);
-  if (P > 1) contiguous_pieces(plan, opt.cost, bytes, gt, placer);
+  if (P > 1) contiguous_pieces(plan, opt.cost, bytes, scratch, placer);
   settle_executors(plan, members, P, gt, placer);
 }
 

@@ -152,6 +152,7 @@ def test_a_documents_moved_rows_are_its_tail_in_one_piece_per_executor():
     model = ModelConfig(hidden=256, heads=32, kv_heads=4, head_dim=8, ffn=64, layers=1,
                         moe_topk=0, moe_ffn=0)
     from libra_ext.costmodel import BINS, CostTable
+    from libra_ext.reference import plan_libra
 
     timed = CostTable(np.where(np.arange(BINS) < 16, 4e-9, 1e-9), per_row=2e-8, per_segment=2e-5)
     rng = np.random.default_rng(0)
@@ -163,7 +164,13 @@ def test_a_documents_moved_rows_are_its_tail_in_one_piece_per_executor():
         for table in (None, timed):  # pairs, and a cost table's predicted time
             planner = Planner(layout, model, PlannerOptions(block=4096))
             planner.set_cost_model(table)
-            _assert_one_piece_per_member(planner.plan(seqs))
+            plan = planner.plan(seqs)
+            _assert_one_piece_per_member(plan)
+            if table is None:  # the pure-Python twin re-cuts the same way
+                ref = plan_libra(seqs, layout, model, PlannerOptions(block=4096))
+                assert list(zip(*(getattr(plan, "tile_" + k).tolist() for k in (
+                    "seq", "doc", "doc_count", "q_start", "q_len", "head_start", "head_count",
+                    "kv_start", "kv_len", "owner", "executor")))) == ref.tiles
 
 
 def _assert_one_piece_per_member(plan):
