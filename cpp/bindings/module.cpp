@@ -715,13 +715,20 @@ void bind_program(py::module_& m) {
           p.*field = ArrayView{keep.back().data(), static_cast<i64>(keep.back().size())};
         }
         std::vector<Program> progs;
+        std::vector<std::vector<std::int32_t>> flats(slots.size());
+        std::vector<std::vector<i64>> sizes(slots.size());
+        std::vector<char> fits(slots.size(), 0);
         progs.reserve(slots.size());
         {
-          ReleaseGil release;
-          for (i64 slot : slots) progs.push_back(compile_slot_program(p, replica, slot, chunks));
+          ReleaseGil release;  // compiled and staged without it
+          for (std::size_t i = 0; i < slots.size(); ++i) {
+            progs.push_back(compile_slot_program(p, replica, slots[i], chunks));
+            fits[i] = stage_program(progs.back(), flats[i], sizes[i]);
+          }
         }
         py::list out;
-        for (Program& prog : progs) {
+        for (std::size_t i = 0; i < progs.size(); ++i) {
+          Program& prog = progs[i];
           py::list subs;
           for (ProgSub& sc : prog.subchunks)
             subs.append(py::make_tuple(
@@ -732,16 +739,22 @@ void bind_program(py::module_& m) {
           out.append(py::make_tuple(prog.t, prog.tokens, prog.executed,
                                     call(std::move(prog.direct)), packs(std::move(prog.lpacks)),
                                     subs, gather(std::move(prog.send_q)),
-                                    gather(std::move(prog.send_kv))));
+                                    gather(std::move(prog.send_kv)),
+                                    fits[i] ? py::object(py::make_tuple(
+                                                  to_numpy(std::move(flats[i])),
+                                                  to_numpy(std::move(sizes[i]))))
+                                            : py::object(py::none())));
         }
         return out;
       },
       "The attention programs of (replica, slot) for each of `slots` of a StepPlan (libra, "
       "distca, ulysses), each as nested tuples: (t, tokens, tiles executed, direct call, local "
-      "packs, sub-chunks, send_q, send_kv); a call is (hc, hk, cu_q, cu_k, max_q, max_k), a "
+      "packs, sub-chunks, send_q, send_kv, staged); a call is (hc, hk, cu_q, cu_k, max_q, max_k), a "
       "gather (runs [n, 4], size), a pack (call, q, k), a sub-chunk (direct, part, q_send, "
       "kv_send, q_recv, kv_recv, q_send_off, kv_send_off, call or None, packs). The plan is read "
-      "once; the GIL is released while they compile.",
+      "once; the GIL is released while they compile. A ninth entry is the program staged: (its "
+      "arrays as one int32 buffer in meta._walk's order, their sizes), or None when an entry "
+      "does not fit in int32.",
       py::arg("plan"), py::arg("replica"), py::arg("slots"), py::arg("chunks"));
 }
 

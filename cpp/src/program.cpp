@@ -4,6 +4,7 @@
 #include "libra/program.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <tuple>
@@ -534,6 +535,51 @@ Program compile_slot_program(const ProgramPlan& p, i64 replica, i64 slot, i64 ch
   local_work(prog, L, local, hl, kvl, p.cp * prog.t);
   exchange(prog, merge_rows(std::move(moved)), px, me, chunks, hl, kvl);
   return prog;
+}
+
+bool stage_program(const Program& prog, std::vector<std::int32_t>& flat, std::vector<i64>& sizes) {
+  std::vector<const ProgCall*> calls{&prog.direct};
+  std::vector<const ProgGather*> gathers{&prog.send_q, &prog.send_kv};
+  for (const ProgPack& pk : prog.lpacks) {
+    calls.push_back(&pk.call);
+    gathers.push_back(&pk.q);
+    gathers.push_back(&pk.k);
+  }
+  for (const ProgSub& sc : prog.subchunks) {
+    if (sc.has_call) calls.push_back(&sc.call);
+    for (const ProgPack& pk : sc.packs) {
+      calls.push_back(&pk.call);
+      gathers.push_back(&pk.q);
+      gathers.push_back(&pk.k);
+    }
+  }
+  std::vector<const std::vector<i64>*> arrays;
+  arrays.reserve(2 * calls.size() + gathers.size());
+  for (const ProgCall* c : calls) {
+    arrays.push_back(&c->cu_q);
+    arrays.push_back(&c->cu_k);
+  }
+  for (const ProgGather* g : gathers) arrays.push_back(&g->runs);
+  std::size_t total = 0;
+  for (const auto* a : arrays) total += a->size();
+  flat.clear();
+  sizes.clear();
+  flat.reserve(total);
+  sizes.reserve(arrays.size());
+  constexpr i64 lo = std::numeric_limits<std::int32_t>::min(),
+                hi = std::numeric_limits<std::int32_t>::max();
+  for (const auto* a : arrays) {
+    for (i64 x : *a) {
+      if (x < lo || x > hi) {
+        flat.clear();
+        sizes.clear();
+        return false;
+      }
+      flat.push_back(static_cast<std::int32_t>(x));
+    }
+    sizes.push_back(static_cast<i64>(a->size()));
+  }
+  return true;
 }
 
 }  // namespace libra

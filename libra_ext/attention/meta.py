@@ -194,6 +194,9 @@ class SlotProgram:
     """Xk-flat vectors of the outgoing K (and V) messages."""
     tiles_executed: int
     _keep: list = field(default_factory=list, repr=False)
+    _staged: tuple | None = field(default=None, repr=False, compare=False)
+    """(its arrays as one int32 buffer in `_walk`'s order, their sizes), made by the C++
+    compiler with the GIL released; `stage` takes it instead of concatenating the arrays."""
 
     @property
     def rows(self) -> int:
@@ -647,7 +650,7 @@ def compile_slots(plan: StepPlan, replica: int, slots, chunks: int = 2) -> list:
 
 
 def _program_of(plan: StepPlan, replica: int, slot: int, raw) -> SlotProgram:
-    t, tokens, executed, direct, lpacks, subs, send_q, send_kv = raw
+    t, tokens, executed, direct, lpacks, subs, send_q, send_kv, staged = raw
     return SlotProgram(
         replica=replica, slot=slot, cp=plan.cp, t=t, tokens=tokens,
         heads_local=plan.heads_local, kv_heads_local=plan.kv_heads_local,
@@ -658,7 +661,8 @@ def _program_of(plan: StepPlan, replica: int, slot: int, raw) -> SlotProgram:
                             call=CallPlan(*call) if call is not None else None,
                             packs=[_pack_of(p) for p in packs])
                    for d, part, qs, ks, qr, kr, qo, ko, call, packs in subs],
-        send_q=Gather(*send_q), send_kv=Gather(*send_kv), tiles_executed=executed)
+        send_q=Gather(*send_q), send_kv=Gather(*send_kv), tiles_executed=executed,
+        _staged=staged)
 
 
 def _pack_of(raw) -> PackCall:
@@ -799,37 +803,55 @@ class Staged:
     sizes: list
 
 
+def _copy(x, **changes):
+    """A shallow copy of a dataclass instance with `changes` (what `dataclasses.replace` does,
+    without its per-field work: this runs for every call and gather of every slot while the GIL
+    is held)."""
+    y = object.__new__(type(x))
+    y.__dict__.update(x.__dict__)
+    y.__dict__.update(changes)
+    return y
+
+
 def _clone(prog):
     """A copy of a program's structure sharing its arrays, so that uploading it leaves the host
     program as it was."""
     if isinstance(prog, WlbProgram):
-        return replace(prog, call=replace(prog.call), kv=replace(prog.kv), pad=replace(prog.pad),
-                       _keep=[])
+        return _copy(prog, call=_copy(prog.call), kv=_copy(prog.kv), pad=_copy(prog.pad),
+                     _keep=[])
 
     def pack(p):
-        return PackCall(replace(p.call), replace(p.q), replace(p.k))
+        return PackCall(_copy(p.call), _copy(p.q), _copy(p.k))
 
-    return replace(
-        prog, direct=replace(prog.direct), lpacks=[pack(p) for p in prog.lpacks],
-        send_q=replace(prog.send_q), send_kv=replace(prog.send_kv),
-        subchunks=[replace(sc, call=replace(sc.call) if sc.call is not None else None,
-                           packs=[pack(p) for p in sc.packs]) for sc in prog.subchunks],
-        _keep=[])
+    return _copy(
+        prog, direct=_copy(prog.direct), lpacks=[pack(p) for p in prog.lpacks],
+        send_q=_copy(prog.send_q), send_kv=_copy(prog.send_kv),
+        subchunks=[_copy(sc, call=_copy(sc.call) if sc.call is not None else None,
+                         packs=[pack(p) for p in sc.packs]) for sc in prog.subchunks],
+        _keep=[], _staged=None)
 
 
 def stage(prog, pin: bool = False) -> Staged:
     """Flatten a host program's arrays into one int32 host tensor (pinned: for a non-blocking
-    copy). Runs off the critical path (the sampler's thread)."""
+    copy). Runs off the critical path (the sampler's thread); a program of the C++ compiler
+    comes flattened already (`SlotProgram._staged`)."""
+    staged = getattr(prog, "_staged", None)
     prog = _clone(prog)
-    arrays = [np.asarray(getattr(h, a)).reshape(-1) for h, a in _walk(prog)]
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=_I64)
-    if len(flat) and (int(flat.max()) >= 2**31 or int(flat.min()) < -(2**31)):
-        top = int(np.abs(flat).max())
-        raise ValueError(f"an index of this rank's program ({top}) does not fit in int32")
-    host = torch.from_numpy(flat.astype(INDEX_DTYPE, copy=False))
+    if staged is not None:
+        flat, sizes = staged
+        host = torch.from_numpy(flat)
+        sizes = sizes.tolist()
+    else:
+        arrays = [np.asarray(getattr(h, a)).reshape(-1) for h, a in _walk(prog)]
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=_I64)
+        if len(flat) and (int(flat.max()) >= 2**31 or int(flat.min()) < -(2**31)):
+            top = int(np.abs(flat).max())
+            raise ValueError(f"an index of this rank's program ({top}) does not fit in int32")
+        host = torch.from_numpy(flat.astype(INDEX_DTYPE, copy=False))
+        sizes = [len(x) for x in arrays]
     if pin:
         host = host.pin_memory()
-    return Staged(prog, host, [len(x) for x in arrays])
+    return Staged(prog, host, sizes)
 
 
 def expand_runs(runs: torch.Tensor, size: int) -> torch.Tensor:

@@ -322,7 +322,7 @@ def _assert_same_program(a, b, path="program"):
     elif hasattr(a, "__dataclass_fields__"):
         assert type(a) is type(b), path
         for name in a.__dataclass_fields__:
-            if name not in ("_keep", "seg", "idx"):
+            if name not in ("_keep", "_staged", "seg", "idx"):
                 _assert_same_program(getattr(a, name), getattr(b, name), f"{path}.{name}")
     elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), path
@@ -330,6 +330,16 @@ def _assert_same_program(a, b, path="program"):
     else:
         assert a == b and isinstance(a, (bool, int, type(None))) and type(a) is type(b), \
             (path, a, b)
+
+
+def _assert_same_staging(native, reference):
+    """The buffer the C++ compiler staged (with the GIL released) is the one `meta.stage`
+    concatenates from the reference program's arrays: the same int32 entries and sizes."""
+    assert native._staged is not None and reference._staged is None
+    a, b = meta.stage(native), meta.stage(reference)
+    assert a.host.dtype == b.host.dtype == torch.int32
+    assert torch.equal(a.host, b.host) and a.sizes == b.sizes
+    assert a.prog._staged is None  # the staged copy does not hold the buffer twice
 
 
 @pytest.mark.parametrize("system", ["libra", "distca", "ulysses"])
@@ -348,8 +358,9 @@ def test_the_native_compiler_gives_the_reference_program(system, data):
     for replica in range(plan.dp):
         native = meta.compile_rank(plan, replica, 0, chunks)
         for slot in range(plan.slots):
-            _assert_same_program(native[slot],
-                                 meta.compile_slot_reference(plan, replica, slot, chunks))
+            ref = meta.compile_slot_reference(plan, replica, slot, chunks)
+            _assert_same_program(native[slot], ref)
+            _assert_same_staging(native[slot], ref)
 
 
 @pytest.mark.parametrize("workload", ["libra-256k", "many-short"])
@@ -361,8 +372,9 @@ def test_the_native_compiler_gives_the_reference_program_on_many_tiles(workload)
     for replica in range(4):
         for chunks in (1, 2, 4):
             for slot, prog in enumerate(meta.compile_rank(plan, replica, 0, chunks)):
-                _assert_same_program(prog, meta.compile_slot_reference(plan, replica, slot,
-                                                                       chunks))
+                ref = meta.compile_slot_reference(plan, replica, slot, chunks)
+                _assert_same_program(prog, ref)
+                _assert_same_staging(prog, ref)
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -4,6 +4,7 @@
 // same program, array for array. See docs/plan_contract.md ("Programs").
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "libra/common.h"
@@ -65,5 +66,12 @@ struct Program {
 // The program of (replica, any cp rank of it) for `slot`. Every index read from the plan is
 // checked: a malformed plan raises std::invalid_argument naming the field and index.
 Program compile_slot_program(const ProgramPlan& plan, i64 replica, i64 slot, i64 chunks);
+
+// A program's arrays as one flat int32 buffer, ready for one host-to-device copy: every call's
+// cu_q then cu_k (the direct call, the local packs', then per sub-chunk its call and its packs'),
+// then every gather's runs (send_q, send_kv, the local packs' q and k, the sub-chunks' packs' q
+// and k) - the order of `libra_ext.attention.meta._walk`. `sizes` gets each array's length in
+// that order. False (flat and sizes left empty) when an entry does not fit in int32.
+bool stage_program(const Program& prog, std::vector<std::int32_t>& flat, std::vector<i64>& sizes);
 
 }  // namespace libra
