@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <tuple>
 #include <unordered_map>
 
 #include "libra/parallel.h"
@@ -494,6 +495,8 @@ struct GroupScratch {
   std::vector<std::size_t> pieces;  // contiguous_pieces: tiles of documents with a moved tile
   std::vector<i64> moved_docs;
   std::vector<char> dead;
+  std::vector<i64> runs, members, ends, cut;  // contiguous_pieces: one document's re-cut
+  std::vector<double> work;
   std::size_t last_count = 0;  // tiles of the previous group
 };
 
@@ -685,8 +688,7 @@ void refine_group(const StepPlan& plan, const PlanOptions& opt, i64 P, double to
 // Applied only where the document's tiles cover all its rows in that head range and the
 // re-cut ships no more bytes (Q/O of the moved rows, K/V of each executor's prefix).
 // Only documents with a moved tile can be fragmented: their tiles are taken in (local document,
-// head start, head count, first row) order - grouped by document (stable), each document's
-// tiles (query blocks as made, then the pieces cut off later) sorted by insertion.
+// head start, head count, first row, tile index) order.
 void contiguous_pieces(const StepPlan& plan, const CostModel& m, const TileBytes& bytes,
                        GroupScratch& scratch, Placer& placer) {
   GroupTiles& gt = scratch.gt;
@@ -700,34 +702,22 @@ void contiguous_pieces(const StepPlan& plan, const CostModel& m, const TileBytes
   if (docs.empty()) return;
   std::sort(docs.begin(), docs.end());
   docs.erase(std::unique(docs.begin(), docs.end()), docs.end());
-  auto& idx = scratch.pieces;  // their one-document tiles, by document, in tile order
+  auto& idx = scratch.pieces;  // their one-document tiles
   idx.clear();
   for (std::size_t k = 0; k < n; ++k)
     if (gt.tile[k].doc_count == 1 &&
         std::binary_search(docs.begin(), docs.end(), gt.local_doc[k]))
       idx.push_back(k);
-  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t x, std::size_t y) {
-    return gt.local_doc[x] < gt.local_doc[y];
-  });
-  auto earlier = [&](std::size_t x, std::size_t y) {  // within one document
+  std::sort(idx.begin(), idx.end(), [&](std::size_t x, std::size_t y) {
     const StepPlan::Tile &a = gt.tile[x], &b = gt.tile[y];
-    if (a.head_start != b.head_start) return a.head_start < b.head_start;
-    if (a.head_count != b.head_count) return a.head_count < b.head_count;
-    return a.q_start != b.q_start ? a.q_start < b.q_start : x < y;
-  };
-  for (std::size_t i = 0; i < idx.size();) {
-    std::size_t j = i + 1;
-    while (j < idx.size() && gt.local_doc[idx[j]] == gt.local_doc[idx[i]]) ++j;
-    for (std::size_t r = i + 1; r < j; ++r)
-      for (std::size_t q = r; q > i && earlier(idx[q], idx[q - 1]); --q)
-        std::swap(idx[q], idx[q - 1]);
-    i = j;
-  }
+    return std::tie(gt.local_doc[x], a.head_start, a.head_count, a.q_start, x) <
+           std::tie(gt.local_doc[y], b.head_start, b.head_count, b.q_start, y);
+  });
   auto& dead = scratch.dead;
   dead.assign(n, 0);
   bool any = false;
-  std::vector<i64> runs, order, ends;
-  std::vector<double> work;
+  auto &runs = scratch.runs, &order = scratch.members, &ends = scratch.ends, &cut = scratch.cut;
+  auto& work = scratch.work;
   for (std::size_t i = 0; i < idx.size();) {
     const StepPlan::Tile& t0 = gt.tile[idx[i]];
     std::size_t j = i + 1;
@@ -790,7 +780,7 @@ void contiguous_pieces(const StepPlan& plan, const CostModel& m, const TileBytes
     double total = 0;
     for (const i64 e : order) total += work[e];
     const double scale = m.active() ? prefix(l) / total : 1.0;
-    std::vector<i64> cut(order.size() + 1, 0);
+    cut.assign(order.size() + 1, 0);
     cut.back() = l;
     double target = 0;
     bool ok = true;
