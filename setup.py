@@ -2,8 +2,11 @@
 
 from glob import glob
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_namespace_packages, setup
+
+# the sources compile in parallel, one job per core (LIBRA_BUILD_JOBS=N to choose)
+ParallelCompile("LIBRA_BUILD_JOBS", default=0).install()
 
 ext = Pybind11Extension(
     "libra_ext._planner",
