@@ -773,7 +773,8 @@ def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> lis
 
 def _walk(prog):
     """(holder, attribute) of every host array of a program, in a fixed order (a call's cu_q
-    right before its cu_k)."""
+    right before its cu_k). `stage_program` in cpp/src/program.cpp lays out the C++ compiler's
+    programs in this same order (`SlotProgram._staged`): change both together."""
     out = []
     if isinstance(prog, SlotProgram):
         calls = [prog.direct] + [p.call for p in prog.lpacks]
