@@ -1,8 +1,14 @@
-"""Shared test settings: hypothesis profiles sized for a 2-core CI machine."""
+"""Shared test settings: hypothesis profiles sized for a 2-core CI machine, and one fork server
+for the session's local ranks (the trainers' workers, the operator's multi-rank checks) that
+imports torch and megatron-core once, whichever test starts it first."""
 
 import os
 
 from hypothesis import HealthCheck, settings
+
+from libra_ext.distributed import fork_server
+
+fork_server(("megatron.libra.worker_imports",))
 
 settings.register_profile(
     "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]

@@ -19,13 +19,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from libra_ext.attention import DEFAULT_CHUNKS, thd
 from libra_ext.attention.comm import GroupCache
 from libra_ext.attention.core import Runtime, check_plan_hash, core_attention
 from libra_ext.attention.reference_kernel import reference_attention
-from libra_ext.distributed import free_port, share_cores
+from libra_ext.distributed import free_port, run_ranks, share_cores
 from libra_ext.measure import traffic
 from libra_ext.planner import SYSTEMS, LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import ModelConfig
@@ -218,7 +217,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
 
 
 def run(cfg: VerifyConfig, tol: float = 1e-5) -> dict:
-    """Spawn the check and gather every rank's numbers into one summary."""
+    """Run the check on `nproc` local ranks and gather every rank's numbers into one summary."""
     if cfg.nproc % cfg.cp:
         raise ValueError(f"nproc ({cfg.nproc}) must be a multiple of cp ({cfg.cp})")
     dp = cfg.nproc // cfg.cp
@@ -227,7 +226,7 @@ def run(cfg: VerifyConfig, tol: float = 1e-5) -> dict:
     if cfg.heads % cfg.cp:
         raise ValueError(f"heads ({cfg.heads}) must be divisible by cp ({cfg.cp})")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(cfg.nproc, free_port(), cfg, tmp), nprocs=cfg.nproc, join=True)
+        run_ranks(worker, (cfg.nproc, free_port(), cfg, tmp), cfg.nproc)
         ranks = [json.load(open(os.path.join(tmp, f"rank{i}.json"))) for i in range(cfg.nproc)]
     cases = []
     for i, case in enumerate(ranks[0]["cases"]):

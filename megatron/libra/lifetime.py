@@ -47,6 +47,27 @@ def watch_parent(poll_s: float = POLL_S) -> None:
     threading.Thread(target=watch, name="libra-parent-watch", daemon=True).start()
 
 
+def end_with_pipe(fd: int | None) -> None:
+    """End this process (as `watch_parent` does) once every write end of the pipe whose read end
+    is `fd` has closed: a launcher that is not this process's parent holds one (`launch`)."""
+    if fd is None:
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        try:
+            sys.stderr.write(f"[pid {os.getpid()}] its launcher is gone: ending\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="libra-launcher-watch", daemon=True).start()
+
+
 class _Watched:
     """A process target that first watches the parent (picklable for spawn: the target is)."""
 

@@ -80,6 +80,26 @@ def _start_saving_every_step(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
                              "checkpoint.async_save=true"])
 
 
+def _workers(proc) -> list[int]:
+    """The launcher's workers: the children of its fork server (megatron.libra.launch)."""
+    tree = _process_tree()
+    servers = [p for p in tree.get(proc.pid, [])
+               if b"multiprocessing.forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(servers) == 1, f"{len(servers)} fork servers below the launcher"
+    return sorted(tree.get(servers[0], []))
+
+
+def _described(pids) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            cmd = "(gone)"
+        out.append(f"{pid}: {cmd[:200]}")
+    return out
+
+
 def _gather_run(proc) -> set[int]:
     """Every process below the launcher, seen over a second (writers come and go)."""
     seen: set[int] = set()
@@ -95,10 +115,7 @@ def test_a_dead_worker_leaves_no_checkpoint_writers_behind(tmp_path):
     try:
         _wait_for_steps(proc, metrics, 2)
         seen |= _gather_run(proc)  # the workers and their background writers
-        workers = [
-            p for p in _process_tree().get(proc.pid, [])
-            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
+        workers = _workers(proc)
         os.kill(workers[-1], signal.SIGKILL)
         seen |= _gather_run(proc)
         rc = proc.wait(timeout=120)
@@ -108,7 +125,7 @@ def test_a_dead_worker_leaves_no_checkpoint_writers_behind(tmp_path):
     assert rc != 0
     time.sleep(0.5)
     assert len(seen) >= 2
-    assert _alive(seen) == [], "processes of the run outlived it"
+    assert _alive(seen) == [], f"processes of the run outlived it: {_described(_alive(seen))}"
 
 
 def test_a_launcher_killed_mid_save_takes_every_process_of_the_run_with_it(tmp_path):
@@ -137,10 +154,7 @@ def test_a_stalled_rank_ends_the_run_with_a_timeout_not_a_hang(tmp_path):
     proc, metrics = _start(tmp_path, ["parallel.timeout_minutes=0.1"])
     try:
         _wait_for_steps(proc, metrics, 1)
-        workers = [
-            p for p in _process_tree().get(proc.pid, [])
-            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
+        workers = _workers(proc)
         os.kill(workers[0], signal.SIGSTOP)
         rc = proc.wait(timeout=120)
         err = proc.stderr.read()

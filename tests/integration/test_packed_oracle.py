@@ -18,9 +18,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from libra_ext.distributed import free_port
+from libra_ext.distributed import free_port, run_ranks
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / gloo path"),
@@ -178,7 +177,7 @@ def _worker(rank: int, world: int, port: int, out: str, layout: list, systems: l
 
 def _run(tmp_path, world: int, layout: list, systems: list) -> dict:
     out = str(tmp_path / "oracle.json")
-    mp.spawn(_worker, args=(world, free_port(), out, layout, systems), nprocs=world, join=True)
+    run_ranks(_worker, (world, free_port(), out, layout, systems), world)
     with open(out) as fh:
         return json.load(fh)
 

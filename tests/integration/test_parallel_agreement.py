@@ -8,10 +8,9 @@ import warnings
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from libra_ext.attention.core import LibraCoreAttention
-from libra_ext.distributed import free_port
+from libra_ext.distributed import free_port, run_ranks
 
 pytestmark = pytest.mark.slow  # spawns gloo processes
 
@@ -58,7 +57,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_runtime_uses_megatron_cp_group_and_config_must_agree(tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_worker, (2, free_port(), str(tmp_path)), 2)
     for rank in range(2):
         res = json.loads((tmp_path / f"{rank}.json").read_text())
         assert res["same_group"] and res["label"] == "context-parallel group [0, 1]"

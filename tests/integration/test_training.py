@@ -325,9 +325,7 @@ def test_moe_all_gather_padded_to_the_step_equals_counting_per_layer(tmp_path, b
     """The training loop pads every EP rank's tokens to the step's longest micro-batch (from the
     plan: no layer exchanges or reads token counts); a layer used without it all-gathers the
     counts. Same loss and gradients either way, megatron-core's layer and the balanced one."""
-    import torch.multiprocessing as mp
-
-    from libra_ext.distributed import free_port
+    from libra_ext.distributed import free_port, run_ranks
 
     overrides = [
         "model.moe_topk=2", "model.experts=8", "model.moe_ffn=32", "model.layers=2",
@@ -335,5 +333,5 @@ def test_moe_all_gather_padded_to_the_step_equals_counting_per_layer(tmp_path, b
         "transformer_impl=local", f"moe.balancer={balancer}", "system.name=wlb",
     ]
     out = tmp_path / "ok"
-    mp.spawn(_moe_rows_worker, args=(2, free_port(), str(out), overrides), nprocs=2, join=True)
+    run_ranks(_moe_rows_worker, (2, free_port(), str(out), overrides), 2)
     assert out.read_text() == "ok"

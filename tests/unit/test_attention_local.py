@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from libra_ext.attention import kernels, reference_kernel, thd
 from libra_ext.attention.kernels import KernelParams, select_backend, why_not
 from libra_ext.attention.reference_kernel import reference_attention
-from libra_ext.distributed import free_port, share_cores
+from libra_ext.distributed import free_port, run_ranks, share_cores
 
 
 def _naive(q, k, v, scale):
@@ -204,7 +203,7 @@ def _bad_input_worker(rank, world, port, out_dir):
 
 @pytest.mark.slow
 def test_bad_inputs_fail_clearly_on_every_rank(tmp_path):
-    mp.spawn(_bad_input_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_bad_input_worker, (2, free_port(), str(tmp_path)), 2)
     for rank in range(2):
         lines = (tmp_path / f"{rank}.txt").read_text().splitlines()
         assert lines[0].startswith("plan hash differs across ranks: rank 0 has")

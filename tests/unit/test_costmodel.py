@@ -373,12 +373,10 @@ def _fit_worker(rank, world, port, out):
 
 
 def test_every_rank_fits_the_same_table_bit_for_bit(tmp_path):
-    import torch.multiprocessing as mp
-
-    from libra_ext.distributed import free_port
+    from libra_ext.distributed import free_port, run_ranks
 
     out = str(tmp_path / "coef.npy")
-    mp.spawn(_fit_worker, args=(3, free_port(), out), nprocs=3, join=True)
+    run_ranks(_fit_worker, (3, free_port(), out), 3)
     coef = np.load(out)
     assert (coef[0] > 0).any()
     assert all(np.array_equal(coef[0], c) for c in coef[1:])  # bitwise, not approximately
