@@ -1,6 +1,8 @@
 """Each CPU shim is needed: megatron-core fails on CPU without it and works with it. Every case
-runs in a fresh interpreter, since the shims patch modules process-wide."""
+runs in a process of its own, forked from one that has applied no shim (the shims patch modules
+process-wide)."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -165,37 +167,105 @@ assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5), p.grad
 }
 
 
-def _run(shims: list[str], body: str) -> subprocess.CompletedProcess:
+FORK_RUNNER = """
+import io, json, os, sys, tempfile, time, traceback, warnings
+warnings.simplefilter("ignore")
+import torch, torch.distributed
+from megatron.libra import cpu_shims
+for name in sys.argv[1].split(","):  # what the cases import, loaded once (not patched)
+    try:
+        __import__(name)
+    except ImportError:  # (a version without it: the case that needs it imports it)
+        pass
+jobs, tmp, results = json.load(sys.stdin), tempfile.mkdtemp(), []
+for i, (argv, code) in enumerate(jobs):
+    paths = [os.path.join(tmp, f"{i}.{s}") for s in ("out", "err")]
+    pid = os.fork()
+    if pid == 0:  # a case: the shims it names applied to this process alone
+        for fd, path in zip((1, 2), paths):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        rc = 0
+        try:
+            sys.argv = ["-c", *argv]
+            exec(compile(code, "<case>", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    deadline = time.monotonic() + 300
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            done = os.waitpid(pid, 0)
+            break
+        time.sleep(0.02)
+    code_ = os.waitstatus_to_exitcode(done[1])
+    results.append([code_, *(open(p_).read() for p_ in paths)])
+print(json.dumps(results))
+"""
+"""Runs cases, each in a process of its own forked from one that has imported torch and the
+megatron-core modules the cases use but applied no shim: the shims patch modules process-wide,
+so each case starts as unpatched as a fresh interpreter, without paying for the imports again."""
+
+PRELOADED = ("megatron.core", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
+             "megatron.core.optimizer", "megatron.core.dist_checkpointing",
+             "megatron.core.distributed", "megatron.core.models.gpt",
+             "megatron.core.pipeline_parallel.p2p_communication")
+
+
+def _run_cases(cases: list[tuple[list[str], str]]) -> list[subprocess.CompletedProcess]:
+    """Each (shims, body) as PRELUDE + body in a process of its own (see FORK_RUNNER)."""
     from libra_ext.distributed import free_port
 
-    code = PRELUDE.replace('("none",)', "()") + textwrap.dedent(body)
-    return subprocess.run(
-        [sys.executable, "-c", code, ",".join(shims), str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    jobs = [[[",".join(shims), str(free_port())],
+             PRELUDE.replace('("none",)', "()") + textwrap.dedent(body)]
+            for shims, body in cases]
+    run = subprocess.run([sys.executable, "-c", FORK_RUNNER, ",".join(PRELOADED)],
+                         input=json.dumps(jobs), capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [subprocess.CompletedProcess(argv, rc, out, err)
+            for (argv, _), (rc, out, err) in zip(jobs, json.loads(run.stdout.splitlines()[-1]))]
+
+
+@pytest.fixture(scope="module")
+def shim_runs() -> dict:
+    """shim -> (its case without the shim, with every shim), for every shim that applies here."""
+    names = [n for n in sorted(CASES) if cpu_shims.applies(n)[0]]
+    cases = []
+    for name in names:
+        cases += [([s for s in cpu_shims.SHIMS if s != name], CASES[name]),
+                  (list(cpu_shims.SHIMS), CASES[name])]
+    runs = _run_cases(cases)
+    return {n: (runs[2 * i], runs[2 * i + 1]) for i, n in enumerate(names)}
+
+
+@pytest.fixture(scope="module")
+def applied_runs() -> dict:
+    """shim -> what apply(only=(shim,)) returned, for every shim some versions do not need."""
+    names = sorted(cpu_shims.APPLIES)
+    return dict(zip(names, _run_cases([([n], "print(applied)") for n in names])))
 
 
 @pytest.mark.parametrize("shim", sorted(CASES))
-def test_shim_is_needed_and_sufficient(shim):
+def test_shim_is_needed_and_sufficient(shim, request):
     ok, why = cpu_shims.applies(shim)
     if not ok:
         pytest.skip(f"{shim} has nothing to patch here ({why}); apply() leaves it out")
-    others = [s for s in cpu_shims.SHIMS if s != shim]
-    without = _run(others, CASES[shim])
+    without, with_all = request.getfixturevalue("shim_runs")[shim]
     assert without.returncode != 0, f"{shim}: megatron-core worked on CPU without the shim"
     assert any(w in without.stderr for w in ("CUDA", "cuda", "FloatTensor", "te_general_gemm"))
-    with_all = _run(list(cpu_shims.SHIMS), CASES[shim])
     assert with_all.returncode == 0, with_all.stderr[-2000:]
 
 
 @pytest.mark.parametrize("shim", sorted(cpu_shims.APPLIES))
-def test_a_shim_is_applied_exactly_where_megatron_core_has_what_it_patches(shim):
-    # (in a fresh interpreter: applying patches modules process-wide)
+def test_a_shim_is_applied_exactly_where_megatron_core_has_what_it_patches(shim, request):
+    # (in a process of its own: applying patches modules process-wide)
     ok, _ = cpu_shims.applies(shim)
-    run = subprocess.run([sys.executable, "-c", PRELUDE + "print(applied)", shim, "0"],
-                         capture_output=True, text=True, timeout=300)
+    run = request.getfixturevalue("applied_runs")[shim]
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == (f"['{shim}']" if ok else "[]")
 
