@@ -174,17 +174,18 @@ def test_multi_rank_training_steps_run_on_the_device_without_syncs(report):
 
 
 @pytest.mark.parametrize(
-    "mutation, expect",
+    "mutation, trainer, expect",
     [
-        ("host-index", "FakeTensorDeviceMismatchError"),
-        ("item", "DataDependentOutputException"),
-        ("per-document-loop", "device ops from 50 to 500 documents"),
-        ("blocking-batch-copies", "pinned and non-blocking) for 2 slots"),
-        ("moe-counts-per-layer", "dp2-ep2-moe rank 0: DataDependentOutputException"),
+        ("host-index", "", "FakeTensorDeviceMismatchError"),
+        ("item", "", "DataDependentOutputException"),
+        ("per-document-loop", "", "device ops from 50 to 500 documents"),
+        ("blocking-batch-copies", "one-rank", "pinned and non-blocking) for 2 slots"),
+        ("moe-counts-per-layer", "dp2-ep2-moe", "dp2-ep2-moe rank 0: DataDependentOutputException"),
     ],
 )
-def test_the_gate_fails_on_a_planted_defect(mutation, expect):
-    extra = [] if mutation in ("blocking-batch-copies", "moe-counts-per-layer") else ["--no-trainer"]
+def test_the_gate_fails_on_a_planted_defect(mutation, trainer, expect):
+    # (each with the one training step it shows in, if any: every other runs in the report)
+    extra = ["--trainer-scenarios", trainer] if trainer else ["--no-trainer"]
     rc, rep = _gate("--systems", "libra", "--standins", "varlen-2.13", "--layouts", "single",
                     "--mutate", mutation, *extra)
     assert rc == 1 and any(expect in f for f in rep["failures"]), rep["failures"]

@@ -30,6 +30,9 @@ def _args(argv):
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--no-trainer", action="store_true",
                    help="leave out the training-step scenario (megatron-core's GPTModel)")
+    p.add_argument("--trainer-scenarios", default="",
+                   help="which training steps to run (comma-separated, of: one-rank, "
+                        "cp2, dp2-ep2-moe; default: all)")
     p.add_argument("--mutate", default="", help=argparse.SUPPRESS)  # tests: a planted defect
     # one rank of a multi-rank training scenario (SCENARIO,RANK,PORT), started by the gate
     p.add_argument("--rank-of", default="", help=argparse.SUPPRESS)
@@ -74,6 +77,8 @@ def main(argv=None) -> int:
             layouts=tuple(s for s in args.layouts.split(",") if s),
             shape=gate.Shape(tokens=args.tokens, kv_heads=args.kv_heads),
             trainer=not args.no_trainer,
+            **({"trainer_scenarios": tuple(x for x in args.trainer_scenarios.split(",") if x)}
+               if args.trainer_scenarios else {}),
         )
     finally:
         if stdout is not None:

@@ -398,6 +398,9 @@ rank is a process of its own on the fake device (host collectives over gloo, dev
 stand-ins); dp2-ep2-moe runs Libra's expert balancer (MoE layers of 4 experts over 2 EP ranks,
 the second layer planned one layer ahead)."""
 
+TRAINER_SCENARIOS = ("one-rank", *MULTI_RANK)
+"""The training-step scenarios: megatron-core's GPTModel at one rank, and each MULTI_RANK one."""
+
 ALLOWED_READS = {
     "moe-counts": (
         "the expert planner runs on the host: a balanced MoE layer reads its EP group's expert "
@@ -515,8 +518,14 @@ def _multi_rank(scenario: str, standin: str) -> dict:
 
 
 def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts=tuple(LAYOUTS),
-        shape: Shape = Shape(), growth_standin: str = "varlen-2.13", trainer: bool = True) -> dict:
-    """Every scenario of the module docstring; the report (JSON-ready)."""
+        shape: Shape = Shape(), growth_standin: str = "varlen-2.13", trainer: bool = True,
+        trainer_scenarios: tuple[str, ...] = TRAINER_SCENARIOS) -> dict:
+    """Every scenario of the module docstring; the report (JSON-ready). `trainer_scenarios`:
+    which training steps run, of TRAINER_SCENARIOS (with `trainer`)."""
+    unknown = set(trainer_scenarios) - set(TRAINER_SCENARIOS)
+    if unknown:
+        raise ValueError(f"trainer scenario(s) {', '.join(sorted(unknown))} unknown (known: "
+                         f"{', '.join(TRAINER_SCENARIOS)})")
     t0 = time.perf_counter()
     report = {"shape": {"tokens": shape.tokens, "heads": shape.heads, "kv_heads": shape.kv_heads,
                         "head_dim": shape.head_dim, "dtype": str(shape.dtype)},
@@ -558,7 +567,7 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
                     few = _layout_calls(probe, system, backend, LAYOUTS[lay], shape, docs=50)
                     many = _layout_calls(probe, system, backend, LAYOUTS[lay], shape, docs=500)
                     report["growth"][f"{system}/{lay}"] = _growth(few, many)
-        if trainer:
+        if trainer and "one-rank" in trainer_scenarios:
             with standins.use_backend(growth_standin) as backend, standins.fake_distributed():
                 report["trainer"] = _trainer_calls(probe, systems, backend)
     if "single" in layouts:
@@ -566,7 +575,7 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
     if trainer:
         report["trainer_ranks"] = {}
         for name, (_, _, scenario_systems) in MULTI_RANK.items():
-            if set(scenario_systems) & set(systems):
+            if name in trainer_scenarios and set(scenario_systems) & set(systems):
                 for system, ranks in _multi_rank(name, growth_standin).items():
                     if system in systems:
                         report["trainer_ranks"][f"{system}/{name}"] = ranks
