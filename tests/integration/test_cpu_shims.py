@@ -1,11 +1,15 @@
 """Each CPU shim is needed: megatron-core fails on CPU without it and works with it. Every case
-runs in a process of its own, forked from one that has applied no shim (the shims patch modules
-process-wide)."""
+runs in a fresh interpreter, since the shims patch modules process-wide (two at a time)."""
 
-import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,68 +171,41 @@ assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5), p.grad
 }
 
 
-FORK_RUNNER = """
-import io, json, os, sys, tempfile, time, traceback, warnings
-warnings.simplefilter("ignore")
-import torch, torch.distributed
-from megatron.libra import cpu_shims
-for name in sys.argv[1].split(","):  # what the cases import, loaded once (not patched)
-    try:
-        __import__(name)
-    except ImportError:  # (a version without it: the case that needs it imports it)
-        pass
-jobs, tmp, results = json.load(sys.stdin), tempfile.mkdtemp(), []
-for i, (argv, code) in enumerate(jobs):
-    paths = [os.path.join(tmp, f"{i}.{s}") for s in ("out", "err")]
-    pid = os.fork()
-    if pid == 0:  # a case: the shims it names applied to this process alone
-        for fd, path in zip((1, 2), paths):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        rc = 0
+def _with_token(token: str) -> list[int]:
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
         try:
-            sys.argv = ["-c", *argv]
-            exec(compile(code, "<case>", "exec"), {"__name__": "__main__"})
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            rc = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    deadline = time.monotonic() + 300
-    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            done = os.waitpid(pid, 0)
-            break
-        time.sleep(0.02)
-    code_ = os.waitstatus_to_exitcode(done[1])
-    results.append([code_, *(open(p_).read() for p_ in paths)])
-print(json.dumps(results))
-"""
-"""Runs cases, each in a process of its own forked from one that has imported torch and the
-megatron-core modules the cases use but applied no shim: the shims patch modules process-wide,
-so each case starts as unpatched as a fresh interpreter, without paying for the imports again."""
-
-PRELOADED = ("megatron.core", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
-             "megatron.core.optimizer", "megatron.core.dist_checkpointing",
-             "megatron.core.distributed", "megatron.core.models.gpt",
-             "megatron.core.pipeline_parallel.p2p_communication")
+            if token.encode() in (d / "environ").read_bytes():
+                out.append(int(d.name))
+        except OSError:
+            pass
+    return out
 
 
 def _run_cases(cases: list[tuple[list[str], str]]) -> list[subprocess.CompletedProcess]:
-    """Each (shims, body) as PRELUDE + body in a process of its own (see FORK_RUNNER)."""
+    """Each (shims, body) as PRELUDE + body in a fresh interpreter (the shims patch modules
+    process-wide, and a process forked from one that imported torch fails differently on CUDA),
+    two at a time: each keeps about one core busy."""
     from libra_ext.distributed import free_port
 
-    jobs = [[[",".join(shims), str(free_port())],
-             PRELUDE.replace('("none",)', "()") + textwrap.dedent(body)]
-            for shims, body in cases]
-    run = subprocess.run([sys.executable, "-c", FORK_RUNNER, ",".join(PRELOADED)],
-                         input=json.dumps(jobs), capture_output=True, text=True, timeout=1800)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [subprocess.CompletedProcess(argv, rc, out, err)
-            for (argv, _), (rc, out, err) in zip(jobs, json.loads(run.stdout.splitlines()[-1]))]
+    token = uuid.uuid4().hex  # in the environment of every process the cases start
+    env = dict(os.environ, LIBRA_SHIM_CASES=token)
+
+    def run(case):
+        shims, body = case
+        code = PRELUDE.replace('("none",)', "()") + textwrap.dedent(body)
+        return subprocess.run([sys.executable, "-c", code, ",".join(shims), str(free_port())],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = list(pool.map(run, cases))
+    deadline = time.monotonic() + 10
+    while (left := _with_token(token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} processes the cases started outlived them"
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +240,7 @@ def test_shim_is_needed_and_sufficient(shim, request):
 
 @pytest.mark.parametrize("shim", sorted(cpu_shims.APPLIES))
 def test_a_shim_is_applied_exactly_where_megatron_core_has_what_it_patches(shim, request):
-    # (in a process of its own: applying patches modules process-wide)
+    # (in a fresh interpreter: applying patches modules process-wide)
     ok, _ = cpu_shims.applies(shim)
     run = request.getfixturevalue("applied_runs")[shim]
     assert run.returncode == 0, run.stderr[-2000:]
