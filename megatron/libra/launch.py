@@ -142,7 +142,8 @@ def _ours(before: set[int], workers: list[int]) -> list[int]:
 
 
 def _end(before: set[int], workers: list[int], grace_s: float) -> None:
-    """SIGTERM what the run started (see `_ours`), SIGKILL what is left after `grace_s`."""
+    """SIGTERM what the run started (see `_ours`), with SIGCONT so that a stopped process acts
+    on it; SIGKILL what is left after `grace_s`."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
         pids = _ours(before, workers)
         if not pids:
@@ -150,6 +151,8 @@ def _end(before: set[int], workers: list[int], grace_s: float) -> None:
         for pid in pids:
             try:
                 os.kill(pid, sig)
+                if sig == signal.SIGTERM:  # a stopped worker (SIGSTOP, a debugger) acts on it
+                    os.kill(pid, signal.SIGCONT)
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + wait
