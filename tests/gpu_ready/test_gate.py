@@ -16,18 +16,72 @@ from megatron.libra.gpu_ready import gate
 from megatron.libra.gpu_ready.standins import BACKEND_STANDINS
 
 
-def _gate(*args):
-    p = subprocess.run([sys.executable, "-m", "megatron.libra.gpu_ready", "--json", *args],
-                       capture_output=True, text=True, timeout=900)
-    lines = p.stdout.splitlines()
-    assert len(lines) == 1, f"the gate printed {len(lines)} lines (rc {p.returncode}):\n" \
-        f"{p.stdout[-1000:]}\n{p.stderr[-3000:]}"  # --json: the report, nothing else
-    return p.returncode, json.loads(lines[0])
+PLANTED = [
+    ("host-index", "", "FakeTensorDeviceMismatchError"),
+    ("item", "", "DataDependentOutputException"),
+    ("per-document-loop", "", "device ops from 50 to 500 documents"),
+    ("blocking-batch-copies", "one-rank", "pinned and non-blocking) for 2 slots"),
+    ("moe-counts-per-layer", "dp2-ep2-moe", "dp2-ep2-moe rank 0: DataDependentOutputException"),
+]
+"""Planted defects: (mutation, the one training step it shows in if any, what the gate says)."""
+
+
+def _start(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megatron.libra.gpu_ready", "--json", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _planted_args(mutation: str, trainer: str) -> list[str]:
+    # (each with the one training step it shows in, if any: every other runs in the report)
+    extra = ["--trainer-scenarios", trainer] if trainer else ["--no-trainer"]
+    return ["--systems", "libra", "--standins", "varlen-2.13", "--layouts", "single",
+            "--mutate", mutation, *extra]
 
 
 @pytest.fixture(scope="module")
-def report():
-    rc, rep = _gate()
+def gate_runs(request):
+    """The gate runs this module's selected tests need, all started at once: each is a process
+    that keeps about one core busy, so on a 2-core host they finish in about half the time they
+    take one after another. name ("report" or a mutation) -> its process."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            if "report" in item.fixturenames:
+                wanted.add("report")
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if "mutation" in params:
+                wanted.add(params["mutation"])
+    runs = {"report": _start()} if "report" in wanted else {}
+    runs.update({m: _start(*_planted_args(m, t)) for m, t, _ in PLANTED if m in wanted})
+    yield runs
+    for p in runs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+_FINISHED: dict = {}
+
+
+def _gate(runs: dict, name: str):
+    """The run's exit status and report (waited for once)."""
+    if name not in _FINISHED:
+        p = runs[name]
+        try:
+            stdout, stderr = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        lines = stdout.splitlines()
+        assert len(lines) == 1, f"the gate printed {len(lines)} lines (rc {p.returncode}):\n" \
+            f"{stdout[-1000:]}\n{stderr[-3000:]}"  # --json: the report, nothing else
+        _FINISHED[name] = (p.returncode, json.loads(lines[0]))
+    return _FINISHED[name]
+
+
+@pytest.fixture(scope="module")
+def report(gate_runs):
+    rc, rep = _gate(gate_runs, "report")
     assert rc == 0, "\n".join(rep["failures"])
     return rep
 
@@ -173,19 +227,13 @@ def test_multi_rank_training_steps_run_on_the_device_without_syncs(report):
             assert [x[0] for x in r["allowed_uploads"]] == ["moe-bounds"] * moe
 
 
-@pytest.mark.parametrize(
-    "mutation, trainer, expect",
-    [
-        ("host-index", "", "FakeTensorDeviceMismatchError"),
-        ("item", "", "DataDependentOutputException"),
-        ("per-document-loop", "", "device ops from 50 to 500 documents"),
-        ("blocking-batch-copies", "one-rank", "pinned and non-blocking) for 2 slots"),
-        ("moe-counts-per-layer", "dp2-ep2-moe", "dp2-ep2-moe rank 0: DataDependentOutputException"),
-    ],
-)
-def test_the_gate_fails_on_a_planted_defect(mutation, trainer, expect):
-    # (each with the one training step it shows in, if any: every other runs in the report)
-    extra = ["--trainer-scenarios", trainer] if trainer else ["--no-trainer"]
-    rc, rep = _gate("--systems", "libra", "--standins", "varlen-2.13", "--layouts", "single",
-                    "--mutate", mutation, *extra)
+@pytest.mark.parametrize("mutation, trainer, expect", PLANTED)
+def test_the_gate_fails_on_a_planted_defect(mutation, trainer, expect, gate_runs):
+    rc, rep = _gate(gate_runs, mutation)
     assert rc == 1 and any(expect in f for f in rep["failures"]), rep["failures"]
+
+
+def test_an_unknown_trainer_scenario_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"trainer scenario\(s\) cp3 unknown \(known: one-rank, "
+                                         r"cp2, dp2-ep2-moe\)"):
+        gate.run(trainer_scenarios=("cp3",))
