@@ -36,13 +36,51 @@ TINY = [
 MOCK = ["--mock-data", "--vocab-size", "512", "--tokenizer-type", "NullTokenizer"]
 
 
-def _torchrun(nproc: int, args: list[str], timeout: int = 600, tiny: bool = True,
-              env: dict | None = None) -> subprocess.CompletedProcess:
+RANKS = r"""
+import ctypes, os, runpy, signal, sys
+nproc, port, script, *args = sys.argv[1:]
+nproc = int(nproc)
+from megatron.libra.notices import quiet_megatron_notices
+quiet_megatron_notices()
+import megatron.training.training  # noqa: F401 (Megatron-LM's loop and Libra's, imported once)
+import megatron.libra.megatron_lm.main  # noqa: F401
+try:  # the tokenizers' module (Transformers), which each rank would import as it starts
+    import megatron.core.tokenizers.text  # noqa: F401
+except ImportError:
+    pass
+pids = []
+for rank in range(nproc):
+    pid = os.fork()
+    if pid == 0:  # a rank, with the environment torchrun gives it
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # (PR_SET_PDEATHSIG: it ends with this)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                          LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        sys.argv = [script, *args]
+        runpy.run_path(script, run_name="__main__")
+        raise SystemExit(0)
+    pids.append(pid)
+codes = {}
+while len(codes) < nproc:
+    pid, status = os.wait()
+    codes[pid] = os.waitstatus_to_exitcode(status)
+    if codes[pid] != 0:  # as torchrun does: one rank failed, the others end
+        for other in set(pids) - set(codes):
+            os.kill(other, signal.SIGTERM)
+sys.exit(next((c for c in codes.values() if c), 0))
+"""
+"""`nproc` ranks of a script, each with the environment torchrun gives it (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR/PORT), forked from one process that has imported Megatron-LM's training
+loop once: torchrun's ranks would import it each (about 10 s of CPU a rank). torchrun itself
+runs in the tests that are about it (the sbatch script, the killed runs)."""
+
+
+def _ranks(nproc: int, args: list[str], timeout: int = 600, tiny: bool = True,
+           env: dict | None = None) -> subprocess.CompletedProcess:
     from libra_ext.distributed import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(ROOT / "pretrain_gpt_libra.py"),
-           *(TINY if tiny else []), *args]
+    cmd = [sys.executable, "-c", RANKS, str(nproc), str(free_port()),
+           str(ROOT / "pretrain_gpt_libra.py"), *(TINY if tiny else []), *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=env)
@@ -77,7 +115,7 @@ def test_every_system_and_two_pipeline_stages_train_and_validate_to_the_same_los
         if (system, pp) == ("libra", 1):  # checkpoints, TensorBoard, timers (once)
             extra += ["--save", str(ck), "--save-interval", "1", "--ckpt-format", "torch",
                       "--tensorboard-dir", str(tb), "--timing-log-level", "2"]
-        run = _torchrun(4, [*MOCK, "--global-batch-size", "8", "--train-iters", "2",
+        run = _ranks(4, [*MOCK, "--global-batch-size", "8", "--train-iters", "2",
                             "--eval-iters", "1", "--eval-interval", "1",
                             "--context-parallel-size", "2",
                             "--libra-pool-size", "2" if pp == 1 else "1",
@@ -137,7 +175,7 @@ def test_the_same_losses_as_libra_train_on_the_same_model_weights_data_and_layou
     # draws them), Libra's synthetic long-tail documents of the same seed, the same optimizer
     # and learning-rate schedule
     iters = 4
-    mlm = _torchrun(4, [
+    mlm = _ranks(4, [
         "--libra-data", "synthetic", "--libra-workload", "libra-256k", "--vocab-size", "512",
         "--tokenizer-type", "NullTokenizer", "--ffn-hidden-size", "128", "--kv-channels", "16",
         "--untie-embeddings-and-output-weights", "--global-batch-size", "8", "--train-iters",
@@ -182,15 +220,37 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("extra,message", BAD, ids=[b[0][-2] for b in BAD])
-def test_bad_arguments_are_refused_before_any_process_group(extra, message):
+def _at_once(cmds: dict) -> dict:
+    """name -> (command, environment), each run in a process of its own, all started at once
+    (each keeps about one core busy): name -> its CompletedProcess."""
+    procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 cwd=ROOT, env=env) for k, (cmd, env) in cmds.items()}
+    out = {}
+    try:
+        for k, p in procs.items():
+            stdout, stderr = p.communicate(timeout=600)
+            out[k] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_argument_runs() -> dict:
     # one process standing for rank 0 of 4 (cp 2, dp 2) and no launcher: a refusal must come
     # before anything waits for the other ranks
     env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt_libra.py"), *TINY, *MOCK,
-         "--global-batch-size", "8", "--train-iters", "2", "--context-parallel-size", "2",
-         *extra], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    base = [sys.executable, str(ROOT / "pretrain_gpt_libra.py"), *TINY, *MOCK,
+            "--global-batch-size", "8", "--train-iters", "2", "--context-parallel-size", "2"]
+    return _at_once({i: ([*base, *extra], env) for i, (extra, _) in enumerate(BAD)})
+
+
+@pytest.mark.parametrize("case", range(len(BAD)), ids=[b[0][-2] for b in BAD])
+def test_bad_arguments_are_refused_before_any_process_group(case, bad_argument_runs):
+    message, run = BAD[case][1], bad_argument_runs[case]
     assert run.returncode == 2, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("pretrain_gpt_libra.py: error: ") and message in last, last
@@ -238,7 +298,7 @@ def test_trains_and_validates_on_an_indexed_dataset_made_from_text_with_a_real_t
     assert tok.text_to_ids(paras[0]) == data[0][:-1].tolist()
     assert all(int(data[i][-1]) == tok.eod for i in range(len(data)))
     # validation on the index's held-out split, at iteration 2 and at the end
-    run = _torchrun(2, ["--data-path", str(prefix), "--split", "90,10,0", "--tokenizer-type",
+    run = _ranks(2, ["--data-path", str(prefix), "--split", "90,10,0", "--tokenizer-type",
                         "HuggingFaceTokenizer", "--tokenizer-model", hf,
                         "--global-batch-size", "4", "--train-iters", "2",
                         "--eval-iters", "2", "--eval-interval", "2",
@@ -259,7 +319,7 @@ def test_a_resume_with_other_libra_settings_is_refused_naming_old_and_new(tmp_pa
     ck = str(tmp_path / "ck")
     common = [*MOCK, "--global-batch-size", "2", "--train-iters", "2", "--save", ck,
               "--save-interval", "1", "--ckpt-format", "torch"]
-    first = _torchrun(1, common)
+    first = _ranks(1, common)
     assert first.returncode == 0, first.stderr[-3000:]
     # the planner's state sits beside Megatron-LM's shards, where its loader ignores it
     assert (tmp_path / "ck/iter_0000001/mp_rank_00/train_dataloader_dprank000.pt").is_file()
@@ -267,7 +327,7 @@ def test_a_resume_with_other_libra_settings_is_refused_naming_old_and_new(tmp_pa
 
     shutil.rmtree(tmp_path / "ck/iter_0000002")  # "killed" after iteration 1's checkpoint
     (tmp_path / "ck/latest_checkpointed_iteration.txt").write_text("1")
-    again = _torchrun(1, [*common, "--load", ck, "--libra-chunks", "3"])
+    again = _ranks(1, [*common, "--load", ck, "--libra-chunks", "3"])
     assert again.returncode != 0
     assert ("resume at iteration 1 with other Libra settings than the checkpoint's: "
             "--libra-chunks = 2 there, 3 here") in again.stderr, again.stderr[-3000:]
@@ -309,7 +369,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_losses_and_weights(tmp_p
     common = ["--yaml-cfg", "configs/megatron/cpu_tiny.yaml", "--train-iters", "4",
               "--libra-system", "wlb", "--save-interval", "2", "--ckpt-format", "torch"]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    run = _torchrun(4, [*common, "--save", str(full), "--libra-metrics-file",
+    run = _ranks(4, [*common, "--save", str(full), "--libra-metrics-file",
                         str(tmp_path / "full.jsonl")], tiny=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "arguments from --yaml-cfg configs/megatron/cpu_tiny.yaml" in run.stdout
@@ -346,7 +406,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_runs_losses_and_weights(tmp_p
     assert killed.returncode == -signal.SIGKILL, "".join(seen[-40:])
     assert not any("iteration        4/       4" in x for x in seen)  # killed before the end
     assert (cut / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    again = _torchrun(4, [*common, "--save", str(cut), "--load", str(cut),
+    again = _ranks(4, [*common, "--save", str(cut), "--load", str(cut),
                           "--libra-metrics-file", str(tmp_path / "resumed.jsonl")], tiny=False)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "loading" in again.stdout and "iteration        3/       4" in again.stdout
@@ -426,7 +486,7 @@ def test_eval_iters_alone_validates_at_the_end_and_keeps_the_last_checkpoint(tmp
     # --eval-iters without --eval-interval, Libra's synthetic documents: one validation at the
     # last iteration (and Megatron-LM's at the end), then the last interval's checkpoint
     ck = tmp_path / "ck"
-    run = _torchrun(4, ["--libra-data", "synthetic", "--vocab-size", "512", "--tokenizer-type",
+    run = _ranks(4, ["--libra-data", "synthetic", "--vocab-size", "512", "--tokenizer-type",
                         "NullTokenizer", "--global-batch-size", "8", "--train-iters", "4",
                         "--eval-iters", "2", "--context-parallel-size", "2",
                         "--libra-pool-size", "2", "--save", str(ck), "--save-interval", "2",
@@ -503,34 +563,32 @@ def test_refusals_come_first_once_and_name_what_fails(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="4", RANK="0", LOCAL_RANK="0")
     base = [sys.executable, str(ROOT / "pretrain_gpt_libra.py"), "--yaml-cfg",
             str(ROOT / "configs/megatron/cpu_tiny.yaml")]
-
-    def refused(*extra, rank="0"):
-        run = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=300,
-                             cwd=ROOT, env=dict(env, RANK=rank))
-        assert run.returncode == 2, run.stderr[-2000:]
-        return run
-
+    libra_first = (  # Libra's checks before Megatron-LM's own (its --dataloader-type check)
+        (["--hybrid-context-parallel"], "--hybrid-context-parallel is megatron-core's own "
+         "CP scheduler; use it with --libra-system megatron-hybrid, not libra"),
+        (["--sequence-parallel", "--tensor-model-parallel-size", "2"],
+         "--sequence-parallel needs Transformer Engine layers"),
+        (["--use-distributed-optimizer"], "--use-distributed-optimizer needs a GPU"))
+    # every run at once (one process each, about one core each)
+    runs = _at_once({"min-lr": ([*base, "--min-lr", "1"], env),
+                     "min-lr rank 1": ([*base, "--min-lr", "1"], dict(env, RANK="1")),
+                     "help": ([*base[:2], "--help"], env),
+                     **{i: ([*base, *extra], env) for i, (extra, _) in enumerate(libra_first)}})
+    for name, run in runs.items():
+        assert run.returncode == (0 if name == "help" else 2), (name, run.stderr[-2000:])
     # Megatron-LM's own assertion without a message: the failing statement and where it is
-    run = refused("--min-lr", "1")
+    run = runs["min-lr"]
     assert run.stderr.strip().splitlines()[-1].startswith(
         "pretrain_gpt_libra.py: error: assert args.min_lr <= args.lr "
         "(megatron/training/arguments.py:"), run.stderr[-1000:]
     # the refusal is the first thing on stdout and stderr (no argument dump before it), once;
     # another rank says nothing
     assert "arguments" not in run.stdout and run.stderr.count("error:") == 1
-    assert refused("--min-lr", "1", rank="1").stderr.count("error:") == 0
-    # Libra's checks before Megatron-LM's own (its --dataloader-type check for hybrid CP)
-    for extra, message in (
-            (["--hybrid-context-parallel"], "--hybrid-context-parallel is megatron-core's own "
-             "CP scheduler; use it with --libra-system megatron-hybrid, not libra"),
-            (["--sequence-parallel", "--tensor-model-parallel-size", "2"],
-             "--sequence-parallel needs Transformer Engine layers"),
-            (["--use-distributed-optimizer"], "--use-distributed-optimizer needs a GPU")):
-        last = refused(*extra).stderr.strip().splitlines()[-1]
+    assert runs["min-lr rank 1"].stderr.count("error:") == 0
+    for i, (_, message) in enumerate(libra_first):
+        last = runs[i].stderr.strip().splitlines()[-1]
         assert last.startswith("pretrain_gpt_libra.py: error: " + message), last
     # --help lists Megatron-LM's arguments and Libra's (a % in megatron-core's own help text)
-    run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt_libra.py"), "--help"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = runs["help"]
     assert "--num-layers" in run.stdout and "--libra-system" in run.stdout
     assert "--moe-paged-stash-buffer-size-factor-cuda" in run.stdout
