@@ -1,7 +1,7 @@
 """Process helpers shared by the trainers, the launchers and the multi-process tools: a free
 loopback port for a gloo rendezvous, each local worker's share of the cores, a world-1 process
 group for single-process runs of the operator, and local ranks started from a fork server that
-has imported what they need once (`run_ranks`)."""
+has imported what they need once where no GPU is visible (`run_ranks`)."""
 
 from __future__ import annotations
 
@@ -41,14 +41,19 @@ def ensure_single_process_group() -> None:
         )
 
 
-def fork_server(preload: tuple[str, ...]):
-    """The multiprocessing context whose processes are forked from this process's fork server,
-    with `preload` among the modules that server imports before it forks anything. Importing
-    torch (and megatron-core, for the trainers' workers) costs each spawned process seconds of
-    CPU; the server pays it once for as many processes and launches as this process starts. The
-    server forks before it runs anything, so each process starts as clean as a spawned one. A
-    server already running keeps what it loaded (a process started later imports the rest
-    itself). The server ends with this process (`end_fork_server`)."""
+def start_method(preload: tuple[str, ...]) -> str:
+    """How this process starts local ranks: "forkserver" where no GPU is visible, with
+    `preload` among the modules the fork server imports before it forks anything; "spawn"
+    where one is. Importing torch (and megatron-core, for the trainers' workers) costs each
+    spawned process seconds of CPU; the server pays it once for as many processes and launches
+    as this process starts, and forks before it runs anything, so each process starts as clean
+    as a spawned one - except for CUDA: megatron-core's and torch's imports ask for a device,
+    after which no forked child can initialize CUDA ("Cannot re-initialize CUDA in forked
+    subprocess"), so with a GPU ranks are spawned. A server already running keeps what it
+    loaded (a process started later imports the rest itself). It ends with this process
+    (`end_fork_server`)."""
+    if torch.cuda.is_available():
+        return "spawn"
     ctx = torch.multiprocessing.get_context("forkserver")
     if fork_server_pid() is None:
         have = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])
@@ -56,7 +61,7 @@ def fork_server(preload: tuple[str, ...]):
     if not getattr(end_fork_server, "registered", False):
         atexit.register(end_fork_server)
         end_fork_server.registered = True
-    return ctx
+    return "forkserver"
 
 
 def fork_server_pid() -> int | None:
@@ -114,8 +119,9 @@ class FromParent:
             if fd is not None:
                 target.flush()
                 new = fd.detach()
-                os.dup2(new, target.fileno())
-                os.close(new)
+                if new != target.fileno():  # (spawned: the parent's descriptor, inherited)
+                    os.dup2(new, target.fileno())
+                    os.close(new)
         if self.env is not None:
             os.environ.clear()
             os.environ.update(self.env)
@@ -129,8 +135,9 @@ def _rank(rank: int, fn, parent: FromParent, *args) -> None:
 
 def run_ranks(fn, args: tuple, nprocs: int, preload: tuple[str, ...] = ()) -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs)` (join, and a failed rank's error raised
-    here), each rank forked from the fork server (`fork_server`) that has imported `preload`
-    and `fn`'s module; each takes this process's environment and output (`FromParent`)."""
-    fork_server((*preload, *([fn.__module__] if fn.__module__ != "__main__" else [])))
+    here), each rank forked from the fork server that has imported `preload` and `fn`'s module
+    where no GPU is visible (`start_method`); each takes this process's environment and output
+    as it starts (`FromParent`)."""
+    method = start_method((*preload, *([fn.__module__] if fn.__module__ != "__main__" else [])))
     torch.multiprocessing.start_processes(_rank, args=(fn, FromParent(), *args), nprocs=nprocs,
-                                          join=True, start_method="forkserver")
+                                          join=True, start_method=method)

@@ -6,9 +6,9 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-from libra_ext.distributed import fork_server
+from libra_ext.distributed import start_method
 
-fork_server(("megatron.libra.worker_imports",))
+start_method(("megatron.libra.worker_imports",))  # (sets what the server imports, if one is used)
 
 settings.register_profile(
     "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]

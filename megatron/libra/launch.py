@@ -1,7 +1,7 @@
 """The local launcher of `libra train --nproc N` (and of the tests and `libra ab`): it starts N
 gloo worker processes, each running `train.run`, forked from a fork server that has imported
 torch, megatron-core and the training loop once for every worker and launch of the process
-(about 7 s of CPU a worker saves), and makes sure that nothing a run starts - workers,
+(about 7 s of CPU a worker saves; spawned where a GPU is visible), and makes sure that nothing a run starts - workers,
 megatron-core's checkpoint writers, their resource trackers - outlives it: SIGINT or SIGTERM
 ends every worker (SIGTERM, then SIGKILL after a grace period), orphans of a dead worker
 reparent to the launcher (a child subreaper) so they can be found and ended, and every process
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from libra_ext.distributed import FromParent, fork_server, fork_server_pid, free_port, share_cores
+from libra_ext.distributed import (FromParent, fork_server_pid, free_port, share_cores,
+                                   start_method)
 from megatron.libra import lifetime
 from megatron.libra.config import TrainConfig
 from megatron.libra.logs import LAUNCH_ENV, progress_stream
@@ -37,7 +38,8 @@ from megatron.libra.notices import quiet_megatron_notices
 
 WORKER_IMPORTS = "megatron.libra.worker_imports"
 """What the launcher's fork server imports once, before it forks any worker: torch,
-megatron-core and the training loop (`libra_ext.distributed.fork_server`)."""
+megatron-core and the training loop (`libra_ext.distributed.start_method`; with a GPU the
+workers are spawned)."""
 
 
 class _FromLauncher(FromParent):
@@ -168,7 +170,8 @@ def _end(before: set[int], workers: list[int], grace_s: float) -> None:
 
 
 def _run_workers(mp, args: tuple, nproc: int, grace_s: float = STOP_GRACE_S) -> None:
-    """Start the workers, forked from the fork server (`WORKER_IMPORTS`), and wait for them.
+    """Start the workers (forked from the fork server, `WORKER_IMPORTS`, where no GPU is
+    visible) and wait for them.
     SIGINT or SIGTERM to this process ends every worker (SIGTERM, then SIGKILL after
     STOP_GRACE_S) and exits 130 or 143; on every way out, nothing the run started (workers,
     checkpoint writers) outlives it."""
@@ -187,11 +190,11 @@ def _run_workers(mp, args: tuple, nproc: int, grace_s: float = STOP_GRACE_S) -> 
     alive_w = None
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        fork_server((WORKER_IMPORTS,))
+        method = start_method((WORKER_IMPORTS,))
         alive_r, alive_w = os.pipe()  # (closed on every way out: the workers end with it)
         try:
             ctx = mp.start_processes(_worker, args=(*args, _FromLauncher((alive_r,))),
-                                     nprocs=nproc, join=False, start_method="forkserver")
+                                     nprocs=nproc, join=False, start_method=method)
         finally:
             os.close(alive_r)
         workers = [p.pid for p in ctx.processes]

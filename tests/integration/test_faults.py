@@ -81,12 +81,17 @@ def _start_saving_every_step(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
 
 
 def _workers(proc) -> list[int]:
-    """The launcher's workers: the children of its fork server (megatron.libra.launch)."""
+    """The launcher's workers: the children of its fork server, or its spawned children where
+    a GPU is visible (megatron.libra.launch)."""
     tree = _process_tree()
-    servers = [p for p in tree.get(proc.pid, [])
-               if b"multiprocessing.forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
-    assert len(servers) == 1, f"{len(servers)} fork servers below the launcher"
-    return sorted(tree.get(servers[0], []))
+
+    def started(what: bytes) -> list[int]:
+        return [p for p in tree.get(proc.pid, [])
+                if what in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+    servers = started(b"multiprocessing.forkserver")
+    assert len(servers) <= 1, f"{len(servers)} fork servers below the launcher"
+    return sorted(tree.get(servers[0], []) if servers else started(b"spawn_main"))
 
 
 def _described(pids) -> list[str]:

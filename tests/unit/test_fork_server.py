@@ -6,7 +6,9 @@ import os
 import sys
 
 import pytest
+import torch
 
+from libra_ext import distributed
 from libra_ext.distributed import fork_server_pid, run_ranks
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -19,6 +21,7 @@ def _report(rank: int, out: str, tag: str) -> None:
         fh.write(f"{os.environ.get('LIBRA_FORK_SERVER_TEST', '-')} {os.getppid()}")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU ranks are spawned")
 def test_ranks_take_the_starting_processes_environment_and_output_now(tmp_path, capfd,
                                                                        monkeypatch):
     first, second = tmp_path / "a", tmp_path / "b"
@@ -48,3 +51,18 @@ def test_a_failed_rank_raises_its_error_in_the_starting_process():
 
     with pytest.raises(ProcessRaisedException, match="rank 1 refuses"):
         run_ranks(_fail, (), 2)
+
+
+def test_with_a_gpu_ranks_are_spawned_and_keep_their_output(tmp_path, capfd, monkeypatch):
+    # a process forked from one whose imports asked for a device cannot initialize CUDA: with
+    # a GPU visible, ranks are spawned, and take the parent's environment and output the same
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: True)
+    assert distributed.start_method(()) == "spawn"
+    monkeypatch.setenv("LIBRA_FORK_SERVER_TEST", "spawned")
+    server = fork_server_pid()
+    run_ranks(_report, (str(tmp_path), "spawned"), 2)
+    out, err = capfd.readouterr()
+    for rank in range(2):
+        assert f"rank {rank} says spawned" in out and f"rank {rank} warns spawned" in err
+        env, parent = (tmp_path / f"{rank}.txt").read_text().split()
+        assert env == "spawned" and int(parent) == os.getpid() != server
