@@ -1,12 +1,12 @@
 """The local launcher of `libra train --nproc N` (and of the tests and `libra ab`): it starts N
-gloo worker processes, each running `train.run`, forked from a fork server that has imported
+gloo worker processes, each running `train.run` - forked from a fork server that has imported
 torch, megatron-core and the training loop once for every worker and launch of the process
-(about 7 s of CPU a worker saves; spawned where a GPU is visible), and makes sure that nothing a run starts - workers,
-megatron-core's checkpoint writers, their resource trackers - outlives it: SIGINT or SIGTERM
-ends every worker (SIGTERM, then SIGKILL after a grace period), orphans of a dead worker
-reparent to the launcher (a child subreaper) so they can be found and ended, and every process
-started watches its parent (`lifetime`) and a worker its launcher: a launcher or worker killed
-with SIGKILL takes what it started with it.
+(about 7 s of CPU a worker saves), spawned where a GPU is visible - and makes sure that nothing
+a run starts - workers, megatron-core's checkpoint writers, their resource trackers - outlives
+it: SIGINT or SIGTERM ends every worker (SIGTERM, then SIGKILL after a grace period), orphans
+of a dead worker reparent to the launcher (a child subreaper) so they can be found and ended,
+and every process started watches its parent (`lifetime`) and a worker its launcher: a
+launcher or worker killed with SIGKILL takes what it started with it.
 
 Under torchrun or Slurm the ranks come from the environment and `launch` trains in this
 process instead."""
@@ -54,9 +54,8 @@ class _FromLauncher(FromParent):
 
 
 def _worker(rank: int, world: int, port: int, cfg: TrainConfig, out: str | None,
-            launcher: FromParent | None = None) -> None:
-    if launcher is not None:
-        launcher.apply()
+            launcher: FromParent) -> None:
+    launcher.apply()
     lifetime.end_children_with_this_process()  # checkpoint writers end with this worker
     # the launcher's --log-level reaches its workers
     level = os.environ.get("LIBRA_LOG_LEVEL", "WARNING")
@@ -132,9 +131,10 @@ def _below(roots, tree: dict[int, list[int]]) -> list[int]:
 
 
 def _ours(before: set[int], workers: list[int]) -> list[int]:
-    """What the run started and is still alive: the workers (children of the fork server),
-    everything below them, and orphans reparented to this process since the run began (not the
-    multiprocessing resource tracker, nor the fork server, which serves the next launch)."""
+    """What the run started and is still alive: the workers (children of the fork server, or
+    of this process where spawned), everything below them, and orphans reparented to this
+    process since the run began (not the multiprocessing resource tracker, nor the fork server,
+    which serves the next launch)."""
     keep = {getattr(resource_tracker._resource_tracker, "_pid", None), fork_server_pid()}
     tree = _process_tree()
     alive = {p for children in tree.values() for p in children}
@@ -171,10 +171,9 @@ def _end(before: set[int], workers: list[int], grace_s: float) -> None:
 
 def _run_workers(mp, args: tuple, nproc: int, grace_s: float = STOP_GRACE_S) -> None:
     """Start the workers (forked from the fork server, `WORKER_IMPORTS`, where no GPU is
-    visible) and wait for them.
-    SIGINT or SIGTERM to this process ends every worker (SIGTERM, then SIGKILL after
-    STOP_GRACE_S) and exits 130 or 143; on every way out, nothing the run started (workers,
-    checkpoint writers) outlives it."""
+    visible) and wait for them. SIGINT or SIGTERM to this process ends every worker (SIGTERM,
+    then SIGKILL after STOP_GRACE_S) and exits 130 or 143; on every way out, nothing the run
+    started (workers, checkpoint writers) outlives it."""
     _become_subreaper()
     lifetime.end_children_with_this_process()  # the workers end with this launcher
     # torch's "Terminating process N via signal SIGTERM" per worker once one failed: the line

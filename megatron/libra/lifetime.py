@@ -26,6 +26,15 @@ POLL_S = 0.5
 _PATCHED = "_libra_watched"
 
 
+def _end_now(why: str) -> None:
+    """Exit status 1, no cleanup (whoever would wait for this process is gone), saying why."""
+    try:
+        sys.stderr.write(f"[pid {os.getpid()}] {why}: ending\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
 def watch_parent(poll_s: float = POLL_S) -> None:
     """End this process (exit status 1, no cleanup: its parent, which would wait for it, is
     gone) as soon as its parent has: a daemon thread notices that the process was reparented."""
@@ -37,12 +46,7 @@ def watch_parent(poll_s: float = POLL_S) -> None:
         stop = threading.Event()
         while not stop.wait(poll_s):
             if os.getppid() != parent:
-                try:
-                    sys.stderr.write(f"[pid {os.getpid()}] its parent ({parent}) is gone: "
-                                     "ending\n")
-                    sys.stderr.flush()
-                finally:
-                    os._exit(1)
+                _end_now(f"its parent ({parent}) is gone")
 
     threading.Thread(target=watch, name="libra-parent-watch", daemon=True).start()
 
@@ -59,11 +63,7 @@ def end_with_pipe(fd: int | None) -> None:
                 pass
         except OSError:
             pass
-        try:
-            sys.stderr.write(f"[pid {os.getpid()}] its launcher is gone: ending\n")
-            sys.stderr.flush()
-        finally:
-            os._exit(1)
+        _end_now("its launcher is gone")
 
     threading.Thread(target=watch, name="libra-launcher-watch", daemon=True).start()
 

@@ -1,5 +1,5 @@
-"""Imported by the launcher's fork server before it forks any worker (`launch._context`): the
-modules every worker needs, so that each worker starts with them instead of importing them
+"""Imported by the launcher's fork server before it forks any worker (`launch.WORKER_IMPORTS`):
+the modules every worker needs, so that each worker starts with them instead of importing them
 itself. megatron-core's notices are quieted first, as in a worker (`notices`). Importing has no
 side effect a worker could inherit beyond the loaded modules and those warning filters: no
 thread, no process group, no tensor."""

@@ -9,12 +9,12 @@ import textwrap
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron.libra import cpu_shims
+from tests.processes import with_token
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims apply without a GPU"),
@@ -26,6 +26,7 @@ import os, sys, warnings
 warnings.simplefilter("ignore")
 import torch, torch.distributed as dist
 from megatron.libra import cpu_shims
+from tests.processes import with_token
 applied = cpu_shims.apply(only=tuple(x for x in sys.argv[1].split(",") if x) or ("none",))
 """
 
@@ -171,17 +172,6 @@ assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5), p.grad
 }
 
 
-def _with_token(token: str) -> list[int]:
-    out = []
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            if token.encode() in (d / "environ").read_bytes():
-                out.append(int(d.name))
-        except OSError:
-            pass
-    return out
-
-
 def _run_cases(cases: list[tuple[list[str], str]]) -> list[subprocess.CompletedProcess]:
     """Each (shims, body) as PRELUDE + body in a fresh interpreter (the shims patch modules
     process-wide, and a process forked from one that imported torch fails differently on CUDA),
@@ -200,7 +190,7 @@ def _run_cases(cases: list[tuple[list[str], str]]) -> list[subprocess.CompletedP
     with ThreadPoolExecutor(max_workers=2) as pool:
         runs = list(pool.map(run, cases))
     deadline = time.monotonic() + 10
-    while (left := _with_token(token)) and time.monotonic() < deadline:
+    while (left := with_token(token)) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in left:
         os.kill(pid, signal.SIGKILL)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import with_token
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
@@ -496,18 +498,6 @@ def test_eval_iters_alone_validates_at_the_end_and_keeps_the_last_checkpoint(tmp
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
-def _ours(token: str) -> list[int]:
-    """Live processes whose environment holds `token`."""
-    out = []
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            if token.encode() in (d / "environ").read_bytes():
-                out.append(int(d.name))
-        except OSError:
-            pass
-    return out
-
-
 def _kill_mid_save(cmd: list[str], ck: Path, marker: str, tmp_path: Path) -> list[int]:
     """Start `cmd` in a session of its own with a token in its environment, SIGKILL the whole
     session once a checkpoint save is under way (`marker` appears under `ck`), and return what
@@ -526,11 +516,11 @@ def _kill_mid_save(cmd: list[str], ck: Path, marker: str, tmp_path: Path) -> lis
             assert p.poll() is None and time.monotonic() - t0 < 300, \
                 (tmp_path / "log").read_text()[-3000:]
             time.sleep(0.05)
-        assert _ours(token), "the run is not running"
+        assert with_token(token), "the run is not running"
         os.killpg(p.pid, signal.SIGKILL)  # the launcher (torchrun's workers have sessions of
         p.wait()  # their own)
         time.sleep(5)
-    left = _ours(token)
+    left = with_token(token)
     for pid in left:  # (whatever a failure leaves behind)
         try:
             os.kill(pid, signal.SIGKILL)

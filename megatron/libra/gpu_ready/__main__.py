@@ -77,8 +77,8 @@ def main(argv=None) -> int:
             layouts=tuple(s for s in args.layouts.split(",") if s),
             shape=gate.Shape(tokens=args.tokens, kv_heads=args.kv_heads),
             trainer=not args.no_trainer,
-            **({"trainer_scenarios": tuple(x for x in args.trainer_scenarios.split(",") if x)}
-               if args.trainer_scenarios else {}),
+            trainer_scenarios=tuple(x for x in args.trainer_scenarios.split(",") if x)
+            or gate.TRAINER_SCENARIOS,
         )
     finally:
         if stdout is not None:
