@@ -134,6 +134,42 @@ void split_run(const StepPlan& p, const CostModel& m, StepPlan::Tile t, double m
   split_run(p, m, hi, max_load, min_rows, emit);
 }
 
+// A run of short documents: len[doc] (shorter than `block`) and the next ones while the run
+// stays within `block` tokens; its end (one past its last document), tokens, pairs and, when
+// Priced, its documents' doc_price summed in PriceSum's order (tile_work's).
+struct ShortRun {
+  i64 end, len, pairs;
+  double price;
+};
+
+// (a function of its own, its sums in registers: inlined into sequence_tiles' loop they were
+// kept in memory, a store-to-load chain per document)
+template <bool Priced>
+__attribute__((noinline)) ShortRun short_run(const CostModel& m, const i64* len, i64 doc, i64 end,
+                                             i64 block) {
+  const double* small = m.small_doc.data();
+  const i64 n_small = static_cast<i64>(m.small_doc.size());
+  auto price = [&](i64 l) { return l < n_small ? small[l] : m.doc_price(l); };
+  i64 run_len = len[doc], run_pairs = causal_pairs(len[doc]);
+  double even = Priced ? price(len[doc]) : 0.0, odd = 0.0;  // PriceSum: by position in the run
+  bool at_odd = true;
+  for (++doc; doc < end; ++doc) {
+    const i64 n = len[doc];
+    if (n >= block || run_len + n > block) break;
+    run_len += n;
+    run_pairs += causal_pairs(n);
+    if (Priced) {
+      if (at_odd) {
+        odd += price(n);
+      } else {
+        even += price(n);
+      }
+      at_odd = !at_odd;
+    }
+  }
+  return {doc, run_len, run_pairs, even + odd};
+}
+
 // Cut sequence s into SH-tiles: documents of at least `block` tokens into query blocks of `block`
 // rows against their causal prefix; runs of shorter consecutive documents coalesced into tiles of
 // at most `block` tokens; every tile split into head groups of `head_group` heads. A tile whose
@@ -187,21 +223,13 @@ void sequence_tiles(const StepPlan& p, const CostModel& m, i64 s, i64 block, i64
     }
     // a run: this short document and the next ones while the run stays within `block` tokens
     const i64 run_doc = doc;
-    i64 run_len = l, run_pairs = causal_pairs(l);
-    PriceSum run_price;  // with a table: the documents' doc_price summed, as tile_work does
-    if (priced) run_price.add(m.doc_price(l));
-    for (++doc; doc < end; ++doc) {
-      const i64 n = len[doc];
-      if (n >= block || run_len + n > block) break;
-      run_len += n;
-      run_pairs += causal_pairs(n);
-      if (priced) run_price.add(m.doc_price(n));
-    }
+    const ShortRun run = priced ? short_run<true>(m, len, doc, end, block)
+                                : short_run<false>(m, len, doc, end, block);
+    doc = run.end;
     const i64 count = doc - run_doc;
-    heads({s, run_doc, count, off, run_len, 0, 0, off, run_len, owner, owner, -1, run_pairs}, off,
-          priced && count > 1 ? m.whole_documents(run_price.total(), count, p.heads_local)
-                              : kUnpriced);
-    off += run_len;
+    heads({s, run_doc, count, off, run.len, 0, 0, off, run.len, owner, owner, -1, run.pairs}, off,
+          priced && count > 1 ? m.whole_documents(run.price, count, p.heads_local) : kUnpriced);
+    off += run.len;
   }
 }
 
