@@ -1,5 +1,6 @@
 """In-process collectives: the ranks of a layout run as threads of one process, and the
-operator's all-to-alls and all-gathers move real data between them (tests only).
+operator's all-to-alls, all-gathers and point-to-point messages move real data between them
+(tests only).
 
 Every member of a group posts its part of the n-th collective on that group and reads the
 others' when it waits, as NCCL's ordering requires; a member whose splits disagree with what
@@ -41,6 +42,7 @@ class LoopGroup:
         self._cond = threading.Condition()
         self._calls: dict = {}
         self._seq = {m: 0 for m in self.members}
+        self._mail: dict = {}  # (sender, receiver) -> queued point-to-point messages
 
     def rank(self) -> int:
         return self.members.index(_ME.id)
@@ -123,15 +125,53 @@ def _all_gather_rows(x, group: LoopGroup, counter, kind):
     return torch.cat([posted[j] for j in range(len(group.members))])
 
 
+def _send_recv(transfers, group: LoopGroup, counter, async_op=False):
+    """Point-to-point messages: each send queued (a copy) for its receiver, in order per
+    (sender, receiver) pair; each receive takes the next message its sender queued for it,
+    which must have its size."""
+    me = group.rank()
+    recvs = []
+    for kind, sends, rs in transfers:
+        if counter is not None:
+            counter.add(kind, sum(t.numel() * t.element_size() for _, t in sends))
+        with group._cond:
+            for j, t in sends:
+                group._mail.setdefault((me, j), []).append((kind, t.detach().clone()))
+            group._cond.notify_all()
+        recvs += [(kind, j, t) for j, t in rs]
+
+    def finish():
+        for kind, j, t in recvs:
+            with group._cond:
+                ok = group._cond.wait_for(lambda: group._mail.get((j, me)) or _ABORT.is_set(),
+                                          60.0)
+                if _ABORT.is_set():
+                    raise Aborted(f"{group.name}: another member failed")
+                if not ok:
+                    raise TimeoutError(f"{group.name}: {kind} from member {j} not sent in 60 s")
+                sent_kind, x = group._mail[(j, me)].pop(0)
+            if sent_kind != kind or x.numel() != t.numel():
+                raise ValueError(f"{kind}: member {me} expects {t.numel()} elements from member "
+                                 f"{j}, whose next message is {sent_kind} of {x.numel()}")
+            t.data.copy_(x.view_as(t))  # (outside autograd's version counters, as NCCL)
+
+    w = _Work(finish)
+    if not async_op:
+        w.wait()
+        return None
+    return w
+
+
 @contextlib.contextmanager
 def patched():
     """The operator's collectives replaced by the in-process ones."""
-    saved = exchange.all_to_all, exchange.all_gather_rows
-    exchange.all_to_all, exchange.all_gather_rows = _all_to_all, _all_gather_rows
+    saved = exchange.all_to_all, exchange.all_gather_rows, exchange.send_recv
+    exchange.all_to_all, exchange.all_gather_rows, exchange.send_recv = (
+        _all_to_all, _all_gather_rows, _send_recv)
     try:
         yield
     finally:
-        exchange.all_to_all, exchange.all_gather_rows = saved
+        exchange.all_to_all, exchange.all_gather_rows, exchange.send_recv = saved
 
 
 def run_members(fn, members: list) -> list:

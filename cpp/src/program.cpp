@@ -235,22 +235,37 @@ void local_work(Program& prog, const V& L, const std::vector<Seg>& local, i64 hl
   prog.lpacks = pack_calls(p, hl / kvl);
 }
 
-// meta._units: a moved segment cut per KV head.
+// meta._units: a moved segment cut per KV head, or one whole unit over all KV heads (kh = kvl).
 struct Unit {
   i64 owner, exe, doc, ds, a, b, h0, hc, kh, stream;
 };
 
 struct Stream {
-  i64 owner, exe, ds, kh, len;
+  i64 owner, exe, ds, kh, len, width;  // width: KV heads per row of its prefix (kvl: whole)
   bool direct;
   i64 sub;
 };
 
 // meta._units: units in canonical order (executor, owner, document, KV head, first row, first
-// head), grouped into streams (document, KV head, executor).
+// head), grouped into streams (document, KV heads, executor); with kvl > 1, a (document,
+// executor) whose moved segments all hold the slice's hl heads moves as whole units.
 void units_of(const std::vector<Seg>& moved, i64 gl, i64 kvl, std::vector<Unit>& u,
               std::vector<Stream>& st) {
+  const i64 hl = gl * kvl;
+  i64 max_doc = 0;
+  for (const Seg& s : moved) max_doc = std::max(max_doc, s.doc);
+  std::vector<std::pair<i64, i64>> partial;  // (executor, document) with a head-partial segment
+  if (kvl > 1)
+    for (const Seg& s : moved)
+      if (s.hc != hl) partial.push_back({s.exe, s.doc});
+  std::sort(partial.begin(), partial.end());
   for (const Seg& s : moved) {
+    const bool whole = kvl > 1 && !std::binary_search(partial.begin(), partial.end(),
+                                                      std::make_pair(s.exe, s.doc));
+    if (whole) {
+      u.push_back({s.owner, s.exe, s.doc, s.ds, s.a, s.b, 0, hl, kvl, 0});
+      continue;
+    }
     const i64 k0 = s.h0 / gl, k1 = (s.h0 + s.hc - 1) / gl;
     for (i64 kh = k0; kh <= k1; ++kh) {
       const i64 h0 = std::max(s.h0, kh * gl), h1 = std::min(s.h0 + s.hc, (kh + 1) * gl);
@@ -261,17 +276,21 @@ void units_of(const std::vector<Seg>& moved, i64 gl, i64 kvl, std::vector<Unit>&
     return std::tie(x.exe, x.owner, x.doc, x.kh, x.a, x.h0) <
            std::tie(y.exe, y.owner, y.doc, y.kh, y.a, y.h0);
   });
-  i64 max_doc = 0;
+  max_doc = 0;
   for (const Unit& x : u) max_doc = std::max(max_doc, x.doc);
   i64 prev = -1;
   size_t first = 0;
   for (size_t i = 0; i <= u.size(); ++i) {
-    const i64 key = i < u.size() ? (u[i].exe * (max_doc + 1) + u[i].doc) * kvl + u[i].kh : -1;
+    const i64 key =
+        i < u.size() ? (u[i].exe * (max_doc + 1) + u[i].doc) * (kvl + 1) + u[i].kh : -1;
     if (i > 0 && (i == u.size() || key != prev)) {  // the stream [first, i) ends
       i64 len = 0;
       for (size_t j = first; j < i; ++j) len = std::max(len, u[j].b);
       const Unit& f = u[first];
-      st.push_back({f.owner, f.exe, f.ds, f.kh, len, i - first == 1 && f.hc == gl, 0});
+      const bool whole = f.kh == kvl;
+      // the direct class: whole units with kvl > 1, one KV head's full group with kvl = 1
+      const bool direct = i - first == 1 && (kvl > 1 ? whole : f.hc == gl);
+      st.push_back({f.owner, f.exe, f.ds, f.kh, len, whole ? kvl : 1, direct, 0});
       first = i;
     }
     if (i < u.size()) u[i].stream = static_cast<i64>(st.size());
@@ -304,13 +323,15 @@ void executor_calls(ProgSub& sc, i64 k, const std::vector<Unit>& u, const V& u_s
   if (sel.empty()) return;
   std::stable_sort(sel.begin(), sel.end(),
                    [&](size_t x, size_t y) { return u[x].owner < u[y].owner; });
-  if (sc.direct) {  // one unit per stream, full class: the received buffers as they are
+  if (sc.direct) {  // one unit per stream, the direct class: the received buffers as they are
     V rows, ks;
+    i64 kvl = 1;  // whole units, or one KV head's group
     for (size_t i : sel) {
       rows.push_back(u[i].b - u[i].a);
       ks.push_back(u[i].b);
+      kvl = std::max(kvl, st[static_cast<size_t>(u[i].stream)].width);
     }
-    sc.call = call_of(gl, 1, rows, ks);
+    sc.call = call_of(gl * kvl, kvl, rows, ks);
     sc.has_call = true;
     return;
   }
@@ -323,15 +344,16 @@ void executor_calls(ProgSub& sc, i64 k, const std::vector<Unit>& u, const V& u_s
   i64 off = 0;
   for (size_t i : ss) {
     s_off[i] = off;
-    off += st[i].len;
+    off += st[i].len * st[i].width;
   }
   std::vector<Piece> p;
   i64 q_off = 0;
   for (size_t i : sel) {
     const Unit& x = u[i];
     const i64 rows = x.b - x.a;
-    p.push_back({q_off, x.hc, x.h0, s_off[static_cast<size_t>(x.stream)], 1, x.kh, rows, x.b,
-                 x.h0, x.hc});
+    const i64 width = st[static_cast<size_t>(x.stream)].width;
+    p.push_back({q_off, x.hc, x.h0, s_off[static_cast<size_t>(x.stream)], width,
+                 width > 1 ? 0 : x.kh, rows, x.b, x.h0, x.hc});
     q_off += rows * x.hc;
   }
   sc.packs = pack_calls(p, gl);
@@ -350,7 +372,7 @@ void exchange(Program& prog, const std::vector<Seg>& moved, i64 px, i64 me, i64 
     q_vec[i] = (u[i].b - u[i].a) * u[i].hc;
     s_size[static_cast<size_t>(u[i].stream)] += q_vec[i];
   }
-  for (size_t i = 0; i < st.size(); ++i) s_size[i] += 2 * st[i].len;
+  for (size_t i = 0; i < st.size(); ++i) s_size[i] += 2 * st[i].len * st[i].width;
   subchunks_of(st, s_size, px, chunks);
   // sub-chunks with traffic, renumbered without gaps
   V active;
@@ -371,7 +393,7 @@ void exchange(Program& prog, const std::vector<Seg>& moved, i64 px, i64 me, i64 
     return static_cast<size_t>((sub * px + owner) * px + exe);
   };
   for (size_t i = 0; i < u.size(); ++i) nq[cell(u_sub[i], u[i].owner, u[i].exe)] += q_vec[i];
-  for (const Stream& s : st) nkv[cell(s.sub, s.owner, s.exe)] += s.len;
+  for (const Stream& s : st) nkv[cell(s.sub, s.owner, s.exe)] += s.len * s.width;
   // my send gathers: units (and streams) I own, in (sub-chunk, executor, canonical) order
   std::vector<size_t> mine_u, mine_s;
   for (size_t i = 0; i < u.size(); ++i)
@@ -386,7 +408,9 @@ void exchange(Program& prog, const std::vector<Seg>& moved, i64 px, i64 me, i64 
   std::stable_sort(mine_s.begin(), mine_s.end(), [&](size_t x, size_t y) {
     return std::tie(st[x].sub, st[x].exe) < std::tie(st[y].sub, st[y].exe);
   });
-  for (size_t i : mine_s) add_run(prog.send_kv, st[i].ds * kvl + st[i].kh, st[i].len, 1, kvl);
+  for (size_t i : mine_s)  // a whole stream: all KV heads, from the first
+    add_run(prog.send_kv, st[i].ds * kvl + (st[i].width > 1 ? 0 : st[i].kh), st[i].len,
+            st[i].width, kvl);
   i64 q_send_off = 0, kv_send_off = 0;
   for (i64 k = 0; k < n_sub; ++k) {
     ProgSub sc;

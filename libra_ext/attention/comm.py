@@ -53,6 +53,42 @@ def all_to_all(
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
 
+class Posted:
+    """The point-to-point transfers of one `send_recv`, waited on together."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def send_recv(transfers: list, group, counter: ByteCounter | None, async_op: bool = False):
+    """Point-to-point messages of one exchange step, in one batch: `transfers` holds (kind,
+    sends, receives), sends and receives as (member of `group`, tensor) with contiguous
+    tensors (views of the buffers they are read from or land in: nothing is packed). Both
+    ends list their transfers in one order (the program's), so the messages between two
+    members match in order. Counts the bytes this rank sends by kind."""
+    ops = []
+    for kind, sends, recvs in transfers:
+        LAST_COLLECTIVE[0] = (kind, group)
+        if counter is not None:
+            counter.add(kind, sum(t.numel() * t.element_size() for _, t in sends))
+        ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(group, j), group)
+                for j, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, j), group)
+                for j, t in recvs]
+    if not ops:
+        return None
+    posted = Posted(dist.batch_isend_irecv(ops))
+    if async_op:
+        return posted
+    posted.wait()
+    return None
+
+
 def all_gather_rows(
     x: torch.Tensor, group, counter: ByteCounter | None, kind: str
 ) -> torch.Tensor:

@@ -5,17 +5,19 @@
   forward   q, k, v [t, h|hkv, d] --Ulysses all-to-all, one per tensor--> Xq [S', hl, d],
                 Xk, Xv [S', kvl, d]: the sequence in order (contiguous layout), this rank's
                 head slice; with C = 1 the inputs themselves (no copy at all)
-            pool exchange: every sub-chunk's Q / K / V all-to-alls posted at once (one gather
-                per tensor builds every outgoing message)
+            pool exchange: every sub-chunk's Q / K / V messages posted at once, point to
+                point - a message that is one contiguous piece of X sent from X itself, the
+                others built by one gather (Q, K and V together)
             direct call on X itself -> O [S', hl, d], the layer's output buffer; local packs
                 (rare) scattered into it; meanwhile the exchange is in flight
             sub-chunk k: wait, one call on the received buffers as they are (packs for the
-                rare rest), its O straight back (async)
-            the returned O scattered into O --Ulysses all-to-all--> [t, h*d]
-  backward  the mirror: dO to the executors first (one gather, sub-chunks last first), the
-            direct call's own backward (its dQ/dK/dV are X's), local packs added in, each
-            sub-chunk's kernel backward on the executor straight back to the owners, the
-            owners' returned dQ written and dK/dV added (one scatter per tensor), Ulysses back.
+                rare rest), its O straight back (async) - into O itself for an in-place message
+            the other returned O scattered into O --Ulysses all-to-all--> [t, h*d]
+  backward  the mirror: dO to the executors first (in place, the rest by one gather,
+            sub-chunks last first), the direct call's own backward (its dQ/dK/dV are X's),
+            local packs added in, each sub-chunk's kernel backward on the executor straight
+            back to the owners (an in-place message's dQ into dQ itself), the other returned
+            dQ written and every dK/dV added (one scatter), Ulysses back.
 
 `PerDocAttention` (wlb, cp > 1): K and V all-gathered in the CP group, the rank's chunks of
 every document in one kernel call on a key pack gathered from them, dK/dV reduce-scattered back.
@@ -44,10 +46,10 @@ from dataclasses import dataclass
 import torch
 
 from libra_ext.attention import counters, rowops
-from libra_ext.attention.comm import ByteCounter, all_gather_rows, all_to_all
+from libra_ext.attention.comm import ByteCounter, all_gather_rows, all_to_all, send_recv
 from libra_ext.attention.counters import CallCounts, RuntimeStats
 from libra_ext.attention.kernels import Backend
-from libra_ext.attention.meta import CallPlan, PackCall, SlotProgram, SubChunk, WlbProgram
+from libra_ext.attention.meta import CallPlan, PackCall, SlotProgram, WlbProgram
 
 
 @dataclass
@@ -200,7 +202,7 @@ class PlannedAttention(torch.autograd.Function):
         lpacks = [_run_pack(p, xqf, xkf, xvf, env, counts) for p in prog.lpacks]
         if prog.tokens < prog.rows:
             o[prog.tokens:].zero_()  # the padding rows past the sequence
-        executed = ex.execute(counts) if moving else []
+        executed = ex.execute(counts, of) if moving else []
         ex.place_outputs(of, lpacks, moving)
         del xqf, xkf, xvf, xq, xk, xv
         ctx.prog, ctx.env = prog, env
@@ -254,7 +256,7 @@ class PlannedAttention(torch.autograd.Function):
             dqf, dkf, dvf = _flat(dq, d), _flat(dk, d), _flat(dv, d)
             _packs_backward(lpacks, dof, dqf, dkf, dvf, counts)
             if executed:
-                ex.return_grads(executed, counts)
+                ex.return_grads(executed, counts, dqf)
                 ex.add_returned(dqf, dkf, dvf)
         del do, dof, ex, lpacks, executed
         if C == 1:
@@ -352,43 +354,100 @@ def _wait(works: list, env: ExecEnv) -> None:
             w.wait()
 
 
+def _pieces(buf, sizes) -> list:
+    """(member, rows) of a buffer laid out member after member (`sizes` vectors each), for the
+    members it holds rows of."""
+    out, o = [], 0
+    for j, n in enumerate(sizes):
+        if n:
+            out.append((j, buf[o:o + n]))
+        o += n
+    return out
+
+
 class _Exchange:
-    """The pool exchange of one layer call: messages, the executor's calls, the returns."""
+    """The pool exchange of one layer call: messages, the executor's calls, the returns.
+
+    Messages travel point to point, one batch per sub-chunk and direction
+    (`SlotProgram.messages`, set by `meta.upload`): a message that is one contiguous range of
+    X (of dO) is sent from there and its returned O (dQ) lands in O (dQ) there; only the other
+    messages are gathered (one fused gather per direction) and scattered back (one fused
+    scatter)."""
 
     def __init__(self, prog: SlotProgram, env: ExecEnv, d: int, dtype, device):
         self.prog, self.env, self.d = prog, env, d
+        self.m = prog.messages
         self.new = lambda n: torch.empty(n, d, dtype=dtype, device=device)
 
-    def _post(self, out, inp, sc: SubChunk, kind: str, q: bool, back: bool):
-        """One all-to-all of sub-chunk `sc` (Q-sized or KV-sized messages), owners to executors
-        or (`back`) executors to owners."""
-        to_exe = (sc.q_recv, sc.q_send) if q else (sc.kv_recv, sc.kv_send)
-        out_vec, in_vec = to_exe[::-1] if back else to_exe
-        return _a2a(out, inp, out_vec, in_vec, self.d, self.env.pool_group, self.env, kind,
-                    self.env.pipelined)
+    def _outgoing(self, srcs: list, qs: list) -> list:
+        """Per source (Q-sized where qs[p], else KV-sized), (its messages that are not sent in
+        place, in send order, whether that is all of them): one fused gather. A source that
+        is not contiguous sends every message from the gather."""
+        p, m = self.prog, self.m
+        whole = [not x.is_contiguous() for x in srcs]
+        idx = [(p.send_q.idx if q else p.send_kv.idx) if w else (m.q_rest if q else m.kv_rest)
+               for q, w in zip(qs, whole)]
+        return list(zip(rowops.gather(srcs, idx)[1], whole))
+
+    def _back(self, dest) -> tuple:
+        """(the buffer an owner's returned Q-sized messages land in where not in place,
+        whether every message lands there: `dest`, its O or dQ, is not contiguous)."""
+        whole = not dest.is_contiguous()
+        return self.new(self.prog.n_q_send if whole else int(self.m.q_rest.shape[0])), whole
+
+    def _send(self, k: int, parts: list) -> list:
+        """Sub-chunk k's messages out to the executors: parts (kind, q, source, its
+        `_outgoing`, the buffer this rank receives into). Returns the posted transfers."""
+        sc = self.prog.subchunks[k]
+        m, transfers = self.m, []
+        for kind, q, src, (g, whole), buf in parts:
+            sizes = sc.q_send if q else sc.kv_send
+            starts = (m.q_start if q else m.kv_start)[k]
+            offs = (m.q_pos if q else m.kv_pos)[k] if whole else \
+                (m.q_rest_off if q else m.kv_rest_off)[k]
+            sends = [(j, src[x:x + n] if x >= 0 and not whole else g[o:o + n])
+                     for j, (n, x, o) in enumerate(zip(sizes, starts, offs)) if n]
+            transfers.append((kind, sends, _pieces(buf, sc.q_recv if q else sc.kv_recv)))
+        return [send_recv(transfers, self.env.pool_group, self.env.counter, self.env.pipelined)]
+
+    def _return(self, k: int, parts: list) -> list:
+        """Sub-chunk k's results back to their owners: parts (kind, q, this executor's
+        results in receive order, the owner's own flat buffer a Q-sized in-place message lands
+        in, (the buffer the others land in, whether all of them do): Q-sized ones at their
+        offsets in the gathered rest - or in send order, as K/V-sized ones always are).
+        Returns the posted transfers."""
+        sc = self.prog.subchunks[k]
+        ks = slice(sc.kv_send_off, sc.kv_send_off + sc.n_kv_send)
+        m, transfers = self.m, []
+        for kind, q, msg, dest, (ret, whole) in parts:
+            if q:
+                offs = m.q_pos[k] if whole else m.q_rest_off[k]
+                recvs = [(j, dest[x:x + n] if x >= 0 and not whole else ret[o:o + n])
+                         for j, (n, x, o) in enumerate(zip(sc.q_send, m.q_start[k], offs)) if n]
+            else:
+                recvs = _pieces(ret[ks], sc.kv_send)
+            transfers.append((kind, _pieces(msg, sc.q_recv if q else sc.kv_recv), recvs))
+        return [send_recv(transfers, self.env.pool_group, self.env.counter, self.env.pipelined)]
 
     def post_inputs(self, xqf, xkf, xvf) -> None:
-        """Every sub-chunk's Q / K / V messages out (one gather builds them all); each
-        sub-chunk's arrive in buffers of their own (a pack sub-chunk's are freed once gathered,
-        a direct one's are what its kernel keeps)."""
+        """Every sub-chunk's Q / K / V messages out (one gather builds those that are not sent
+        in place); each sub-chunk's arrive in buffers of their own (a pack sub-chunk's are
+        freed once gathered, a direct one's are what its kernel keeps)."""
         p = self.prog
-        _, (sq, sk, sv) = rowops.gather([xqf, xkf, xvf], [p.send_q.idx, p.send_kv.idx,
-                                                          p.send_kv.idx])
+        sq, sk, sv = self._outgoing([xqf, xkf, xvf], [True, False, False])
         self.recv, self.in_works = [], []
-        for sc in p.subchunks:
-            qs = slice(sc.q_send_off, sc.q_send_off + sc.n_q_send)
-            ks = slice(sc.kv_send_off, sc.kv_send_off + sc.n_kv_send)
+        for k, sc in enumerate(p.subchunks):
             rq, rk, rv = self.new(sc.n_q_recv), self.new(sc.n_kv_recv), self.new(sc.n_kv_recv)
             self.recv.append((rq, rk, rv))
-            self.in_works.append([self._post(rq, sq[qs], sc, "pool.q", True, False),
-                                  self._post(rk, sk[ks], sc, "pool.k", False, False),
-                                  self._post(rv, sv[ks], sc, "pool.v", False, False)])
+            self.in_works.append(self._send(k, [("pool.q", True, xqf, sq, rq),
+                                                ("pool.k", False, xkf, sk, rk),
+                                                ("pool.v", False, xvf, sv, rv)]))
 
-    def execute(self, counts: CallCounts) -> list:
-        """Each sub-chunk as it arrives: its calls, its O back to the owners (async). Returns
-        per sub-chunk its calls' graphs."""
+    def execute(self, counts: CallCounts, of) -> list:
+        """Each sub-chunk as it arrives: its calls, its O back to the owners (async; in place:
+        into `of`, this rank's O). Returns per sub-chunk its calls' graphs."""
         p, d = self.prog, self.d
-        self.o_recv = self.new(p.n_q_send)
+        self.o_back = self._back(of)
         self.o_works, done = [], []
         for i, (sc, works) in enumerate(zip(p.subchunks, self.in_works)):
             _wait(works, self.env)
@@ -396,8 +455,8 @@ class _Exchange:
             self.recv[i] = None
             if sc.call is not None:  # direct: the kernel on the received buffers themselves
                 c = sc.call
-                call = _Call(c, q.view(-1, c.hc, d), k.view(-1, 1, d), v.view(-1, 1, d),
-                             self.env, counts)
+                call = _Call(c, q.view(-1, c.hc, d), k.view(-1, c.hk, d),
+                             v.view(-1, c.hk, d), self.env, counts)
                 msg, graph = call.out.detach().view(-1, d), [(None, call)]
             elif sc.packs:
                 msg = self.new(sc.n_q_recv)
@@ -407,20 +466,20 @@ class _Exchange:
                 msg, graph = self.new(0), []
             del q, k, v
             done.append(graph)
-            self.o_works.append(self._post(self.o_recv[sc.q_send_off:sc.q_send_off + sc.n_q_send],
-                                           msg, sc, "pool.o", True, True))
+            self.o_works += self._return(i, [("pool.o", True, msg, of, self.o_back)])
         del self.in_works, self.recv
         return done
 
     def place_outputs(self, of, lpacks: list, moving: bool) -> None:
         """The local packs' outputs and (`moving`) the returned O of this rank's moved units
-        into its O buffer, in one scatter."""
+        that did not land in place into its O buffer, in one scatter."""
         if not moving:
             _scatter_outputs(of, lpacks)
             return
         _wait(self.o_works, self.env)
-        _scatter_outputs(of, lpacks, [self.prog.send_q.idx], [self.o_recv])
-        del self.o_recv, self.o_works
+        back, whole = self.o_back
+        _scatter_outputs(of, lpacks, [self.prog.send_q.idx if whole else self.m.q_rest], [back])
+        del self.o_back, self.o_works
 
     def post_grads(self, dof, executed: list, rebuilt=None) -> None:
         """dO of the moved units to their executors, last sub-chunk first (the order their
@@ -428,41 +487,34 @@ class _Exchange:
         and Q / K / V too, into the memory of the executed calls (a pack sub-chunk's through
         buffers its packs gather from)."""
         p = self.prog
-        srcs, idxs = [dof], [p.send_q.idx]
+        srcs, qs, kinds = [dof], [True], ["pool.do"]
         if rebuilt is not None:
             srcs += list(rebuilt)
-            idxs += [p.send_q.idx, p.send_q.idx, p.send_kv.idx, p.send_kv.idx]
-        _, parts = rowops.gather(srcs, idxs)  # one gather builds every message
-        send = parts[0]
-        again = [(x, q, kind) for x, q, kind in zip(
-            parts[1:], (True, True, False, False),
-            ("pool.o.rebuild", "pool.q.rebuild", "pool.k.rebuild", "pool.v.rebuild"))]
-        del parts
+            qs += [True, True, False, False]
+            kinds += ["pool.o.rebuild", "pool.q.rebuild", "pool.k.rebuild", "pool.v.rebuild"]
+        gathered = self._outgoing(srcs, qs)  # one gather builds what is not sent in place
         self.d_o, self.do_works, self.again = {}, {}, {}
         for i in reversed(range(len(p.subchunks))):
             sc = p.subchunks[i]
-            qs = slice(sc.q_send_off, sc.q_send_off + sc.n_q_send)
-            ks = slice(sc.kv_send_off, sc.kv_send_off + sc.n_kv_send)
             self.d_o[i] = self.new(sc.n_q_recv)
-            works = [self._post(self.d_o[i], send[qs], sc, "pool.do", True, False)]
-            if again:
+            bufs = [self.d_o[i]]
+            if rebuilt is not None:
                 graph = executed[i]
                 if sc.call is not None:  # straight into the call's output and inputs
-                    bufs = graph[0][1].restore()
+                    again = graph[0][1].restore()
                 else:
-                    bufs = [self.new(sc.n_q_recv if q else sc.n_kv_recv) if graph else
-                            self.new(0) for _, q, _ in again]
-                self.again[i] = bufs
-                works += [self._post(buf, x[qs if q else ks], sc, kind, q, False)
-                          for buf, (x, q, kind) in zip(bufs, again)]
-            self.do_works[i] = works
+                    again = [self.new(sc.n_q_recv if q else sc.n_kv_recv) if graph else
+                             self.new(0) for q in qs[1:]]
+                self.again[i] = again
+                bufs += again
+            self.do_works[i] = self._send(i, list(zip(kinds, qs, srcs, gathered, bufs)))
 
-    def return_grads(self, executed: list, counts: CallCounts) -> None:
+    def return_grads(self, executed: list, counts: CallCounts, dqf) -> None:
         """Each sub-chunk's kernel backward on this executor (last first), its dQ / dK / dV
-        straight back to the owners."""
+        straight back to the owners (in place: dQ into `dqf`, this rank's dQ)."""
         p, d = self.prog, self.d
-        self.dq_ret, self.dk_ret, self.dv_ret = self.new(p.n_q_send), self.new(p.n_kv_send), \
-            self.new(p.n_kv_send)
+        self.dq_ret = self._back(dqf)
+        self.dk_ret, self.dv_ret = (self.new(p.n_kv_send), True), (self.new(p.n_kv_send), True)
         self.ret_works = []
         for i in reversed(range(len(p.subchunks))):
             sc, graph = p.subchunks[i], executed[i]
@@ -484,21 +536,21 @@ class _Exchange:
                 gk, gv = gkv.view(2, sc.n_kv_recv, d)
                 _packs_backward(graph, g, gq, gk, gv, counts)
             del g
-            qs = slice(sc.q_send_off, sc.q_send_off + sc.n_q_send)
-            ks = slice(sc.kv_send_off, sc.kv_send_off + sc.n_kv_send)
-            self.ret_works += [self._post(self.dq_ret[qs], gq, sc, "pool.dq", True, True),
-                               self._post(self.dk_ret[ks], gk, sc, "pool.dk", False, True),
-                               self._post(self.dv_ret[ks], gv, sc, "pool.dv", False, True)]
+            self.ret_works += self._return(i, [("pool.dq", True, gq, dqf, self.dq_ret),
+                                               ("pool.dk", False, gk, None, self.dk_ret),
+                                               ("pool.dv", False, gv, None, self.dv_ret)])
             executed[i] = None
         del self.d_o, self.do_works, self.again
 
     def add_returned(self, dqf, dkf, dvf) -> None:
-        """The gradients of this rank's moved units: dQ written (each query vector ran once),
-        dK / dV added to the local ones."""
+        """The gradients of this rank's moved units: dQ written (each query vector ran once;
+        in place, only what did not land there), dK / dV added to the local ones."""
         _wait(self.ret_works, self.env)
         p = self.prog
-        rowops.scatter([dqf, dkf, dvf], [p.send_q.idx, p.send_kv.idx, p.send_kv.idx],
-                       [self.dq_ret, self.dk_ret, self.dv_ret], [False, True, True])
+        (dq, whole), (dk, _), (dv, _) = self.dq_ret, self.dk_ret, self.dv_ret
+        rowops.scatter([dqf, dkf, dvf], [p.send_q.idx if whole else self.m.q_rest,
+                                         p.send_kv.idx, p.send_kv.idx],
+                       [dq, dk, dv], [False, True, True])
         del self.ret_works, self.dq_ret, self.dk_ret, self.dv_ret
 
 

@@ -195,6 +195,9 @@ class SlotProgram:
     tiles_executed: int
     _keep: list = field(default_factory=list, repr=False)
     _staged: tuple | None = field(default=None, repr=False, compare=False)
+    messages: "Messages | None" = field(default=None, repr=False, compare=False)
+    """Set by `upload` (with sub-chunks): where this rank's pool messages lie in its own
+    buffers, which of them are sent and received in place."""
     """(its arrays as one int32 buffer in `_walk`'s order, their sizes), made by the C++
     compiler with the GIL released; `stage` takes it instead of concatenating the arrays."""
 
@@ -493,29 +496,43 @@ class _Units:
 
 
 def _units(moved: _Segs, gl: int, kvl: int) -> tuple:
-    """Moved segments cut per KV head into units, grouped into streams (document, KV head,
-    executor), in canonical order (executor, owner, document, KV head, first row, first head).
-    Returns (unit arrays, stream ids, stream arrays)."""
-    k0 = moved.h0 // gl
-    k1 = (moved.h0 + moved.hc - 1) // gl
+    """Moved segments cut into units, grouped into streams (document, KV heads, executor), in
+    canonical order (executor, owner, document, KV head, first row, first head). A unit is
+    one KV head of a segment - or, with kvl > 1 where every moved segment of a (document,
+    executor) holds all the slice's heads, the segment over all its KV heads (a *whole* unit:
+    its Q rows and its stream's K/V prefix are contiguous in X). Returns (unit arrays, first
+    heads, head counts, KV heads, stream ids, stream arrays)."""
+    hl = gl * kvl
+    whole = np.zeros(len(moved), dtype=bool)
+    if kvl > 1 and len(moved):
+        key = moved.exe * (moved.doc.max(initial=0) + 1) + moved.doc
+        _, inv = np.unique(key, return_inverse=True)
+        part = np.zeros(inv.max(initial=-1) + 1, dtype=bool)
+        np.logical_or.at(part, inv, moved.hc != hl)
+        whole = ~part[inv]
+    k0 = np.where(whole, kvl, moved.h0 // gl)
+    k1 = np.where(whole, kvl, (moved.h0 + moved.hc - 1) // gl)
     n = k1 - k0 + 1
     src = np.repeat(np.arange(len(moved)), n)
-    kh = k0[src] + thd.within(n)
-    h0 = np.maximum(moved.h0[src], kh * gl)
-    h1 = np.minimum(moved.h0[src] + moved.hc[src], (kh + 1) * gl)
+    kh = k0[src] + thd.within(n)  # kvl: a whole unit (sorts after the document's KV heads)
+    w = whole[src]
+    h0 = np.where(w, 0, np.maximum(moved.h0[src], kh * gl))
+    h1 = np.where(w, hl, np.minimum(moved.h0[src] + moved.hc[src], (kh + 1) * gl))
     u = moved.take(src)
     o = np.lexsort((h0, u.a, kh, u.doc, u.owner, u.exe))
     u, kh, h0, h1 = u.take(o), kh[o], h0[o], h1[o]
-    skey = (u.exe * (u.doc.max(initial=0) + 1) + u.doc) * kvl + kh
+    skey = (u.exe * (u.doc.max(initial=0) + 1) + u.doc) * (kvl + 1) + kh
     stream = _runs_of(skey)
     first = np.r_[True, skey[1:] != skey[:-1]] if len(skey) else np.zeros(0, dtype=bool)
     sf = np.flatnonzero(first)
     n_units = np.diff(np.r_[sf, len(skey)])
     s_len = np.maximum.reduceat(u.b, sf) if len(sf) else np.zeros(0, dtype=_I64)
-    direct = (n_units == 1) & ((h1 - h0)[sf] == gl)
+    s_whole = kh[sf] == kvl
+    # the direct class: whole units with kvl > 1, one KV head's full group with kvl = 1
+    direct = (n_units == 1) & (s_whole if kvl > 1 else (h1 - h0)[sf] == gl)
     return (u, h0, h1 - h0, kh, stream,
             dict(owner=u.owner[sf], exe=u.exe[sf], ds=u.ds[sf], kh=kh[sf], len=s_len,
-                 direct=direct))
+                 width=np.where(s_whole, kvl, 1), direct=direct))
 
 
 def _subchunks_of(s_exe, s_size, s_direct, px: int, chunks: int) -> np.ndarray:
@@ -539,7 +556,8 @@ def _exchange(units_info, px: int, me: int, chunks: int, hl: int, kvl: int) -> t
         return [], Gather.of([], [], [], []), Gather.of([], [], [], [])
     q_vec = (u.b - u.a) * uhc  # per unit
     s_q = np.bincount(stream, weights=q_vec, minlength=len(st["len"])).astype(_I64)
-    s_size = s_q + 2 * st["len"]
+    s_kv = st["len"] * st["width"]  # K vectors per stream (V the same)
+    s_size = s_q + 2 * s_kv
     s_sub = _subchunks_of(st["exe"], s_size, st["direct"], px, chunks)
     u_sub = s_sub[stream]
     active = np.unique(s_sub)  # sub-chunks with traffic, renumbered without gaps
@@ -549,7 +567,7 @@ def _exchange(units_info, px: int, me: int, chunks: int, hl: int, kvl: int) -> t
     cell_u = (u_sub * px + u.owner) * px + u.exe
     cell_s = (s_sub * px + st["owner"]) * px + st["exe"]
     nq = np.bincount(cell_u, weights=q_vec, minlength=n_sub * px * px).astype(_I64)
-    nkv = np.bincount(cell_s, weights=st["len"], minlength=n_sub * px * px).astype(_I64)
+    nkv = np.bincount(cell_s, weights=s_kv, minlength=n_sub * px * px).astype(_I64)
     nq, nkv = nq.reshape(n_sub, px, px), nkv.reshape(n_sub, px, px)
     # my send gathers: units (and streams) I own, in (sub-chunk, executor, canonical) order
     mine_u = np.flatnonzero(u.owner == me)
@@ -558,7 +576,9 @@ def _exchange(units_info, px: int, me: int, chunks: int, hl: int, kvl: int) -> t
                        uhc[mine_u], hl)
     mine_s = np.flatnonzero(st["owner"] == me)
     mine_s = mine_s[np.lexsort((mine_s, st["exe"][mine_s], s_sub[mine_s]))]
-    send_kv = Gather.of(st["ds"][mine_s] * kvl + st["kh"][mine_s], st["len"][mine_s], 1, kvl)
+    whole = st["width"][mine_s] > 1  # all KV heads: from the first
+    send_kv = Gather.of(st["ds"][mine_s] * kvl + np.where(whole, 0, st["kh"][mine_s]),
+                        st["len"][mine_s], st["width"][mine_s], kvl)
     subs = []
     q_send_off = kv_send_off = 0
     for k in range(n_sub):
@@ -583,19 +603,20 @@ def _executor_calls(sc: SubChunk, k: int, units_info, u_sub, s_sub, me: int, px:
         return
     sel = sel[np.lexsort((sel, u.owner[sel]))]  # receive order: owner, then canonical
     rows = u.b[sel] - u.a[sel]
-    if sc.direct:  # one unit per stream, full class: the received buffers as they are
-        sc.call = CallPlan.of(gl, 1, rows, u.b[sel])
+    if sc.direct:  # one unit per stream, the direct class: the received buffers as they are
+        kvl = int(st["width"][stream[sel]].max())  # whole units, or one KV head's group
+        sc.call = CallPlan.of(gl * kvl, kvl, rows, u.b[sel])
         return
     # streams of this sub-chunk in receive order, and where each unit's Q and stream's K land
     ss = np.flatnonzero((st["exe"] == me) & (s_sub == k))
     ss = ss[np.lexsort((ss, st["owner"][ss]))]
     s_off = np.zeros(len(st["len"]), dtype=_I64)
-    s_off[ss] = _excl(st["len"][ss])
-    one = np.ones(len(sel), dtype=_I64)
+    s_off[ss] = _excl(st["len"][ss] * st["width"][ss])
+    width = st["width"][stream[sel]]
     sc.packs = _pack_calls(_Pieces(
         q_base=_excl(rows * uhc[sel]), q_rstride=uhc[sel], q_h0=uh0[sel],
-        k_base=s_off[stream[sel]], k_rstride=one, k_h0=ukh[sel], rows=rows, k_rows=u.b[sel],
-        h0=uh0[sel], hc=uhc[sel]), gl)
+        k_base=s_off[stream[sel]], k_rstride=width, k_h0=np.where(width > 1, 0, ukh[sel]),
+        rows=rows, k_rows=u.b[sel], h0=uh0[sel], hc=uhc[sel]), gl)
 
 
 # ------------------------------------------------------------------------------------------
@@ -771,6 +792,98 @@ def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> lis
 # ------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Messages:
+    """This rank's pool messages, per sub-chunk k and member j (send order), sent and received
+    point to point, in place where they can be: a message that is one contiguous range of
+    X-flat vectors (a contiguous piece: all heads of the slice with kvl = 1, or a whole-slice
+    unit) is sent from X itself, and its returned O / dQ land in O / dQ there; the others
+    travel through one fused gather (out) and one fused scatter (back). K and V gradients
+    always come back into a buffer: they are added to the local ones."""
+
+    q_start: list
+    """[k][j]: the message's first Xq-flat vector when it is contiguous, else -1."""
+    kv_start: list
+    q_rest_off: list
+    """[k][j]: where a non-contiguous Q message lies in the gathered rest (-1: in place)."""
+    kv_rest_off: list
+    q_rest: torch.Tensor
+    """Xq-flat vectors of the non-contiguous Q messages, in send order (device)."""
+    kv_rest: torch.Tensor
+    q_pos: list
+    """[k][j]: where the message lies among all of send_q's vectors (a source or destination
+    that is not contiguous - the layer's own Q/K/V at C = 1 can be views into a fused
+    projection - sends and receives every message through the whole gather, as laid out
+    there)."""
+    kv_pos: list
+
+    @property
+    def in_place(self) -> int:
+        """Messages sent in place (Q and K/V counted apiece)."""
+        return sum(x >= 0 for row in self.q_start + self.kv_start for x in row)
+
+
+def contiguous_starts(runs: np.ndarray, sizes) -> list:
+    """For consecutive messages of `sizes` vectors over a gather's runs (in run order), each
+    message's first vector when its vectors are one contiguous range, else -1: O(runs), no
+    work per vector."""
+    runs = np.asarray(runs, dtype=_I64).reshape(-1, 4)
+    base, rows, width, stride = runs.T
+    pos = np.r_[0, np.cumsum(rows * width)]
+    whole = (width == stride) | (rows == 1)  # each run one range
+    end = base + (rows - 1) * stride + width
+    joins = np.r_[False, base[1:] == end[:-1]]  # run i goes on where run i - 1 ends
+    bad = np.r_[0, np.cumsum(~whole)]
+    gaps = np.r_[0, np.cumsum(~joins)]
+    out, p = [], 0
+    for n in sizes:
+        n = int(n)
+        i0, i1 = np.searchsorted(pos, p), np.searchsorted(pos, p + n)
+        ok = (n > 0 and i1 < len(pos) and pos[i0] == p and pos[i1] == p + n
+              and bad[i1] == bad[i0] and gaps[i1] - gaps[i0 + 1] == 0)
+        out.append(int(base[i0]) if ok else -1)
+        p += n
+    return out
+
+
+def _messages(prog: "SlotProgram", q_runs: np.ndarray, kv_runs: np.ndarray) -> "Messages | None":
+    """The layout of `prog`'s pool messages (host runs of its send gathers, whose device
+    indices are expanded already); None for a program without sub-chunks."""
+    subs = prog.subchunks
+    if not subs:
+        return None
+    px = len(subs[0].q_send)
+    qs = [n for sc in subs for n in sc.q_send]
+    kvs = [n for sc in subs for n in sc.kv_send]
+
+    def layout(starts, sizes, idx):
+        """(per message its offset in the gathered rest or -1, the rest's indices): the rest
+        is every message (no slicing) when none is contiguous."""
+        offs, parts, pos, off = [], [], 0, 0
+        for x, n in zip(starts, sizes):
+            offs.append(-1 if x >= 0 else off)
+            if x < 0 and n:
+                parts.append((pos, n))
+                off += n
+            pos += n
+        if off == pos:
+            rest = idx
+        else:
+            rest = torch.cat([idx[a:a + n] for a, n in parts]) if parts else idx[:0]
+        return [offs[k * px:(k + 1) * px] for k in range(len(subs))], rest
+
+    def per_sub(x):
+        return [list(x[k * px:(k + 1) * px]) for k in range(len(subs))]
+
+    q = contiguous_starts(q_runs, qs)
+    kv = contiguous_starts(kv_runs, kvs)
+    q_off, q_rest = layout(q, qs, prog.send_q.idx)
+    kv_off, kv_rest = layout(kv, kvs, prog.send_kv.idx)
+    return Messages(per_sub(q), per_sub(kv), q_off, kv_off, q_rest, kv_rest,
+                    per_sub(_excl(np.asarray(qs, dtype=_I64)).tolist()),
+                    per_sub(_excl(np.asarray(kvs, dtype=_I64)).tolist()))
+
+
 def _walk(prog):
     """(holder, attribute) of every host array of a program, in a fixed order (a call's cu_q
     right before its cu_k). `stage_program` in cpp/src/program.cpp lays out the C++ compiler's
@@ -885,6 +998,7 @@ def upload(prog, device: torch.device | str, pin: bool | None = None, device_buf
     else:
         buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
     host_np = host.numpy()
+    host_runs = {}
     o = 0
     for (h, a), n in zip(_walk(dev), prog.sizes):
         v, hv = buf[o : o + n], host_np[o : o + n]
@@ -899,5 +1013,8 @@ def upload(prog, device: torch.device | str, pin: bool | None = None, device_buf
         else:
             h.runs = v.view(-1, 4)
             h.idx = expand_runs(h.runs, h.size)
+            host_runs[id(h)] = hv
     dev._keep = [host, buf]
+    if isinstance(dev, SlotProgram):
+        dev.messages = _messages(dev, host_runs[id(dev.send_q)], host_runs[id(dev.send_kv)])
     return dev

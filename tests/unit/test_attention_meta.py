@@ -48,10 +48,12 @@ def _local(x, idx):
     return pad[torch.as_tensor(np.where(idx >= 0, idx, len(x)))].clone()
 
 
-def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True, rebuild=False):
-    """Forward and backward of every rank of replica's exchange pool for `slot`, each a thread.
-    Returns {(member, cp rank): (program, output, (dq, dk, dv), counter)} and per member the
-    sequence's (lengths, q, k, v, dout)."""
+def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True, rebuild=False,
+             fused=False):
+    """Forward and backward of every rank of replica's exchange pool for `slot`, each a thread
+    (`fused`: q, k and v are views of one [t, h + 2 hkv, d] tensor, as split from a fused QKV
+    projection - not contiguous). Returns {(member, cp rank): (program, output, (dq, dk, dv),
+    counter)} and per member the sequence's (lengths, q, k, v, dout)."""
     px, C = plan.exchange_pool, plan.cp
     base = replica // px * px
     h, d = plan.heads_local * C, D_HEAD
@@ -79,15 +81,22 @@ def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True, rebuild=F
         if not L:
             idx = np.full_like(idx, -1)
         leaves = [_local(x, idx).requires_grad_() for x in (q, k, v)]
+        inputs = leaves
+        if fused:
+            qkv = torch.cat(leaves, dim=1).detach().requires_grad_()
+            leaves = [qkv]
+            inputs = qkv.split([h, hkv, hkv], dim=1)
         env = ExecEnv(kernel=kernels.ReferenceBackend(), scale=SCALE, cp_group=cp_groups[m],
                       pool_group=pool_groups[c] if px > 1 else None, counter=ByteCounter(),
                       stats=RuntimeStats(), pipelined=pipelined, rebuild=rebuild)
         fn = PerDocAttention if isinstance(prog, meta.WlbProgram) else PlannedAttention
-        out = fn.apply(*leaves, prog, env)
+        out = fn.apply(*inputs, prog, env)
         g = _local(dout, idx)
         g[torch.as_tensor(idx < 0)] = torch.randn(int((idx < 0).sum()), h, d,
                                                   dtype=torch.float64)  # must not leak
         grads = torch.autograd.grad(out, leaves, g.view(out.shape))
+        if fused:
+            grads = grads[0].split([h, hkv, hkv], dim=1)
         return prog, out.detach().view(-1, h, d), grads, env.counter, idx
 
     members = [(m, c) for m in range(px) for c in range(C)]
@@ -138,7 +147,7 @@ def test_every_rank_of_a_pool_gets_exact_attention_and_gradients(system, data):
     replica = data.draw(st.integers(0, layout.dp - 1))
     slot = data.draw(st.integers(0, plan.slots - 1))
     results = check_pool(plan, replica, slot, chunks, _kv_heads(layout, model),
-                         pipelined=data.draw(st.booleans()))
+                         pipelined=data.draw(st.booleans()), fused=data.draw(st.booleans()))
     if system == "wlb":
         return
     px = plan.exchange_pool
@@ -234,6 +243,38 @@ def test_calls_and_descriptors_do_not_grow_with_tiles_or_documents(workload, chu
             # descriptors: one gather run per moved unit / stream, never one per vector
             runs = sum(len(g.runs) for g in (p.send_q, p.send_kv))
             assert runs <= 2 * p.n_q_send and p.send_q.size == p.n_q_send
+
+
+def test_contiguous_messages_are_found_from_the_runs():
+    # runs (base, rows, width, stride): [0, 8) then [8, 20) join; a strided run does not; a
+    # message must start and end at run boundaries
+    runs = np.array([[0, 2, 4, 4], [8, 3, 4, 4], [100, 2, 1, 3], [50, 1, 6, 6]])
+    assert meta.contiguous_starts(runs, [20, 2, 6]) == [0, -1, 50]
+    assert meta.contiguous_starts(runs, [8, 12, 8]) == [0, 8, -1]  # the last spans two runs
+    assert meta.contiguous_starts(runs, [0, 28]) == [-1, -1]
+    assert meta.contiguous_starts(np.zeros((0, 4)), [0]) == [-1]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_moved_pieces_are_sent_and_received_in_place(kv_heads):
+    """With whole pieces moved (all heads of the slice), each message to an executor is one
+    contiguous range of X - per KV head with kvl = 1 (kv_heads 2 at cp 2), as whole units with
+    kvl > 1 (kv_heads 4) - so nothing is gathered for it; the pool stays exact."""
+    model = ModelConfig(hidden=64, heads=8, kv_heads=kv_heads, head_dim=D_HEAD, ffn=64,
+                        layers=1, moe_topk=0, moe_ffn=0)
+    layout = LayoutConfig(dp=2, cp=2, pool_size=2, context=512)
+    plan = Planner(layout, model, PlannerOptions(system="libra")).plan(
+        [[400, 60, 52], [64] * 8], flush=True)
+    progs = [meta.upload(meta.compile_slot(plan, r, 0, 2), "cpu") for r in range(2)]
+    owner = max(progs, key=lambda p: p.n_q_send)
+    assert owner.n_q_send > 0 and owner.messages.in_place > 0
+    assert owner.messages.q_rest.numel() == 0 and owner.messages.kv_rest.numel() == 0
+    if kv_heads // layout.cp > 1:  # whole units: the executor runs (hl, kvl) on what arrives
+        exe = progs[1 - progs.index(owner)]
+        calls = [sc.call for sc in exe.subchunks if sc.call is not None]
+        assert calls and all((c.hc, c.hk) == (4, 2) for c in calls)
+    for fused in (False, True):  # a fused QKV's views: not contiguous, sent from the gather
+        check_pool(plan, 0, 0, 2, kv_heads, fused=fused)
 
 
 def test_parts_balance_the_bytes_each_executor_receives():

@@ -297,6 +297,26 @@ def _fake_all_to_all(log: CollectiveLog):
     return all_to_all
 
 
+def _fake_send_recv(log: CollectiveLog):
+    def send_recv(transfers, group, counter, async_op=False):
+        size = _group_size(group)
+        for kind, sends, recvs in transfers:
+            for what, pairs in (("send", sends), ("receive", recvs)):
+                for j, t in pairs:
+                    if not 0 <= j < size:
+                        raise StandInError(f"{kind}: {what} with member {j} of a group of {size}")
+                    if not t.is_contiguous():
+                        raise StandInError(f"{kind}: {what} of a non-contiguous tensor "
+                                           f"{tuple(t.shape)} / {t.stride()}")
+                    if t.device != (sends or recvs)[0][1].device:
+                        raise StandInError(f"{kind}: {what} on {t.device}, the transfer's other "
+                                           f"tensors on {(sends or recvs)[0][1].device}")
+            log.calls.append((kind, size, sum(t.numel() * t.element_size() for _, t in sends)))
+        return _Done() if async_op and transfers else None
+
+    return send_recv
+
+
 def _fake_all_gather_rows(log: CollectiveLog):
     def all_gather_rows(x, group, counter, kind):
         size = _group_size(group)
@@ -311,12 +331,13 @@ def fake_collectives():
     """The operator's all-to-alls and all-gathers replaced by checking stand-ins; yields their
     log."""
     log = CollectiveLog()
-    saved = (exchange.all_to_all, exchange.all_gather_rows)
-    exchange.all_to_all, exchange.all_gather_rows = _fake_all_to_all(log), _fake_all_gather_rows(log)
+    saved = (exchange.all_to_all, exchange.all_gather_rows, exchange.send_recv)
+    exchange.all_to_all, exchange.all_gather_rows, exchange.send_recv = (
+        _fake_all_to_all(log), _fake_all_gather_rows(log), _fake_send_recv(log))
     try:
         yield log
     finally:
-        exchange.all_to_all, exchange.all_gather_rows = saved
+        exchange.all_to_all, exchange.all_gather_rows, exchange.send_recv = saved
 
 
 # -- torch.distributed with fake tensors (the training step's own collectives) ----------------
