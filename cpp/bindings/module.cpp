@@ -735,7 +735,8 @@ void bind_program(py::module_& m) {
                 sc.direct, sc.part, py::cast(sc.q_send), py::cast(sc.kv_send),
                 py::cast(sc.q_recv), py::cast(sc.kv_recv), sc.q_send_off, sc.kv_send_off,
                 sc.has_call ? py::object(call(std::move(sc.call))) : py::object(py::none()),
-                packs(std::move(sc.packs))));
+                packs(std::move(sc.packs)), py::cast(sc.q_ranges), py::cast(sc.kv_ranges),
+                py::cast(sc.q_recv_ranges), py::cast(sc.kv_recv_ranges)));
           out.append(py::make_tuple(prog.t, prog.tokens, prog.executed,
                                     call(std::move(prog.direct)), packs(std::move(prog.lpacks)),
                                     subs, gather(std::move(prog.send_q)),
@@ -751,7 +752,9 @@ void bind_program(py::module_& m) {
       "distca, ulysses), each as nested tuples: (t, tokens, tiles executed, direct call, local "
       "packs, sub-chunks, send_q, send_kv, staged); a call is (hc, hk, cu_q, cu_k, max_q, max_k), a "
       "gather (runs [n, 4], size), a pack (call, q, k), a sub-chunk (direct, part, q_send, "
-      "kv_send, q_recv, kv_recv, q_send_off, kv_send_off, call or None, packs). The plan is read "
+      "kv_send, q_recv, kv_recv, q_send_off, kv_send_off, call or None, packs, then its ranges "
+      "sent - (member, vectors, first vector or -1) triples, flat - and received - (member, "
+      "vectors) pairs, flat - for Q and for K/V). The plan is read "
       "once; the GIL is released while they compile. A ninth entry is the program staged: (its "
       "arrays as one int32 buffer in meta._walk's order, their sizes), or None when an entry "
       "does not fit in int32.",

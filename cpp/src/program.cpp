@@ -359,6 +359,68 @@ void executor_calls(ProgSub& sc, i64 k, const std::vector<Unit>& u, const V& u_s
   sc.packs = pack_calls(p, gl);
 }
 
+constexpr i64 kMaxInPlace = 4;  // meta.MAX_IN_PLACE
+
+// meta._ranges: a message's items (n vectors from start, ok where contiguous) in send order
+// as ranges (vectors, first vector or -1 for a range that travels gathered).
+std::vector<std::pair<i64, i64>> ranges_of(const V& start, const V& n,
+                                           const std::vector<char>& ok) {
+  struct R {
+    i64 c, x;
+    bool o;
+  };
+  std::vector<R> rs;
+  for (size_t i = 0; i < start.size(); ++i) {
+    if (n[i] == 0) continue;
+    const bool o = ok[i];
+    if (!rs.empty() &&
+        ((o && rs.back().o && rs.back().x + rs.back().c == start[i]) || (!o && !rs.back().o)))
+      rs.back().c += n[i];
+    else
+      rs.push_back({n[i], start[i], o});
+  }
+  std::vector<size_t> placed;
+  for (size_t i = 0; i < rs.size(); ++i)
+    if (rs[i].o) placed.push_back(i);
+  if (static_cast<i64>(placed.size()) > kMaxInPlace) {  // the largest stay, the earlier on ties
+    std::vector<size_t> by = placed;
+    std::stable_sort(by.begin(), by.end(), [&](size_t a, size_t b) { return rs[a].c > rs[b].c; });
+    std::vector<char> keep(rs.size(), 0);
+    for (i64 i = 0; i < kMaxInPlace; ++i) keep[by[static_cast<size_t>(i)]] = 1;
+    for (size_t i : placed) rs[i].o = keep[i] != 0;
+  }
+  std::vector<std::pair<i64, i64>> out;
+  for (const R& r : rs) {
+    if (!out.empty() && !r.o && out.back().second < 0)
+      out.back().first += r.c;
+    else
+      out.push_back({r.c, r.o ? r.x : -1});
+  }
+  return out;
+}
+
+// meta._message_ranges: (Q ranges, K ranges) of sub-chunk k's message from owner to exe.
+std::pair<std::vector<std::pair<i64, i64>>, std::vector<std::pair<i64, i64>>> message_ranges(
+    const std::vector<Unit>& u, const V& u_sub, const std::vector<Stream>& st, i64 k, i64 owner,
+    i64 exe, i64 hl, i64 kvl) {
+  V qs, qn, ks, kn;
+  std::vector<char> qok, kok;
+  for (size_t i = 0; i < u.size(); ++i) {
+    const Unit& x = u[i];
+    if (x.owner != owner || x.exe != exe || u_sub[i] != k) continue;
+    qs.push_back((x.ds + x.a) * hl + x.h0);
+    qn.push_back((x.b - x.a) * x.hc);
+    qok.push_back(x.hc == hl || x.b - x.a == 1);
+  }
+  for (const Stream& s : st) {
+    if (s.owner != owner || s.exe != exe || s.sub != k) continue;
+    ks.push_back(s.ds * kvl + (s.width > 1 ? 0 : s.kh));
+    kn.push_back(s.len * s.width);
+    kok.push_back(s.width == kvl || s.len == 1);
+  }
+  return {ranges_of(qs, qn, qok), ranges_of(ks, kn, kok)};
+}
+
 // meta._exchange: the sub-chunks seen from member `me` and its send gathers.
 void exchange(Program& prog, const std::vector<Seg>& moved, i64 px, i64 me, i64 chunks, i64 hl,
               i64 kvl) {
@@ -426,6 +488,19 @@ void exchange(Program& prog, const std::vector<Seg>& moved, i64 px, i64 me, i64 
     sc.kv_send_off = kv_send_off;
     q_send_off += std::accumulate(sc.q_send.begin(), sc.q_send.end(), i64(0));
     kv_send_off += std::accumulate(sc.kv_send.begin(), sc.kv_send.end(), i64(0));
+    for (i64 m = 0; m < px; ++m) {
+      const size_t j = static_cast<size_t>(m);
+      if (sc.q_send[j] || sc.kv_send[j]) {
+        const auto [q, kv] = message_ranges(u, u_sub, st, k, me, m, hl, kvl);
+        for (const auto& [c, x] : q) sc.q_ranges.insert(sc.q_ranges.end(), {m, c, x});
+        for (const auto& [c, x] : kv) sc.kv_ranges.insert(sc.kv_ranges.end(), {m, c, x});
+      }
+      if (sc.q_recv[j] || sc.kv_recv[j]) {
+        const auto [q, kv] = message_ranges(u, u_sub, st, k, m, me, hl, kvl);
+        for (const auto& [c, x] : q) sc.q_recv_ranges.insert(sc.q_recv_ranges.end(), {m, c});
+        for (const auto& [c, x] : kv) sc.kv_recv_ranges.insert(sc.kv_recv_ranges.end(), {m, c});
+      }
+    }
     executor_calls(sc, k, u, u_sub, st, me, gl);
     prog.subchunks.push_back(std::move(sc));
   }

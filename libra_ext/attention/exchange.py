@@ -6,17 +6,17 @@
                 Xk, Xv [S', kvl, d]: the sequence in order (contiguous layout), this rank's
                 head slice; with C = 1 the inputs themselves (no copy at all)
             pool exchange: every sub-chunk's Q / K / V messages posted at once, point to
-                point - a message that is one contiguous piece of X sent from X itself, the
-                others built by one gather (Q, K and V together)
+                point, range by range - a range that is one contiguous run of X sent from X
+                itself, the others built by one gather (Q, K and V together)
             direct call on X itself -> O [S', hl, d], the layer's output buffer; local packs
                 (rare) scattered into it; meanwhile the exchange is in flight
             sub-chunk k: wait, one call on the received buffers as they are (packs for the
-                rare rest), its O straight back (async) - into O itself for an in-place message
+                rare rest), its O straight back (async) - into O itself for an in-place range
             the other returned O scattered into O --Ulysses all-to-all--> [t, h*d]
   backward  the mirror: dO to the executors first (in place, the rest by one gather,
             sub-chunks last first), the direct call's own backward (its dQ/dK/dV are X's),
             local packs added in, each sub-chunk's kernel backward on the executor straight
-            back to the owners (an in-place message's dQ into dQ itself), the other returned
+            back to the owners (an in-place range's dQ into dQ itself), the other returned
             dQ written and every dK/dV added (one scatter), Ulysses back.
 
 `PerDocAttention` (wlb, cp > 1): K and V all-gathered in the CP group, the rank's chunks of
@@ -354,24 +354,13 @@ def _wait(works: list, env: ExecEnv) -> None:
             w.wait()
 
 
-def _pieces(buf, sizes) -> list:
-    """(member, rows) of a buffer laid out member after member (`sizes` vectors each), for the
-    members it holds rows of."""
-    out, o = [], 0
-    for j, n in enumerate(sizes):
-        if n:
-            out.append((j, buf[o:o + n]))
-        o += n
-    return out
-
-
 class _Exchange:
     """The pool exchange of one layer call: messages, the executor's calls, the returns.
 
-    Messages travel point to point, one batch per sub-chunk and direction
-    (`SlotProgram.messages`, set by `meta.upload`): a message that is one contiguous range of
-    X (of dO) is sent from there and its returned O (dQ) lands in O (dQ) there; only the other
-    messages are gathered (one fused gather per direction) and scattered back (one fused
+    Messages travel point to point, one batch per sub-chunk and direction, range by range
+    (`SlotProgram.messages`, set by `meta.upload`): a range that is one contiguous run of X (of
+    dO) is sent from there and its returned O (dQ) lands in O (dQ) there; only the other
+    ranges are gathered (one fused gather per direction) and scattered back (one fused
     scatter)."""
 
     def __init__(self, prog: SlotProgram, env: ExecEnv, d: int, dtype, device):
@@ -396,37 +385,32 @@ class _Exchange:
         return self.new(self.prog.n_q_send if whole else int(self.m.q_rest.shape[0])), whole
 
     def _send(self, k: int, parts: list) -> list:
-        """Sub-chunk k's messages out to the executors: parts (kind, q, source, its
-        `_outgoing`, the buffer this rank receives into). Returns the posted transfers."""
-        sc = self.prog.subchunks[k]
+        """Sub-chunk k's messages out to the executors, range by range: parts (kind, q,
+        source, its `_outgoing`, the buffer this rank receives into). Returns the posted
+        transfers."""
         m, transfers = self.m, []
         for kind, q, src, (g, whole), buf in parts:
-            sizes = sc.q_send if q else sc.kv_send
-            starts = (m.q_start if q else m.kv_start)[k]
-            offs = (m.q_pos if q else m.kv_pos)[k] if whole else \
-                (m.q_rest_off if q else m.kv_rest_off)[k]
-            sends = [(j, src[x:x + n] if x >= 0 and not whole else g[o:o + n])
-                     for j, (n, x, o) in enumerate(zip(sizes, starts, offs)) if n]
-            transfers.append((kind, sends, _pieces(buf, sc.q_recv if q else sc.kv_recv)))
+            sends = [(j, g[pos:pos + n] if whole else src[x:x + n] if x >= 0 else g[o:o + n])
+                     for j, n, x, o, pos in (m.q_send if q else m.kv_send)[k]]
+            recvs = [(i, buf[off:off + n]) for i, n, off in (m.q_recv if q else m.kv_recv)[k]]
+            transfers.append((kind, sends, recvs))
         return [send_recv(transfers, self.env.pool_group, self.env.counter, self.env.pipelined)]
 
     def _return(self, k: int, parts: list) -> list:
-        """Sub-chunk k's results back to their owners: parts (kind, q, this executor's
-        results in receive order, the owner's own flat buffer a Q-sized in-place message lands
-        in, (the buffer the others land in, whether all of them do): Q-sized ones at their
-        offsets in the gathered rest - or in send order, as K/V-sized ones always are).
-        Returns the posted transfers."""
-        sc = self.prog.subchunks[k]
-        ks = slice(sc.kv_send_off, sc.kv_send_off + sc.n_kv_send)
+        """Sub-chunk k's results back to their owners, range by range: parts (kind, q, this
+        executor's results in receive order, the owner's own flat buffer a Q-sized in-place
+        range lands in, (the buffer the others land in, whether all of them do): Q-sized ones
+        at their offsets in the gathered rest - or in send order, as K/V-sized ones always
+        are). Returns the posted transfers."""
         m, transfers = self.m, []
         for kind, q, msg, dest, (ret, whole) in parts:
+            sends = [(i, msg[off:off + n]) for i, n, off in (m.q_recv if q else m.kv_recv)[k]]
             if q:
-                offs = m.q_pos[k] if whole else m.q_rest_off[k]
-                recvs = [(j, dest[x:x + n] if x >= 0 and not whole else ret[o:o + n])
-                         for j, (n, x, o) in enumerate(zip(sc.q_send, m.q_start[k], offs)) if n]
+                recvs = [(j, ret[pos:pos + n] if whole else dest[x:x + n] if x >= 0 else
+                          ret[o:o + n]) for j, n, x, o, pos in m.q_send[k]]
             else:
-                recvs = _pieces(ret[ks], sc.kv_send)
-            transfers.append((kind, _pieces(msg, sc.q_recv if q else sc.kv_recv), recvs))
+                recvs = [(j, ret[pos:pos + n]) for j, n, _, _, pos in m.kv_send[k]]
+            transfers.append((kind, sends, recvs))
         return [send_recv(transfers, self.env.pool_group, self.env.counter, self.env.pipelined)]
 
     def post_inputs(self, xqf, xkf, xvf) -> None:

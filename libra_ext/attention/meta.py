@@ -143,6 +143,13 @@ class SubChunk:
     kv_recv: list
     q_send_off: int
     kv_send_off: int
+    q_ranges: list = field(default_factory=list)
+    """This member's Q messages in send order as ranges (member, vectors, first Xq-flat vector
+    - or -1 for a range that travels gathered): `_ranges`."""
+    kv_ranges: list = field(default_factory=list)
+    q_recv_ranges: list = field(default_factory=list)
+    """The ranges this member receives, (member, vectors), in receive order: each sender's."""
+    kv_recv_ranges: list = field(default_factory=list)
     call: CallPlan | None = None
     """direct: the call over this sub-chunk's received Q / K / V regions."""
     packs: list = field(default_factory=list)
@@ -196,8 +203,8 @@ class SlotProgram:
     _keep: list = field(default_factory=list, repr=False)
     _staged: tuple | None = field(default=None, repr=False, compare=False)
     messages: "Messages | None" = field(default=None, repr=False, compare=False)
-    """Set by `upload` (with sub-chunks): where this rank's pool messages lie in its own
-    buffers, which of them are sent and received in place."""
+    """Set by `upload` (with sub-chunks): where this rank's pool messages' ranges lie in its
+    own buffers, which of them are sent and received in place."""
     """(its arrays as one int32 buffer in `_walk`'s order, their sizes), made by the C++
     compiler with the GIL released; `stage` takes it instead of concatenating the arrays."""
 
@@ -549,6 +556,58 @@ def _subchunks_of(s_exe, s_size, s_direct, px: int, chunks: int) -> np.ndarray:
     return 2 * part + (~s_direct).astype(_I64)
 
 
+MAX_IN_PLACE = 4
+"""In-place ranges per message at most (each one point-to-point transfer): beyond them a
+message's smaller ranges travel gathered, so a message costs a bounded number of transfers
+however many documents it carries."""
+
+
+def _ranges(start, n, ok, limit: int = MAX_IN_PLACE) -> list:
+    """A message's items - `n` vectors from `start` each, `ok` where they are one contiguous
+    range - in send order, as ranges [(vectors, first vector or -1)]: consecutive ok items
+    that continue one another form one range sent in place, consecutive other items one range
+    that travels gathered (-1). Beyond `limit` in-place ranges the smaller ones (the later
+    among equals) travel gathered too, merged with gathered neighbours."""
+    rs = []  # [vectors, start, in place]
+    for x, c, o in zip(start, n, ok):
+        x, c, o = int(x), int(c), bool(o)
+        if c == 0:
+            continue
+        if rs and (o and rs[-1][2] and rs[-1][1] + rs[-1][0] == x or not o and not rs[-1][2]):
+            rs[-1][0] += c
+        else:
+            rs.append([c, x, o])
+    placed = [i for i, r in enumerate(rs) if r[2]]
+    if len(placed) > limit:
+        keep = set(sorted(placed, key=lambda i: (-rs[i][0], i))[:limit])
+        for i in placed:
+            rs[i][2] = i in keep
+    out = []
+    for c, x, o in rs:
+        if out and not o and out[-1][1] < 0:
+            out[-1][0] += c
+        else:
+            out.append([c, x if o else -1])
+    return [(c, x) for c, x in out]
+
+
+def _message_ranges(units_info, u_sub, s_sub, k: int, owner: int, exe: int, hl: int,
+                    kvl: int) -> tuple:
+    """(Q ranges, K ranges) of the message of sub-chunk k from `owner` to `exe`: its units
+    (streams) in canonical order, a unit's Q rows contiguous in Xq where it holds every head
+    of the slice (or one row), a stream's prefix in Xk where it holds every KV head (or one
+    row)."""
+    u, uh0, uhc, ukh, stream, st = units_info
+    su = np.flatnonzero((u.owner == owner) & (u.exe == exe) & (u_sub == k))
+    q = _ranges((u.ds[su] + u.a[su]) * hl + uh0[su], (u.b[su] - u.a[su]) * uhc[su],
+                (uhc[su] == hl) | (u.b[su] - u.a[su] == 1))
+    ss = np.flatnonzero((st["owner"] == owner) & (st["exe"] == exe) & (s_sub == k))
+    w = st["width"][ss]
+    kv = _ranges(st["ds"][ss] * kvl + np.where(w > 1, 0, st["kh"][ss]), st["len"][ss] * w,
+                 (w == kvl) | (st["len"][ss] == 1))
+    return q, kv
+
+
 def _exchange(units_info, px: int, me: int, chunks: int, hl: int, kvl: int) -> tuple:
     """The sub-chunks of the exchange seen from member `me` and its send gathers."""
     u, uh0, uhc, ukh, stream, st = units_info
@@ -588,6 +647,15 @@ def _exchange(units_info, px: int, me: int, chunks: int, hl: int, kvl: int) -> t
                       kv_recv=nkv[k, :, me].tolist(), q_send_off=q_send_off,
                       kv_send_off=kv_send_off)
         q_send_off, kv_send_off = q_send_off + sc.n_q_send, kv_send_off + sc.n_kv_send
+        for j in range(px):
+            if sc.q_send[j] or sc.kv_send[j]:
+                q, kv = _message_ranges(units_info, u_sub, s_sub, k, me, j, hl, kvl)
+                sc.q_ranges += [(j, c, x) for c, x in q]
+                sc.kv_ranges += [(j, c, x) for c, x in kv]
+            if sc.q_recv[j] or sc.kv_recv[j]:
+                q, kv = _message_ranges(units_info, u_sub, s_sub, k, j, me, hl, kvl)
+                sc.q_recv_ranges += [(j, c) for c, _ in q]
+                sc.kv_recv_ranges += [(j, c) for c, _ in kv]
         _executor_calls(sc, k, units_info, u_sub, s_sub, me, px, hl // kvl)
         subs.append(sc)
     return subs, send_q, send_kv
@@ -680,10 +748,16 @@ def _program_of(plan: StepPlan, replica: int, slot: int, raw) -> SlotProgram:
         subchunks=[SubChunk(direct=d, part=part, q_send=qs, kv_send=ks, q_recv=qr, kv_recv=kr,
                             q_send_off=qo, kv_send_off=ko,
                             call=CallPlan(*call) if call is not None else None,
-                            packs=[_pack_of(p) for p in packs])
-                   for d, part, qs, ks, qr, kr, qo, ko, call, packs in subs],
+                            packs=[_pack_of(p) for p in packs], q_ranges=_tuples(qg, 3),
+                            kv_ranges=_tuples(kg, 3), q_recv_ranges=_tuples(qrg, 2),
+                            kv_recv_ranges=_tuples(krg, 2))
+                   for d, part, qs, ks, qr, kr, qo, ko, call, packs, qg, kg, qrg, krg in subs],
         send_q=Gather(*send_q), send_kv=Gather(*send_kv), tiles_executed=executed,
         _staged=staged)
+
+
+def _tuples(flat: list, n: int) -> list:
+    return [tuple(flat[i:i + n]) for i in range(0, len(flat), n)]
 
 
 def _pack_of(raw) -> PackCall:
@@ -794,94 +868,69 @@ def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> lis
 
 @dataclass
 class Messages:
-    """This rank's pool messages, per sub-chunk k and member j (send order), sent and received
-    point to point, in place where they can be: a message that is one contiguous range of
-    X-flat vectors (a contiguous piece: all heads of the slice with kvl = 1, or a whole-slice
-    unit) is sent from X itself, and its returned O / dQ land in O / dQ there; the others
-    travel through one fused gather (out) and one fused scatter (back). K and V gradients
-    always come back into a buffer: they are added to the local ones."""
+    """This rank's pool messages, sent and received point to point as the compiler cut them
+    into ranges (`SubChunk.q_ranges`, ...), in place where they can be: a range that is one
+    contiguous run of X-flat vectors is sent from X itself, and its returned O / dQ land in O
+    / dQ there; the other ranges travel through one fused gather (out) and one fused scatter
+    (back). K and V gradients always come back into a buffer: they are added to the local
+    ones."""
 
-    q_start: list
-    """[k][j]: the message's first Xq-flat vector when it is contiguous, else -1."""
-    kv_start: list
-    q_rest_off: list
-    """[k][j]: where a non-contiguous Q message lies in the gathered rest (-1: in place)."""
-    kv_rest_off: list
+    q_send: list
+    """[k]: (member, vectors, first Xq-flat vector or -1, offset in the gathered rest or -1,
+    offset among all of send_q's vectors) per range, in send order. A source or destination
+    that is not contiguous - the layer's own Q/K/V at C = 1 can be views into a fused QKV
+    projection - sends and receives every range through the whole gather, at the last
+    offset."""
+    kv_send: list
+    q_recv: list
+    """[k]: (member, vectors, offset in the sub-chunk's receive buffer) per range."""
+    kv_recv: list
     q_rest: torch.Tensor
-    """Xq-flat vectors of the non-contiguous Q messages, in send order (device)."""
+    """Xq-flat vectors of the ranges that travel gathered, in send order (device)."""
     kv_rest: torch.Tensor
-    q_pos: list
-    """[k][j]: where the message lies among all of send_q's vectors (a source or destination
-    that is not contiguous - the layer's own Q/K/V at C = 1 can be views into a fused
-    projection - sends and receives every message through the whole gather, as laid out
-    there)."""
-    kv_pos: list
 
     @property
     def in_place(self) -> int:
-        """Messages sent in place (Q and K/V counted apiece)."""
-        return sum(x >= 0 for row in self.q_start + self.kv_start for x in row)
+        """Ranges sent in place (Q and K/V counted apiece)."""
+        return sum(x >= 0 for row in self.q_send + self.kv_send for _, _, x, _, _ in row)
 
 
-def contiguous_starts(runs: np.ndarray, sizes) -> list:
-    """For consecutive messages of `sizes` vectors over a gather's runs (in run order), each
-    message's first vector when its vectors are one contiguous range, else -1: O(runs), no
-    work per vector."""
-    runs = np.asarray(runs, dtype=_I64).reshape(-1, 4)
-    base, rows, width, stride = runs.T
-    pos = np.r_[0, np.cumsum(rows * width)]
-    whole = (width == stride) | (rows == 1)  # each run one range
-    end = base + (rows - 1) * stride + width
-    joins = np.r_[False, base[1:] == end[:-1]]  # run i goes on where run i - 1 ends
-    bad = np.r_[0, np.cumsum(~whole)]
-    gaps = np.r_[0, np.cumsum(~joins)]
-    out, p = [], 0
-    for n in sizes:
-        n = int(n)
-        i0, i1 = np.searchsorted(pos, p), np.searchsorted(pos, p + n)
-        ok = (n > 0 and i1 < len(pos) and pos[i0] == p and pos[i1] == p + n
-              and bad[i1] == bad[i0] and gaps[i1] - gaps[i0 + 1] == 0)
-        out.append(int(base[i0]) if ok else -1)
-        p += n
-    return out
-
-
-def _messages(prog: "SlotProgram", q_runs: np.ndarray, kv_runs: np.ndarray) -> "Messages | None":
-    """The layout of `prog`'s pool messages (host runs of its send gathers, whose device
-    indices are expanded already); None for a program without sub-chunks."""
+def _messages(prog: "SlotProgram") -> "Messages | None":
+    """The layout of `prog`'s pool messages from its ranges (its send gathers' device indices
+    expanded already): O(ranges), no work per vector; None without sub-chunks."""
     subs = prog.subchunks
     if not subs:
         return None
-    px = len(subs[0].q_send)
-    qs = [n for sc in subs for n in sc.q_send]
-    kvs = [n for sc in subs for n in sc.kv_send]
 
-    def layout(starts, sizes, idx):
-        """(per message its offset in the gathered rest or -1, the rest's indices): the rest
-        is every message (no slicing) when none is contiguous."""
-        offs, parts, pos, off = [], [], 0, 0
-        for x, n in zip(starts, sizes):
-            offs.append(-1 if x >= 0 else off)
-            if x < 0 and n:
-                parts.append((pos, n))
+    def sends(attr, idx):
+        out, parts, pos, off = [], [], 0, 0
+        for sc in subs:
+            row = []
+            for j, n, x in getattr(sc, attr):
+                row.append((j, n, x, -1 if x >= 0 else off, pos))
+                if x < 0:
+                    parts.append((pos, n))
+                    off += n
+                pos += n
+            out.append(row)
+        if off == pos:  # everything gathered: the whole gather's indices as they are
+            return out, idx
+        return out, torch.cat([idx[a:a + n] for a, n in parts]) if parts else idx[:0]
+
+    def recvs(attr):
+        out = []
+        for sc in subs:
+            row, off = [], 0
+            for i, n in getattr(sc, attr):
+                row.append((i, n, off))
                 off += n
-            pos += n
-        if off == pos:
-            rest = idx
-        else:
-            rest = torch.cat([idx[a:a + n] for a, n in parts]) if parts else idx[:0]
-        return [offs[k * px:(k + 1) * px] for k in range(len(subs))], rest
+            out.append(row)
+        return out
 
-    def per_sub(x):
-        return [list(x[k * px:(k + 1) * px]) for k in range(len(subs))]
-
-    q = contiguous_starts(q_runs, qs)
-    kv = contiguous_starts(kv_runs, kvs)
-    q_off, q_rest = layout(q, qs, prog.send_q.idx)
-    kv_off, kv_rest = layout(kv, kvs, prog.send_kv.idx)
-    return Messages(per_sub(q), per_sub(kv), q_off, kv_off, q_rest, kv_rest,
-                    per_sub(_excl(np.asarray(qs, dtype=_I64)).tolist()),
-                    per_sub(_excl(np.asarray(kvs, dtype=_I64)).tolist()))
+    q_send, q_rest = sends("q_ranges", prog.send_q.idx)
+    kv_send, kv_rest = sends("kv_ranges", prog.send_kv.idx)
+    return Messages(q_send, kv_send, recvs("q_recv_ranges"), recvs("kv_recv_ranges"),
+                    q_rest, kv_rest)
 
 
 def _walk(prog):
@@ -998,7 +1047,6 @@ def upload(prog, device: torch.device | str, pin: bool | None = None, device_buf
     else:
         buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
     host_np = host.numpy()
-    host_runs = {}
     o = 0
     for (h, a), n in zip(_walk(dev), prog.sizes):
         v, hv = buf[o : o + n], host_np[o : o + n]
@@ -1013,8 +1061,7 @@ def upload(prog, device: torch.device | str, pin: bool | None = None, device_buf
         else:
             h.runs = v.view(-1, 4)
             h.idx = expand_runs(h.runs, h.size)
-            host_runs[id(h)] = hv
     dev._keep = [host, buf]
     if isinstance(dev, SlotProgram):
-        dev.messages = _messages(dev, host_runs[id(dev.send_q)], host_runs[id(dev.send_kv)])
+        dev.messages = _messages(dev)
     return dev

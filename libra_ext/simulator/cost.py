@@ -61,6 +61,12 @@ LAUNCHES_PER_SUBCHUNK = 3
 """Device ops one sub-chunk of the pool exchange adds to a layer call (its fused gathers, kernel
 calls and fused scatters, forward + backward; the gate: libra 8-10 forward and 9-13 backward
 at pool 2 and 8, against Ulysses's 6 / 7, over 2 x chunks sub-chunks)."""
+OWNER_GATHERED = 0.005
+"""The share of an owner's moved Q and K/V that travels gathered (its send gathered, its
+returned O and dQ scattered) rather than sent from X and received in place: 0 on the
+libra-256k preset at CP 8 and libra-1m at CP 16, 0.004 / 0.001 at CP 2 (DP 16, pool 8, two
+steps; 0.08-0.22 / 0.03-0.07 when a message had to be one contiguous range, 1 before the
+exchange went in place)."""
 EXECUTOR_PACKED = 0.2
 """The share of an executor's received units run from packs (gathered, their outputs and
 gradients scattered) rather than directly on the receive buffers: with TAP's contiguous pieces
@@ -78,9 +84,10 @@ def operator_time(plan: StepPlan, model: ModelConfig, hw: HardwareProfile,
     - Ulysses family at C > 1: a layout copy on one side of every all-to-all: 4 x (Q + K + V)
       + 4 x O;
     - libra / distca: per pool member, for the elements it sends as an owner (the plan's
-      exchange cells) 8 x Q (send gather, output placement, dO gather, dQ placement) and 5 x KV
-      (gather, gradient add), and for what it receives as an executor the same for the packed
-      share (EXECUTOR_PACKED);
+      exchange cells) 3 x KV (the returned gradients added) and, for the share that travels
+      gathered (OWNER_GATHERED), 8 x Q (send gather, output placement, dO gather, dQ
+      placement) and 2 x KV (gather); for what it receives as an executor 8 x Q and 5 x KV for
+      the packed share (EXECUTOR_PACKED);
     - wlb at C > 1: its key pack (about the sequence's K and V) gathered and, backward, added
       into a zeroed all-gather-sized buffer reduced over C.
     """
@@ -105,7 +112,7 @@ def operator_time(plan: StepPlan, model: ModelConfig, hw: HardwareProfile,
         q, kv = plan.xchg_q.astype(np.float64), plan.xchg_kv.astype(np.float64)
         eye = np.eye(px, dtype=bool)[None]
         q, kv = np.where(eye, 0.0, q), np.where(eye, 0.0, kv)
-        own = 8 * q.sum(axis=2) + 5 * kv.sum(axis=2)  # [G, P]: as owner
+        own = OWNER_GATHERED * (8 * q.sum(axis=2) + 2 * kv.sum(axis=2)) + 3 * kv.sum(axis=2)
         exe = EXECUTOR_PACKED * (8 * q.sum(axis=1) + 5 * kv.sum(axis=1))  # as executor
         per = (own + exe) * dt / hw.copy_bandwidth + LAUNCHES_PER_SUBCHUNK * 2 * chunks * \
             hw.launch * (q.sum(axis=2) + q.sum(axis=1) > 0)

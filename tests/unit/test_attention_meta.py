@@ -245,14 +245,19 @@ def test_calls_and_descriptors_do_not_grow_with_tiles_or_documents(workload, chu
             assert runs <= 2 * p.n_q_send and p.send_q.size == p.n_q_send
 
 
-def test_contiguous_messages_are_found_from_the_runs():
-    # runs (base, rows, width, stride): [0, 8) then [8, 20) join; a strided run does not; a
-    # message must start and end at run boundaries
-    runs = np.array([[0, 2, 4, 4], [8, 3, 4, 4], [100, 2, 1, 3], [50, 1, 6, 6]])
-    assert meta.contiguous_starts(runs, [20, 2, 6]) == [0, -1, 50]
-    assert meta.contiguous_starts(runs, [8, 12, 8]) == [0, 8, -1]  # the last spans two runs
-    assert meta.contiguous_starts(runs, [0, 28]) == [-1, -1]
-    assert meta.contiguous_starts(np.zeros((0, 4)), [0]) == [-1]
+def test_a_message_is_cut_into_ranges_sent_in_place_or_gathered():
+    # items (start, vectors, contiguous): [0, 8) and [8, 20) join; two strided items travel
+    # gathered together; a gap starts a new range
+    r = meta._ranges([0, 8, 100, 200, 50], [8, 12, 2, 3, 6], [True, True, False, False, True])
+    assert r == [(20, 0), (5, -1), (6, 50)]
+    assert meta._ranges([], [], []) == []
+    # beyond the limit the smaller in-place ranges travel gathered, merged with their
+    # gathered neighbours; the larger keep their place (the earlier among equals)
+    starts = [0, 100, 200, 300, 400, 500]
+    r = meta._ranges(starts, [5, 9, 5, 9, 9, 1], [True] * 6, limit=3)
+    assert r == [(5, -1), (9, 100), (5, -1), (9, 300), (9, 400), (1, -1)]
+    r = meta._ranges(starts, [5, 9, 5, 9, 9, 1], [True] * 6, limit=1)
+    assert r == [(5, -1), (9, 100), (24, -1)]
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])
@@ -356,8 +361,8 @@ def test_one_cp_rank_runs_one_call_on_the_inputs_themselves():
 
 def _assert_same_program(a, b, path="program"):
     """Two host programs equal field by field, array for array."""
-    if isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), path
+    if isinstance(a, (list, tuple)):
+        assert type(b) is type(a) and len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
             _assert_same_program(x, y, f"{path}[{i}]")
     elif hasattr(a, "__dataclass_fields__"):

@@ -50,6 +50,9 @@ struct ProgSub {
   i64 part = 0;
   std::vector<i64> q_send, kv_send, q_recv, kv_recv;  // vectors per member
   i64 q_send_off = 0, kv_send_off = 0;
+  // The messages cut into ranges (meta._ranges): sent, (member, vectors, first vector or -1)
+  // triples in send order; received, (member, vectors) pairs in receive order.
+  std::vector<i64> q_ranges, kv_ranges, q_recv_ranges, kv_recv_ranges;
   bool has_call = false;  // direct: the call over the received regions (when it receives any)
   ProgCall call;
   std::vector<ProgPack> packs;  // not direct: calls on packs gathered from the received regions

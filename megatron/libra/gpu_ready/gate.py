@@ -78,22 +78,22 @@ times its Q/K/V bytes: nothing needs to move there (measured: 0.01, a plain call
 EXTRA_BOUND_ULYSSES = 8.0
 """The same for Ulysses where ranks exchange: one layout copy on one side of each all-to-all,
 4 x (Q + K + V) + 4 x O (measured 7.21 at 32 / 4 heads)."""
-PEER_BOUND = 1.75
+PEER_BOUND = 1.25
 """Libra, DistCA and WLB-LLM where ranks exchange: extra device bytes at most this many times
 Ulysses's at the same layout and kernel. Measured on the gate's sequences (one replica holds a
-document of half the sequence, so most of its tiles move): 1.33 / 1.66 (libra, pool 2 / 8;
-1.70 / 1.93 before TAP's contiguous pieces), 1.20 / 1.66 (distca), 0.49 (wlb); an indexed add
-counts the rows it adds, read twice and written once, wherever the same K/V rows go to several
-executors. What a pool exchange adds is 8 x the moved Q (its gather out, O placed back, dO
-gathered out, dQ placed back) and 5 x the moved K/V; with contiguous pieces the gate's owners
-run no local pack and its executors no pack. The goal of 1.25 needs the moved rows sent and
-received in place (the all-to-alls reading and writing the layer's buffers strided)."""
+document of half the sequence, so most of its tiles move): 1.05 / 1.23 (libra, pool 2 / 8;
+1.33 / 1.66 before the exchange went in place, 1.70 / 1.93 before TAP's contiguous pieces),
+1.04 / 1.23 (distca; 1.20 / 1.66), 0.49 (wlb). A moved range that is one contiguous run of X
+is sent from X and its O and dQ land in place; what a pool exchange still adds is 3 x the K/V
+gradients returned (an indexed add counts the rows it adds, read twice and written once,
+wherever a prefix went to several executors) and, for ranges that are not contiguous, 8 x
+their Q and 2 x their K/V."""
 OPS_BOUND = 2.0
 """Device ops of the forward and of the backward, each at most this many times Ulysses's at the
 same layout and kernel (Ulysses: 6 / 7, its three layout copies before the all-to-alls
-included). Measured: libra 8-10 / 9-13 (13-15 / 19-21 before TAP's contiguous pieces removed
-the local packs and the executors' packs), distca 8 / 11, wlb 5 / 6 at pool 2 and pool 8; with
-rebuild, libra 8-10 / 12-14 against Ulysses 6 / 8. Each group of rows moved together (Q, K
+included). Measured: libra 8 / 11-12 (13-15 / 19-21 before TAP's contiguous pieces removed
+the local packs and the executors' packs), distca 7 / 9, wlb 5 / 6 at pool 2 and pool 8; with
+rebuild, libra 8 / 12-13 against Ulysses 6 / 8. Each group of rows moved together (Q, K
 and V out; dQ, dK and dV back; the packs' outputs) is one fused row op
 (`libra_ext.attention.rowops`), so the count is a fixed number per exchange sub-chunk and kernel
 call, whatever the documents, tiles and members. What remains above Ulysses's is the kernel
@@ -118,11 +118,11 @@ at most this many times its Q/K/V - EXTRA_BOUND_ULYSSES's copies plus one layout
 layer's output before its all-to-all back to the kernel's layout (2 x O; measured 8.81). There
 every system keeps at most KEPT_BOUND x a plain call's bytes (measured ulysses and distca 1.01,
 libra 1.02, against 1.81 / 1.98-2.14 / 2.65-2.86 keeping them)."""
-PEER_BOUND_REBUILD = 2.0
+PEER_BOUND_REBUILD = 1.25
 """Libra, DistCA and WLB-LLM with rebuild: extra device bytes at most this many times Ulysses's
-(also rebuilding) at the same layout: PEER_BOUND's, plus the moved units' O and Q / K / V
-gathered again for the pool (measured libra 1.39 / 1.79, 1.86 / 2.01 before TAP's contiguous
-pieces; distca 1.24 / 1.78 at pool 2 / 8)."""
+(also rebuilding) at the same layout: PEER_BOUND's, the moved units' O and Q / K / V sent
+again from where they lie (measured libra 1.04 / 1.19, distca 1.03 / 1.19 at pool 2 / 8;
+1.39 / 1.79 and 1.24 / 1.78 before the exchange went in place)."""
 REBUILDING = ("libra", "distca", "ulysses")
 """The systems whose kernels' outputs system.attention_memory = rebuild releases (wlb's per-
 document CP returns its kernel's output as the layer's)."""
