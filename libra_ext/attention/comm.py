@@ -201,5 +201,12 @@ class GroupCache:
                             if t == self.t and c == self.c and s == self.s and k == self.r // pool:
                                 mine = g
                                 self.labels[g] = f"exchange pool {k} (P={pool}) group {ranks}"
+            if mine is not None:
+                # one collective with every member first: the exchange's point-to-point
+                # batches involve only the members with transfers, which NCCL allows only
+                # once a group's communicator exists (its first call must include every rank)
+                nccl = dist.get_backend(mine) == "nccl"
+                dist.barrier(group=mine, **({"device_ids": [torch.cuda.current_device()]}
+                                            if nccl else {}))
             self._pool[pool] = mine
         return self._pool[pool]
