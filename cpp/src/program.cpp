@@ -252,8 +252,6 @@ struct Stream {
 void units_of(const std::vector<Seg>& moved, i64 gl, i64 kvl, std::vector<Unit>& u,
               std::vector<Stream>& st) {
   const i64 hl = gl * kvl;
-  i64 max_doc = 0;
-  for (const Seg& s : moved) max_doc = std::max(max_doc, s.doc);
   std::vector<std::pair<i64, i64>> partial;  // (executor, document) with a head-partial segment
   if (kvl > 1)
     for (const Seg& s : moved)
@@ -276,7 +274,7 @@ void units_of(const std::vector<Seg>& moved, i64 gl, i64 kvl, std::vector<Unit>&
     return std::tie(x.exe, x.owner, x.doc, x.kh, x.a, x.h0) <
            std::tie(y.exe, y.owner, y.doc, y.kh, y.a, y.h0);
   });
-  max_doc = 0;
+  i64 max_doc = 0;
   for (const Unit& x : u) max_doc = std::max(max_doc, x.doc);
   i64 prev = -1;
   size_t first = 0;

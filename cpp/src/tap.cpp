@@ -147,27 +147,17 @@ struct ShortRun {
 template <bool Priced>
 __attribute__((noinline)) ShortRun short_run(const CostModel& m, const i64* len, i64 doc, i64 end,
                                              i64 block) {
-  const double* small = m.small_doc.data();
-  const i64 n_small = static_cast<i64>(m.small_doc.size());
-  auto price = [&](i64 l) { return l < n_small ? small[l] : m.doc_price(l); };
   i64 run_len = len[doc], run_pairs = causal_pairs(len[doc]);
-  double even = Priced ? price(len[doc]) : 0.0, odd = 0.0;  // PriceSum: by position in the run
-  bool at_odd = true;
+  PriceSum price;
+  if (Priced) price.add(m.doc_price(len[doc]));
   for (++doc; doc < end; ++doc) {
     const i64 n = len[doc];
     if (n >= block || run_len + n > block) break;
     run_len += n;
     run_pairs += causal_pairs(n);
-    if (Priced) {
-      if (at_odd) {
-        odd += price(n);
-      } else {
-        even += price(n);
-      }
-      at_odd = !at_odd;
-    }
+    if (Priced) price.add(m.doc_price(n));
   }
-  return {doc, run_len, run_pairs, even + odd};
+  return {doc, run_len, run_pairs, price.total()};
 }
 
 // Cut sequence s into SH-tiles: documents of at least `block` tokens into query blocks of `block`

@@ -202,11 +202,11 @@ class SlotProgram:
     tiles_executed: int
     _keep: list = field(default_factory=list, repr=False)
     _staged: tuple | None = field(default=None, repr=False, compare=False)
+    """(its arrays as one int32 buffer in `_walk`'s order, their sizes), made by the C++
+    compiler with the GIL released; `stage` takes it instead of concatenating the arrays."""
     messages: "Messages | None" = field(default=None, repr=False, compare=False)
     """Set by `upload` (with sub-chunks): where this rank's pool messages' ranges lie in its
     own buffers, which of them are sent and received in place."""
-    """(its arrays as one int32 buffer in `_walk`'s order, their sizes), made by the C++
-    compiler with the GIL released; `stage` takes it instead of concatenating the arrays."""
 
     @property
     def rows(self) -> int:

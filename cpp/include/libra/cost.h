@@ -65,13 +65,7 @@ struct PriceSum {
   double even = 0.0, odd = 0.0;
   bool at_odd = false;
   void add(double x) {
-    // (a branch, not a select between the two sums: selecting an lvalue would keep both
-    // in memory, a store-to-load chain per document)
-    if (at_odd) {
-      odd += x;
-    } else {
-      even += x;
-    }
+    (at_odd ? odd : even) += x;
     at_odd = !at_odd;
   }
   double total() const { return even + odd; }
