@@ -37,7 +37,7 @@ import torch.distributed as dist
 from libra_ext.attention import DEFAULT_CHUNKS, meta
 from libra_ext.attention.comm import ByteCounter, GroupCache
 from libra_ext.attention.counters import RuntimeStats
-from libra_ext.attention.exchange import ExecEnv, PerDocAttention, PlannedAttention
+from libra_ext.attention.exchange import ExecEnv, PerDocAttention, planned_attention
 from libra_ext.attention.kernels import backend_for
 from libra_ext.attention.meta import WlbProgram
 from libra_ext.attention.params import AttentionStep, LibraPackedSeqParams
@@ -156,6 +156,7 @@ def core_attention(
         kernel=backend_for(query, runtime.backend),
         scale=scale,
         cp_group=groups.cp_group(),
+        cp_rank=c,
         pool_group=None,
         counter=runtime.counter,
         stats=runtime.stats,
@@ -176,7 +177,7 @@ def core_attention(
         _check_slots(prog, t, c, r, step)
         if isinstance(prog, WlbProgram):
             return PerDocAttention.apply(query, key, value, prog, env)
-        return PlannedAttention.apply(query, key, value, prog, env)  # one cp rank: plain
+        return planned_attention(query, key, value, prog, env)  # one cp rank: plain
     if h % C:
         raise ValueError(f"query heads ({h}) must be divisible by cp ({C}) for {system}")
     hl = h // C
@@ -194,7 +195,7 @@ def core_attention(
     _check_slots(prog, t, c, r, step)
     if prog.members > 1:
         env.pool_group = groups.pool_group(prog.members)
-    return PlannedAttention.apply(query, key, value, prog, env)
+    return planned_attention(query, key, value, prog, env)
 
 
 def _check_slots(prog, t: int, c: int, r: int, step) -> None:

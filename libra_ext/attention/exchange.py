@@ -1,6 +1,9 @@
-"""The operator's two autograd Functions, driven by the per-slot programs of `meta`.
+"""The operator's autograd Functions, driven by the per-slot programs of `meta`.
 
-`PlannedAttention` (libra, distca, ulysses; wlb at one cp rank) for one rank and micro-batch:
+`planned_attention` (libra, distca, ulysses; wlb at one cp rank) for one rank and micro-batch,
+at C > 1 three autograd nodes whose backwards run in turn - `_RebuildO` (with rebuild: O back
+from the saved output), `_UlyssesOut` (dO to the kernel's layout), `PlannedAttention` - so the
+layer's dO and the saved output are freed before any kernel backward begins:
 
   forward   q, k, v [t, h|hkv, d] --Ulysses all-to-all, one per tensor--> Xq [S', hl, d],
                 Xk, Xv [S', kvl, d]: the sequence in order (contiguous layout), this rank's
@@ -12,8 +15,10 @@
                 (rare) scattered into it; meanwhile the exchange is in flight
             sub-chunk k: wait, one call on the received buffers as they are (packs for the
                 rare rest), its O straight back (async) - into O itself for an in-place range
-            the other returned O scattered into O --Ulysses all-to-all--> [t, h*d]
-  backward  the mirror: dO to the executors first (in place, the rest by one gather,
+            the other returned O scattered into O --Ulysses all-to-all (_UlyssesOut)-->
+                [t, h*d]
+  backward  the mirror: dO to the kernel's layout (this rank's own block copied in place, the
+            others point to point), dO to the executors first (in place, the rest by one gather,
             sub-chunks last first), the direct call's own backward (its dQ/dK/dV are X's),
             local packs added in, each sub-chunk's kernel backward on the executor straight
             back to the owners (an in-place range's dQ into dQ itself), the other returned
@@ -71,6 +76,8 @@ class ExecEnv:
     kernel_timer: object = None
     """A context-manager factory timing every kernel call's forward and backward
     (`counters.KernelTimer`); None: not timed."""
+    cp_rank: int = 0
+    """This rank's index in `cp_group` (its own block of the Ulysses transfers stays in place)."""
     rebuild: bool = False
     """Keep for backward nothing beside what a plain call keeps (system.attention_memory =
     rebuild): every kernel output but the layer's, and the inputs of calls on copies of X's
@@ -131,6 +138,24 @@ def _cp_a2a(x: torch.Tensor, C: int, d: int, env: ExecEnv, kind: str) -> torch.T
     return y
 
 
+def _to_heads(x: torch.Tensor, dst: torch.Tensor, C: int, env: ExecEnv, kind: str) -> None:
+    """The Ulysses transfer from the layer's layout to the kernel's: x [t, C*hl*d] (this rank's
+    tokens, every head) -> dst [C, t, hl, d] (every rank's tokens, this rank's heads). This
+    rank's own block is copied in place; the C - 1 others go point to point from one staging
+    buffer of only theirs (a full [C, t, hl, d] send buffer would be C / (C - 1) times it)."""
+    me = env.cp_rank
+    src = x.view(dst.shape[1], C, *dst.shape[2:]).transpose(0, 1)  # [C, t, hl, d], a view
+    dst[me].copy_(src[me])
+    stage = x.new_empty(C - 1, *dst.shape[1:])
+    if me > 0:
+        stage[:me].copy_(src[:me])
+    if me < C - 1:
+        stage[me:].copy_(src[me + 1:])
+    peers = [j for j in range(C) if j != me]
+    send_recv([(kind, [(j, stage[i]) for i, j in enumerate(peers)],
+                [(j, dst[j]) for j in peers])], env.cp_group, env.counter)
+
+
 def _put_kv(dst: torch.Tensor, src: torch.Tensor, C: int, hl: int) -> None:
     """dst [C, t, kvl, d] <- the KV heads each cp rank's query slice needs from src [t, hkv, d]."""
     t, hkv, d = src.shape
@@ -177,16 +202,41 @@ def _flat(x: torch.Tensor, d: int) -> torch.Tensor:
     return x.view(-1, d) if x.is_contiguous() else x.reshape(-1, d)
 
 
+class _Held:
+    """What the nodes of one layer call share: the direct call, whose output `_UlyssesOut`
+    frees once sent and `_RebuildO` rebuilds (system.attention_memory = rebuild)."""
+
+    call: _Call | None = None
+
+
+def planned_attention(q, k, v, prog: SlotProgram, env: ExecEnv) -> torch.Tensor:
+    """(q [t, h, d], k, v [t, hkv, d]) -> out [t, h*d] for one micro-batch of a step plan.
+
+    With C > 1 three autograd nodes: `PlannedAttention` (the Ulysses all-to-alls in, the pool
+    exchange and the kernels; its output is O in the kernel's layout), `_UlyssesOut` (the
+    all-to-all back) and, with rebuild, `_RebuildO`. Their backwards run one after the other,
+    so the layer's dO is freed once moved to the kernel's layout, before any kernel backward
+    begins: one copy of dO, not two, beside what the kernels keep."""
+    if prog.cp == 1:
+        return PlannedAttention.apply(q, k, v, prog, env, None)
+    held = _Held()
+    o = PlannedAttention.apply(q, k, v, prog, env, held)
+    out = _UlyssesOut.apply(o, prog, env, held)
+    del o
+    return _RebuildO.apply(out, prog, env, held) if env.rebuild else out
+
+
 class PlannedAttention(torch.autograd.Function):
-    """(q [t, h, d], k, v [t, hkv, d]) -> out [t, h*d] for one micro-batch of a step plan."""
+    """(q [t, h, d], k, v [t, hkv, d]) -> O [C t, hl, d] in the kernel's layout (with C = 1 the
+    layer's output [t, h*d]); `planned_attention` puts it together with the all-to-all back."""
 
     @staticmethod
-    def forward(ctx, q, k, v, prog: SlotProgram, env: ExecEnv):
+    def forward(ctx, q, k, v, prog: SlotProgram, env: ExecEnv, held: _Held | None):
         with env.stats.watch("fwd", prog.tiles_executed, prog.exec_blocks) as counts:
-            return PlannedAttention._forward(ctx, q, k, v, prog, env, counts)
+            return PlannedAttention._forward(ctx, q, k, v, prog, env, held, counts)
 
     @staticmethod
-    def _forward(ctx, q, k, v, prog, env, counts):
+    def _forward(ctx, q, k, v, prog, env, held, counts):
         t, h, d = q.shape
         C, hl = prog.cp, prog.heads_local
         xq, xk, xv = _ulysses_in(q, k, v, prog, env)
@@ -212,15 +262,10 @@ class PlannedAttention(torch.autograd.Function):
         if ctx.rebuild:  # each freed as soon as O holds what it was needed for
             for call in _moved_calls(lpacks, executed):
                 call.release(inputs=True)
-        if C == 1:
-            out = direct.out.detach().view(t, h * d)
-        else:
-            y = _cp_a2a(o.view(C, t, hl, d), C, d, env, "ulysses.o")
-            if ctx.rebuild:
-                del o, of
-                direct.release()
-            out = y.permute(1, 0, 2, 3).reshape(t, h * d)
-            del y
+        if C > 1:  # O as the kernels left it; _UlyssesOut sends it (and frees it: rebuild)
+            held.call = direct
+            return direct.out.detach()
+        out = direct.out.detach().view(t, h * d)
         if ctx.rebuild:  # nothing of O kept beside the layer's output, which is saved
             ctx.save_for_backward(out)
         return out
@@ -237,12 +282,7 @@ class PlannedAttention(torch.autograd.Function):
         ctx.graph = None
         t, h, hkv, d = ctx.shape
         C, hl = prog.cp, prog.heads_local
-        if C == 1:
-            do = grad.view(t, hl, d)
-        else:
-            dy = grad.view(t, C, hl, d).transpose(0, 1).contiguous()
-            do = _cp_a2a(dy, C, d, env, "ulysses.o.bwd").view(C * t, hl, d)
-            del dy
+        do = grad.view(C * t, hl, d)  # C > 1: moved to the kernel's layout by _UlyssesOut
         if not do.is_contiguous():
             do = do.contiguous()
         dof = do.view(-1, d)
@@ -260,8 +300,60 @@ class PlannedAttention(torch.autograd.Function):
                 ex.add_returned(dqf, dkf, dvf)
         del do, dof, ex, lpacks, executed
         if C == 1:
-            return dq, dk, dv, None, None
-        return _ulysses_out(dq, dk, dv, prog, env, (t, h, hkv, d)) + (None, None)
+            return dq, dk, dv, None, None, None
+        return _ulysses_out(dq, dk, dv, prog, env, (t, h, hkv, d)) + (None, None, None)
+
+
+class _UlyssesOut(torch.autograd.Function):
+    """O [C t, hl, d] in the kernel's layout -> the layer's output [t, h*d]: the Ulysses
+    all-to-all back (with rebuild the direct call's output, O, is freed once sent). Backward:
+    dO to the kernel's layout (`_to_heads`), which frees the layer's dO as this node returns."""
+
+    @staticmethod
+    def forward(ctx, o, prog: SlotProgram, env: ExecEnv, held: _Held):
+        with env.stats.watch("fwd"):
+            C, hl = prog.cp, prog.heads_local
+            d = o.shape[-1]
+            t = o.shape[0] // C
+            y = _cp_a2a(o.view(C, t, hl, d), C, d, env, "ulysses.o")
+            del o
+            if env.rebuild:  # _RebuildO brings it back in the backward
+                held.call.release()
+            ctx.prog, ctx.env = prog, env
+            return y.permute(1, 0, 2, 3).reshape(t, C * hl * d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        prog, env = ctx.prog, ctx.env
+        with env.stats.watch("bwd"):
+            C, hl = prog.cp, prog.heads_local
+            t = grad.shape[0]
+            do = grad.new_empty(C, t, hl, grad.shape[1] // (C * hl))
+            _to_heads(grad, do, C, env, "ulysses.o.bwd")
+            return do.view(C * t, hl, -1), None, None, None
+
+
+class _RebuildO(torch.autograd.Function):
+    """(system.attention_memory = rebuild) The layer's output as it is, saved: the first
+    backward rebuilds from it the kernel's O into the direct call's memory (`_to_heads`), and
+    the output is freed before dO is moved to the kernel's layout."""
+
+    @staticmethod
+    def forward(ctx, out, prog: SlotProgram, env: ExecEnv, held: _Held):
+        ctx.save_for_backward(out)
+        ctx.prog, ctx.env, ctx.held = prog, env, held
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        prog, env = ctx.prog, ctx.env
+        with env.stats.watch("bwd"):
+            (out,) = ctx.saved_tensors
+            C, hl = prog.cp, prog.heads_local
+            o = ctx.held.call.restore()[0]
+            ctx.held = None
+            _to_heads(out, o.view(C, out.shape[0], hl, -1), C, env, "ulysses.o.rebuild")
+            return grad, None, None, None
 
 
 def _moved_calls(lpacks, executed) -> list:
@@ -270,22 +362,16 @@ def _moved_calls(lpacks, executed) -> list:
 
 
 def _rebuild(ctx, direct, lpacks) -> tuple:
-    """What `ExecEnv.rebuild` released, back with its values of the forward: the layer's O
-    (from the saved output: the Ulysses all-to-all again, into the direct call's memory) and
-    the local packs' outputs and inputs (gathered from O and X). Returns O and X flat (the
-    executed units' are rebuilt by the exchange)."""
-    prog, env = ctx.prog, ctx.env
-    t, h, _, d = ctx.shape
-    C, hl = prog.cp, prog.heads_local
-    (out,) = ctx.saved_tensors
-    if C == 1:
+    """What `ExecEnv.rebuild` released, back with its values of the forward: the local packs'
+    outputs and inputs (gathered from O and X; the layer's O is the saved output at C = 1, and
+    was rebuilt by `_RebuildO` before). Returns O and X flat (the executed units' are rebuilt
+    by the exchange)."""
+    d = ctx.shape[3]
+    if ctx.prog.cp == 1:
+        (out,) = ctx.saved_tensors
         of = out.view(-1, d)
-    else:
-        of = direct.restore()[0]
-        send = out.view(t, C, hl, d).transpose(0, 1).contiguous()
-        _a2a(of, send, [t * hl] * C, [t * hl] * C, d, env.cp_group, env, "ulysses.o.rebuild",
-             False)
-        del send
+    else:  # rebuilt by _RebuildO's backward
+        of = direct.out.data.view(-1, d)
     x = tuple(_flat(leaf.detach(), d) for leaf in direct.leaves)
     for p, call in lpacks:
         rowops.gather_into(call.restore(), (of,) + x, [p.q.idx, p.q.idx, p.k.idx, p.k.idx])

@@ -264,13 +264,16 @@ def layer_call(probe, call, q0, k0, v0, grad=None, ops=lambda ph: ph.ops,
     """Forward and backward of `call(q, k, v)` as a layer makes them, measured by `probe`
     (phases "proj", "fwd", "bwd"): Q/K/V made by the projection (clones of q0, k0, v0), the
     output held by the output projection until its backward (`HeldOutput`), the output
-    gradient `grad` (uninitialized when None); `inspect(out)`, when given, sees the output
+    gradient `grad` (a clone handed on, as a projection hands on its own; uninitialized when
+    None); `inspect(out)`, when given, sees the output
     between the forward and the backward, outside both phases. Returns per layer call the device
     ops forward and backward (`ops(phase)`), the extra device bytes (every op's but the kernels':
     names starting with `kernel_ops`) in bytes and over the layer's Q/K/V bytes, by op, and the
     bytes kept for backward and at the peak over Q/K/V."""
     made = probe.start("proj")
     q, k, v = q0.clone(), k0.clone(), v0.clone()  # the layer's Q/K/V, made by its projection
+    if grad is not None:  # the projection's own: handed on, held by no one else
+        grad = grad.clone()
     fwd = probe.start("fwd")
     out = call(q, k, v)
     del q, k, v  # kept alive now only by what the call saved for backward
@@ -278,6 +281,7 @@ def layer_call(probe, call, q0, k0, v0, grad=None, ops=lambda ph: ph.ops,
         grad = torch.empty_like(out)
     out_bytes = out.numel() * out.element_size() + grad.numel() * grad.element_size()
     held = HeldOutput.apply(out, grad)
+    del grad  # the projection hands it on: autograd holds it while the first node runs
     if inspect is not None:
         probe.start("inspect")
         inspect(out)

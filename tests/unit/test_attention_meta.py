@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from libra_ext.attention import kernels, meta, reference_kernel, thd
 from libra_ext.attention.comm import ByteCounter
 from libra_ext.attention.counters import RuntimeStats
-from libra_ext.attention.exchange import ExecEnv, PerDocAttention, PlannedAttention
+from libra_ext.attention.exchange import ExecEnv, PerDocAttention, planned_attention
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import LengthSource, ModelConfig
 from tests import loopback
@@ -87,10 +87,10 @@ def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True, rebuild=F
             leaves = [qkv]
             inputs = qkv.split([h, hkv, hkv], dim=1)
         env = ExecEnv(kernel=kernels.ReferenceBackend(), scale=SCALE, cp_group=cp_groups[m],
-                      pool_group=pool_groups[c] if px > 1 else None, counter=ByteCounter(),
+                      cp_rank=c, pool_group=pool_groups[c] if px > 1 else None, counter=ByteCounter(),
                       stats=RuntimeStats(), pipelined=pipelined, rebuild=rebuild)
-        fn = PerDocAttention if isinstance(prog, meta.WlbProgram) else PlannedAttention
-        out = fn.apply(*inputs, prog, env)
+        fn = PerDocAttention.apply if isinstance(prog, meta.WlbProgram) else planned_attention
+        out = fn(*inputs, prog, env)
         g = _local(dout, idx)
         g[torch.as_tensor(idx < 0)] = torch.randn(int((idx < 0).sum()), h, d,
                                                   dtype=torch.float64)  # must not leak
