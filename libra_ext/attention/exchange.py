@@ -138,22 +138,58 @@ def _cp_a2a(x: torch.Tensor, C: int, d: int, env: ExecEnv, kind: str) -> torch.T
     return y
 
 
+ROUNDS = 2
+"""Token ranges the Ulysses transfers between the layer's layout and the kernel's go in: their
+staging buffer holds one range of the other ranks' blocks (~0.8 (C - 1) / (C ROUNDS) of Q/K/V
+at 32 / 4 heads, 0.2 at C = 2)."""
+
+
+def _ranges(t: int) -> list:
+    """The ROUNDS token ranges [a, b) of t slots."""
+    step = -(-t // ROUNDS)
+    return [(a, min(t, a + step)) for a in range(0, t, step)]
+
+
 def _to_heads(x: torch.Tensor, dst: torch.Tensor, C: int, env: ExecEnv, kind: str) -> None:
     """The Ulysses transfer from the layer's layout to the kernel's: x [t, C*hl*d] (this rank's
     tokens, every head) -> dst [C, t, hl, d] (every rank's tokens, this rank's heads). This
-    rank's own block is copied in place; the C - 1 others go point to point from one staging
-    buffer of only theirs (a full [C, t, hl, d] send buffer would be C / (C - 1) times it)."""
-    me = env.cp_rank
-    src = x.view(dst.shape[1], C, *dst.shape[2:]).transpose(0, 1)  # [C, t, hl, d], a view
+    rank's own block is copied in place; the C - 1 others go point to point, range by range
+    (`ROUNDS`), from one staging buffer of theirs, straight into dst (a full [C, t, hl, d] send
+    buffer would be C ROUNDS / (C - 1) times it)."""
+    me, t = env.cp_rank, dst.shape[1]
+    src = x.view(t, C, *dst.shape[2:]).transpose(0, 1)  # [C, t, hl, d], a view
     dst[me].copy_(src[me])
-    stage = x.new_empty(C - 1, *dst.shape[1:])
-    if me > 0:
-        stage[:me].copy_(src[:me])
-    if me < C - 1:
-        stage[me:].copy_(src[me + 1:])
     peers = [j for j in range(C) if j != me]
-    send_recv([(kind, [(j, stage[i]) for i, j in enumerate(peers)],
-                [(j, dst[j]) for j in peers])], env.cp_group, env.counter)
+    rounds = _ranges(t)
+    stage = x.new_empty(C - 1, rounds[0][1], *dst.shape[2:])
+    for a, b in rounds:
+        n = b - a
+        if me > 0:
+            stage[:me, :n].copy_(src[:me, a:b])
+        if me < C - 1:
+            stage[me:, :n].copy_(src[me + 1:, a:b])
+        send_recv([(kind, [(j, stage[i, :n]) for i, j in enumerate(peers)],
+                    [(j, dst[j, a:b]) for j in peers])], env.cp_group, env.counter)
+
+
+def _from_heads(o: torch.Tensor, out: torch.Tensor, C: int, env: ExecEnv, kind: str) -> None:
+    """The Ulysses transfer back, `_to_heads`'s mirror: o [C, t, hl, d] -> out [t, C*hl*d].
+    Each block is sent from o itself; this rank's own is copied in place, the others' arrive
+    range by range in one staging buffer and are copied into place."""
+    me, t = env.cp_rank, o.shape[1]
+    dst = out.view(t, C, *o.shape[2:])
+    dst[:, me].copy_(o[me])
+    peers = [j for j in range(C) if j != me]
+    rounds = _ranges(t)
+    stage = o.new_empty(C - 1, rounds[0][1], *o.shape[2:])
+    for a, b in rounds:
+        n = b - a
+        send_recv([(kind, [(j, o[j, a:b]) for j in peers],
+                    [(j, stage[i, :n]) for i, j in enumerate(peers)])], env.cp_group, env.counter)
+        if me > 0:
+            dst[a:b, :me].copy_(stage[:me, :n].transpose(0, 1))
+        if me < C - 1:
+            dst[a:b, me + 1:].copy_(stage[me:, :n].transpose(0, 1))
 
 
 def _put_kv(dst: torch.Tensor, src: torch.Tensor, C: int, hl: int) -> None:
@@ -315,11 +351,14 @@ class _UlyssesOut(torch.autograd.Function):
             C, hl = prog.cp, prog.heads_local
             d = o.shape[-1]
             t = o.shape[0] // C
+            ctx.prog, ctx.env = prog, env
+            if not env.rebuild:  # O stays (kept): its blocks are sent from where they lie
+                out = o.new_empty(t, C * hl * d)
+                _from_heads(o.view(C, t, hl, d), out, C, env, "ulysses.o")
+                return out
             y = _cp_a2a(o.view(C, t, hl, d), C, d, env, "ulysses.o")
             del o
-            if env.rebuild:  # _RebuildO brings it back in the backward
-                held.call.release()
-            ctx.prog, ctx.env = prog, env
+            held.call.release()  # O is freed before the output is made; _RebuildO rebuilds it
             return y.permute(1, 0, 2, 3).reshape(t, C * hl * d)
 
     @staticmethod
