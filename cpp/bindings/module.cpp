@@ -675,10 +675,20 @@ void bind_program(py::module_& m) {
                                 gather(std::move(p.k))));
     return out;
   };
+  // flat (member, ...) entries of n values each -> a list of n-tuples
+  auto tuples = [](const std::vector<i64>& flat, std::size_t n) {
+    py::list out(flat.size() / n);
+    for (std::size_t i = 0, k = 0; i + n <= flat.size(); i += n, ++k) {
+      py::tuple t(n);
+      for (std::size_t j = 0; j < n; ++j) t[j] = py::int_(flat[i + j]);
+      out[k] = std::move(t);
+    }
+    return out;
+  };
   m.def(
       "compile_slots",
-      [call, gather, packs](py::object plan, i64 replica, const std::vector<i64>& slots,
-                            i64 chunks) {
+      [call, gather, packs, tuples](py::object plan, i64 replica, const std::vector<i64>& slots,
+                                    i64 chunks) {
         ProgramPlan p;
         static constexpr std::pair<const char*, i64 ProgramPlan::*> kScalars[] = {
             {"dp", &ProgramPlan::dp},
@@ -735,8 +745,8 @@ void bind_program(py::module_& m) {
                 sc.direct, sc.part, py::cast(sc.q_send), py::cast(sc.kv_send),
                 py::cast(sc.q_recv), py::cast(sc.kv_recv), sc.q_send_off, sc.kv_send_off,
                 sc.has_call ? py::object(call(std::move(sc.call))) : py::object(py::none()),
-                packs(std::move(sc.packs)), py::cast(sc.q_ranges), py::cast(sc.kv_ranges),
-                py::cast(sc.q_recv_ranges), py::cast(sc.kv_recv_ranges)));
+                packs(std::move(sc.packs)), tuples(sc.q_ranges, 3), tuples(sc.kv_ranges, 3),
+                tuples(sc.q_recv_ranges, 2), tuples(sc.kv_recv_ranges, 2)));
           out.append(py::make_tuple(prog.t, prog.tokens, prog.executed,
                                     call(std::move(prog.direct)), packs(std::move(prog.lpacks)),
                                     subs, gather(std::move(prog.send_q)),
@@ -753,8 +763,8 @@ void bind_program(py::module_& m) {
       "packs, sub-chunks, send_q, send_kv, staged); a call is (hc, hk, cu_q, cu_k, max_q, max_k), a "
       "gather (runs [n, 4], size), a pack (call, q, k), a sub-chunk (direct, part, q_send, "
       "kv_send, q_recv, kv_recv, q_send_off, kv_send_off, call or None, packs, then its ranges "
-      "sent - (member, vectors, first vector or -1) triples, flat - and received - (member, "
-      "vectors) pairs, flat - for Q and for K/V). The plan is read "
+      "sent - lists of (member, vectors, first vector or -1) - and received - lists of (member, "
+      "vectors) - for Q and for K/V). The plan is read "
       "once; the GIL is released while they compile. A ninth entry is the program staged: (its "
       "arrays as one int32 buffer in meta._walk's order, their sizes), or None when an entry "
       "does not fit in int32.",

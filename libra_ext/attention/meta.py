@@ -748,16 +748,11 @@ def _program_of(plan: StepPlan, replica: int, slot: int, raw) -> SlotProgram:
         subchunks=[SubChunk(direct=d, part=part, q_send=qs, kv_send=ks, q_recv=qr, kv_recv=kr,
                             q_send_off=qo, kv_send_off=ko,
                             call=CallPlan(*call) if call is not None else None,
-                            packs=[_pack_of(p) for p in packs], q_ranges=_tuples(qg, 3),
-                            kv_ranges=_tuples(kg, 3), q_recv_ranges=_tuples(qrg, 2),
-                            kv_recv_ranges=_tuples(krg, 2))
+                            packs=[_pack_of(p) for p in packs], q_ranges=qg, kv_ranges=kg,
+                            q_recv_ranges=qrg, kv_recv_ranges=krg)
                    for d, part, qs, ks, qr, kr, qo, ko, call, packs, qg, kg, qrg, krg in subs],
         send_q=Gather(*send_q), send_kv=Gather(*send_kv), tiles_executed=executed,
         _staged=staged)
-
-
-def _tuples(flat: list, n: int) -> list:
-    return [tuple(flat[i:i + n]) for i in range(0, len(flat), n)]
 
 
 def _pack_of(raw) -> PackCall:
@@ -994,12 +989,16 @@ def _clone(prog):
         _keep=[], _staged=None)
 
 
-def stage(prog, pin: bool = False) -> Staged:
+def stage(prog, pin: bool = False, owned: bool = False) -> Staged:
     """Flatten a host program's arrays into one int32 host tensor (pinned: for a non-blocking
     copy). Runs off the critical path (the sampler's thread); a program of the C++ compiler
-    comes flattened already (`SlotProgram._staged`)."""
+    comes flattened already (`SlotProgram._staged`). The upload fills in a copy of the program's
+    structure, so the host program stays as it was - or, `owned` (a program compiled for this
+    stage alone, as the sampler's are), the program itself: no copy while the GIL is held."""
     staged = getattr(prog, "_staged", None)
-    prog = _clone(prog)
+    prog = prog if owned else _clone(prog)
+    if owned and staged is not None:
+        prog._staged = None  # (the host buffer below holds it)
     if staged is not None:
         flat, sizes = staged
         host = torch.from_numpy(flat)

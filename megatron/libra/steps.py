@@ -401,7 +401,7 @@ class StepSampler:
             seq = plan.sequence_at(self.replica, slot)
             mb = make_micro_batch([pieces[i] for i in range(off[seq], off[seq + 1])],
                                   self.cfg.parallel.cp, self.cp_rank, None, layout).stage(pin=False)
-            out.append(StagedSlot.of(meta.stage(program), mb, self._pin))
+            out.append(StagedSlot.of(meta.stage(program, owned=True), mb, self._pin))
         return out
 
     def _run(self) -> None:

@@ -513,7 +513,8 @@ def _slot_programs(plan, replica: int) -> tuple[list, list, int]:
     ms, staged = [], []
     for slot in range(plan.slots):
         t0 = time.perf_counter()
-        staged.append(meta.stage(meta.compile_slot(plan, replica, slot, DEFAULT_CHUNKS)))
+        staged.append(meta.stage(meta.compile_slot(plan, replica, slot, DEFAULT_CHUNKS),
+                                 owned=True))
         ms.append((time.perf_counter() - t0) * 1e3)
     return ms, staged, sum(x.host.numel() * x.host.element_size() for x in staged)
 
@@ -529,7 +530,7 @@ def _rank_programs(plan, replica: int, reference: bool = False) -> list:
                  for s in range(plan.slots)]
     else:
         progs = meta.compile_rank(plan, replica, 0, DEFAULT_CHUNKS)
-    return [meta.stage(p) for p in progs]
+    return [meta.stage(p, owned=True) for p in progs]
 
 
 def _launch_loop(stop, lat: list) -> None:

@@ -211,7 +211,7 @@ def _compiled(plan, groups, chunks: int) -> tuple[list, list]:
             t0 = time.perf_counter()
             prog = compile_rank(plan, groups.r, groups.c, chunks)[slot] if plan.system == "wlb" \
                 else compile_slot(plan, groups.r, slot, chunks)
-            staged.append(stage(prog, pin=True))
+            staged.append(stage(prog, pin=True, owned=True))
             ms.append((time.perf_counter() - t0) * 1e3)
         return staged, ms
 
