@@ -23,9 +23,10 @@ estimate is an upper bound when both differ):
 - attention exchange buffers (Libra, DistCA): per layer, what the busiest rank receives and keeps
   for its backward - the moved tiles' Q and K/V prefixes, and the O it computed for them - taken
   from plans of the config's workload.
-- system.attention_memory = rebuild: core attention keeps no O of its own (the kernels' outputs
-  are rebuilt from the layer's output in the backward) and no exchange buffers (the moved tiles'
-  Q/K/V/O are shipped again).
+- system.attention_memory = owner: no exchange buffers (the moved tiles' Q/K/V/O are kept once,
+  by their owner, and shipped again in the backward); rebuild: that, and core attention keeps no
+  O of its own either (the kernels' outputs are rebuilt from the layer's output in the
+  backward).
 - logits: the output layer's bf16 logits and the fp32 softmax the cross-entropy keeps, tokens x
   vocab / tp, on the last stage.
 
@@ -83,10 +84,21 @@ def parameter_counts(model: ModelConfig, lay: Layout) -> dict:
     }
 
 
+ATTENTION_MEMORY = ("keep", "owner", "rebuild")
+"""system.attention_memory's settings, from the fastest to the leanest."""
+
+
+def check_attention_memory(value: str, field: str = "attention_memory") -> None:
+    """A ValueError naming `field` unless `value` is one of ATTENTION_MEMORY."""
+    if value not in ATTENTION_MEMORY:
+        raise ValueError(f"{field} must be one of {', '.join(ATTENTION_MEMORY)}, got {value!r}")
+
+
 def activation_bytes_per_token(model: ModelConfig, lay: Layout,
                                attention_memory: str = "keep") -> dict:
     """Bytes one layer saves for its backward per token of this rank, by part (with
     `attention_memory` = rebuild, core attention's O is not kept)."""
+    check_attention_memory(attention_memory)
     e = DTYPE_BYTES[lay.dtype]
     H, h, hkv, d = model.hidden, model.heads, model.kv_heads, model.head_dim
     T = lay.tp
@@ -96,7 +108,7 @@ def activation_bytes_per_token(model: ModelConfig, lay: Layout,
         "qkv": e * (h + 2 * hkv) * d / T,
         "attention_output": e * h * d / T,
         # inside core attention: Q, K, V, O in the Ulysses layout and fp32 softmax statistics
-        "core_attention": e * ((h if attention_memory == "keep" else 0) + h + 2 * hkv) * d / T
+        "core_attention": e * ((h if attention_memory != "rebuild" else 0) + h + 2 * hkv) * d / T
         + 4.0 * h / T,
     }
     if model.moe_topk > 0:
@@ -125,9 +137,8 @@ def estimate(model: ModelConfig, lay: Layout, recompute: str = "none",
              recompute_num_layers: int = 1, exchange_bytes_per_layer: float = 0.0,
              attention_memory: str = "keep") -> dict:
     """Bytes per GPU, by part, and the total (`attention_memory`: system.attention_memory)."""
-    if attention_memory not in ("keep", "rebuild"):
-        raise ValueError(f"attention_memory must be keep or rebuild, got {attention_memory!r}")
-    if attention_memory == "rebuild":
+    check_attention_memory(attention_memory)
+    if attention_memory != "keep":
         exchange_bytes_per_layer = 0.0  # shipped again in the backward, not kept
     if lay.dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {lay.dtype!r}")

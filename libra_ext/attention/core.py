@@ -65,10 +65,11 @@ class Runtime:
     kernel_timer: object = None
     """A `counters.KernelTimer` timing this rank's kernel calls (ExecEnv.kernel_timer); None:
     not timed."""
-    rebuild: bool = False
-    """Keep for backward no more than a plain call does (system.attention_memory = rebuild;
-    ExecEnv.rebuild): ~0.8x Q/K/V less per layer at cp > 1 and the moved units' copies, for one
-    more all-to-all of O in the CP group and the moved units' O, Q, K, V shipped again."""
+    memory: str = "keep"
+    """What a layer call keeps for backward (system.attention_memory, `ExecEnv.memory`): keep,
+    owner (the moved units' copies freed, their O, Q, K, V shipped again by the owner) or
+    rebuild (that, and ~0.8x Q/K/V less per layer at cp > 1 for one more all-to-all of O in the
+    CP group: what a plain call keeps)."""
     counter: ByteCounter = field(default_factory=ByteCounter)
     stats: RuntimeStats = field(default_factory=RuntimeStats)
     _programs: dict = field(default_factory=dict)
@@ -164,7 +165,7 @@ def core_attention(
         key=layer,
         wait_timer=runtime.wait_timer,
         kernel_timer=runtime.kernel_timer,
-        rebuild=runtime.rebuild,
+        memory=runtime.memory,
     )
     if system == "wlb":
         if step is not None:

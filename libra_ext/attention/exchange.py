@@ -78,13 +78,24 @@ class ExecEnv:
     (`counters.KernelTimer`); None: not timed."""
     cp_rank: int = 0
     """This rank's index in `cp_group` (its own block of the Ulysses transfers stays in place)."""
-    rebuild: bool = False
-    """Keep for backward nothing beside what a plain call keeps (system.attention_memory =
-    rebuild): every kernel output but the layer's, and the inputs of calls on copies of X's
-    rows (local packs, executed units), are freed after the forward and rebuilt in the backward
-    with their values of the forward - the layer's O by the Ulysses all-to-all again from the
-    saved output, the moved units' O and Q / K / V by the pool exchange again, the local packs'
-    by gathers from O and X. Gradients are bit for bit those of keeping them."""
+    memory: str = "keep"
+    """system.attention_memory. owner: the calls on copies of X's rows (local packs, executed
+    units) keep nothing after the forward - their outputs and inputs are rebuilt in the backward
+    with their values of the forward, the moved units' O and Q / K / V by the pool exchange
+    again (from the owner's X and O, as in the forward), the local packs' by gathers from O and
+    X. rebuild: that, and the direct call's O too (the layer's O, by the Ulysses all-to-all again
+    from the saved output): nothing kept beside what a plain call keeps. Gradients are bit for
+    bit those of keeping them."""
+
+    @property
+    def rebuild(self) -> bool:
+        """The layer's O is rebuilt (memory = rebuild)."""
+        return self.memory == "rebuild"
+
+    @property
+    def again(self) -> bool:
+        """The moved units' and local packs' outputs and inputs are rebuilt (owner, rebuild)."""
+        return self.memory != "keep"
 
 
 class _Call:
@@ -294,17 +305,14 @@ class PlannedAttention(torch.autograd.Function):
         ctx.prog, ctx.env = prog, env
         ctx.graph = (direct, lpacks, executed, ex)
         ctx.shape = (t, h, k.shape[1], d)
-        ctx.rebuild = env.rebuild and (C > 1 or bool(lpacks) or bool(executed))
-        if ctx.rebuild:  # each freed as soon as O holds what it was needed for
+        ctx.again = env.again and (bool(lpacks) or bool(executed))
+        if ctx.again:  # each freed as soon as O holds what it was needed for
             for call in _moved_calls(lpacks, executed):
                 call.release(inputs=True)
         if C > 1:  # O as the kernels left it; _UlyssesOut sends it (and frees it: rebuild)
             held.call = direct
             return direct.out.detach()
-        out = direct.out.detach().view(t, h * d)
-        if ctx.rebuild:  # nothing of O kept beside the layer's output, which is saved
-            ctx.save_for_backward(out)
-        return out
+        return direct.out.detach().view(t, h * d)  # (the layer's output is the direct call's)
 
     @staticmethod
     def backward(ctx, grad):
@@ -322,7 +330,7 @@ class PlannedAttention(torch.autograd.Function):
         if not do.is_contiguous():
             do = do.contiguous()
         dof = do.view(-1, d)
-        rebuilt = _rebuild(ctx, direct, lpacks) if ctx.rebuild else None
+        rebuilt = _rebuild(direct, lpacks, d) if ctx.again else None
         if executed:
             ex.post_grads(dof, executed, rebuilt)
         del rebuilt
@@ -400,17 +408,12 @@ def _moved_calls(lpacks, executed) -> list:
     return [call for _, call in lpacks] + [call for graph in executed for _, call in graph]
 
 
-def _rebuild(ctx, direct, lpacks) -> tuple:
-    """What `ExecEnv.rebuild` released, back with its values of the forward: the local packs'
-    outputs and inputs (gathered from O and X; the layer's O is the saved output at C = 1, and
-    was rebuilt by `_RebuildO` before). Returns O and X flat (the executed units' are rebuilt
-    by the exchange)."""
-    d = ctx.shape[3]
-    if ctx.prog.cp == 1:
-        (out,) = ctx.saved_tensors
-        of = out.view(-1, d)
-    else:  # rebuilt by _RebuildO's backward
-        of = direct.out.data.view(-1, d)
+def _rebuild(direct, lpacks, d: int) -> tuple:
+    """What `ExecEnv.again` released, back with its values of the forward: the local packs'
+    outputs and inputs, gathered from O and X (the layer's O as the direct call left it - kept,
+    or rebuilt by `_RebuildO` before). Returns O and X flat, what the owner sends its executed
+    units again from."""
+    of = direct.out.data.view(-1, d)
     x = tuple(_flat(leaf.detach(), d) for leaf in direct.leaves)
     for p, call in lpacks:
         rowops.gather_into(call.restore(), (of,) + x, [p.q.idx, p.q.idx, p.k.idx, p.k.idx])

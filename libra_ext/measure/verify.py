@@ -64,7 +64,7 @@ class VerifyConfig:
     lengths: tuple = ()  # document lengths to draw from; empty: built-in edge cases
     fill: bool = False  # with lengths: fill every sequence to the context (no early stop)
     dtype: str = "float32"
-    rebuild: bool = False  # system.attention_memory = rebuild
+    memory: str = "keep"  # system.attention_memory
 
 
 def make_batch(cfg: VerifyConfig, dp: int, batch: int) -> list[list[int]]:
@@ -144,7 +144,7 @@ def worker(rank: int, world: int, port: int, cfg: VerifyConfig, out_dir: str) ->
     for system in cfg.systems:
         for pipelined in cfg.pipelined:
             runtime = Runtime(groups=groups, chunks=cfg.chunks, pipelined=pipelined,
-                              rebuild=cfg.rebuild)
+                              memory=cfg.memory)
             runtime.stats.count_host = True
             err_out = err_grad = 0.0
             sent = planned = rebuilt = 0

@@ -20,6 +20,7 @@ import yaml
 
 from libra_ext.attention import BACKENDS, DEFAULT_CHUNKS
 from libra_ext.costmodel import COST_MODELS
+from libra_ext.memory import check_attention_memory
 from libra_ext.pipeline import PP_ORDERS
 from libra_ext.planner import DISTCA_SERVERS, ORDERS, SYSTEMS, PlannerKnobs, PlannerOptions
 from libra_ext.workload import MAX_TOKENS, ModelConfig, check_int, preset_names, read_lengths_file
@@ -91,10 +92,12 @@ class SystemConfig(PlannerKnobs):
     """What the attention operator keeps for backward. keep: every kernel keeps its output and
     inputs; at cp > 1 that is the layer's O twice (the kernel's before the Ulysses all-to-all
     back, and the layer's output: ~0.8x the layer's Q/K/V more than a plain call) and, for
-    moved tiles, their Q/K/V/O on the executor beside the owner's. rebuild: no more than a
-    plain call (its Q/K/V and the layer's output): the rest is freed after the forward and
-    rebuilt in the backward - one more all-to-all of O over the CP group, and the moved tiles'
-    Q/K/V/O shipped again in the exchange pool; identical results."""
+    moved tiles, their Q/K/V/O on the executor beside the owner's. owner: moved tiles' Q/K/V/O
+    kept once, by their owner, and shipped to the executor again with dO in the backward (pool
+    bytes, overlapped with the owner's own backward; Ulysses as keep). rebuild: no more than a
+    plain call (its Q/K/V and the layer's output): that, and the kernel's O freed after the
+    forward and rebuilt in the backward by one more all-to-all of O over the CP group. Identical
+    results under every setting."""
     pp_order: str = "none"
     """With pipeline parallelism: none (micro-batches in the plan's slot order) or balanced
     (each exchange pool's slots reordered to shorten the modeled 1F1B step; the same samples,
@@ -126,9 +129,7 @@ class SystemConfig(PlannerKnobs):
         if self.cost_fit_interval < 1:
             raise ValueError(f"{name('system.cost_fit_interval')} must be >= 1, got "
                              f"{self.cost_fit_interval}")
-        if self.attention_memory not in ("keep", "rebuild"):
-            raise ValueError(f"{name('system.attention_memory')} must be keep or rebuild, got "
-                             f"{self.attention_memory!r}")
+        check_attention_memory(self.attention_memory, name("system.attention_memory"))
         if self.attention_backend not in ("auto",) + BACKENDS:
             raise ValueError(
                 f"{name('system.attention_backend')} must be auto or one of {', '.join(BACKENDS)}, "

@@ -69,7 +69,7 @@ def new_runtime(cfg: TrainConfig, dp: int, cp_group=None) -> Runtime:
         chunks=s.chunks,
         pipelined=s.pipeline,
         backend=None if s.attention_backend == "auto" else s.attention_backend,
-        rebuild=s.attention_memory == "rebuild",
+        memory=s.attention_memory,
     )
 
 

@@ -179,6 +179,27 @@ def test_rebuilding_keeps_what_a_plain_call_keeps_at_every_layout(report):
             assert r["extra_over_qkv"] <= bound, (key, rank)
 
 
+def test_owner_keeps_moved_units_once_at_no_device_cost(report):
+    # system.attention_memory = owner: the executors keep nothing of the moved units (their
+    # owner ships Q/K/V/O again with dO) - libra and distca keep what Ulysses keeps, peak
+    # within the one-rank bound, and move and launch on the device what keeping does
+    assert set(report["owner"]) == {f"{s}/varlen-2.13/{lay}" for s in ("libra", "distca")
+                                    for lay in gate.LAYOUTS if gate.LAYOUTS[lay][1] > 1}
+    for key, ranks in report["owner"].items():
+        system, kernel, layout = key.split("/")
+        ulysses = max(x["kept"] for x in report["operator"][f"ulysses/{kernel}/{layout}"].values())
+        kept = report["operator"][key]
+        for rank, r in ranks.items():
+            assert "error" not in r and r["host_reads"] == [], (key, rank)
+            assert r["kept"] <= ulysses + gate.KEPT_OWNER_EXTRA, (key, rank, r["kept"])
+            assert r["peak"] <= gate.PEAK_BOUND, (key, rank, r["peak"])
+            for field in ("device_ops_fwd", "device_ops_bwd"):
+                assert r[field] == kept[rank][field], (key, rank, field)
+            # (what is shipped again goes in place, but for the few ranges that are gathered)
+            assert r["extra_over_qkv"] <= kept[rank]["extra_over_qkv"] + 0.02, (key, rank)
+        assert max(r["kept"] for r in ranks.values()) < max(r["kept"] for r in kept.values())
+
+
 def test_a_drop_in_call_without_a_plan_uploads_once_per_micro_batch(report):
     # Megatron's cu_seqlens only (a plain PackedSeqParams, no step plan): per-document CP
     # compiles and uploads its program at the first layer and every later layer reuses it

@@ -16,7 +16,8 @@ ALL = ("ulysses", "libra", "wlb", "distca")
     "nproc, cp, pool, extra",
     [
         (2, 1, 2, dict(slots=2)),  # D=2 C=1 P=2, two micro-batches
-        (4, 2, 2, dict(rebuild=True)),  # D=2 C=2 P=2, O and moved inputs rebuilt
+        (4, 2, 2, dict(memory="rebuild")),  # D=2 C=2 P=2, O and moved inputs rebuilt
+        (4, 1, 4, dict(memory="owner")),  # D=4 C=1 P=4, moved inputs shipped again
         (4, 1, 4, dict(kv_heads=1, head_group=3)),  # D=4 C=1 P=4, MQA, uneven heads
         (8, 2, 2, dict(kv_heads=4, block=8, batches=1)),  # D=4 C=2 P=2, MHA, small tiles
         (8, 4, 2, dict(heads=8, kv_heads=2, batches=1)),  # D=2 C=4 P=2, GQA across cp ranks
@@ -32,7 +33,7 @@ def test_systems_match_the_reference(nproc, cp, pool, extra):
         assert case["bytes_sent"] == case["bytes_planned"], case
     moved = [c for c in result["cases"] if c["system"] in ("libra", "distca")]
     assert any(sum(c["bytes_sent"]) > 0 for c in moved)  # tiles really moved
-    if extra.get("rebuild"):  # moved units' Q/K/V/O shipped again in the backward
+    if extra.get("memory", "keep") != "keep":  # moved Q/K/V/O shipped again in the backward
         assert any(sum(c["bytes_rebuilt"]) > 0 for c in moved)
     assert result["ok"]
 

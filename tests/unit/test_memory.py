@@ -63,7 +63,12 @@ def test_rebuilding_attention_memory_keeps_no_o_and_no_exchange_buffers():
     assert keep["activations_bytes"] - lean["activations_bytes"] == pytest.approx(
         (o + 4e8) * QWEN.layers)
     assert lean["exchange_bytes_per_layer"] == 0
-    with pytest.raises(ValueError, match="attention_memory must be keep or rebuild"):
+    # owner: the exchange buffers go (kept once, by their owner), the kernel's O stays
+    owner = estimate(QWEN, lay, "none", 1, 4e8, attention_memory="owner")
+    assert keep["activations_bytes"] - owner["activations_bytes"] == pytest.approx(
+        4e8 * QWEN.layers)
+    assert owner["exchange_bytes_per_layer"] == 0
+    with pytest.raises(ValueError, match="attention_memory must be one of keep, owner, rebuild"):
         estimate(QWEN, lay, attention_memory="some")
 
 

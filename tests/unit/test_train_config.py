@@ -83,6 +83,8 @@ MOE = ["moe.balancer=libra", "model.moe_topk=2", "model.experts=8", "model.moe_f
         ),
         (["system.pp_order=fastest"], 4, r"system.pp_order must be one of none, balanced"),
         (["system.distca_server=node"], 4, r"system.distca_server must be one of replica, gpu"),
+        (["system.attention_memory=some"], 4,
+         r"system.attention_memory must be one of keep, owner, rebuild, got .some."),
         (
             ["system.name=distca", "system.distca_server=gpu", "parallel.cp=2"],
             4,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from libra_ext.memory import ATTENTION_MEMORY
 from libra_ext.planner import SYSTEMS
 from libra_ext.workload import check_int, read_lengths_file
 
@@ -28,9 +29,10 @@ def add_verify_parser(sub) -> None:
     a.add_argument("--block", type=int, default=16, help="query tokens per tile")
     a.add_argument("--chunks", type=int, default=2, help="chunks of the pool exchange")
     a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--attention-memory", default="keep", choices=("keep", "rebuild"),
-                   help="system.attention_memory: rebuild frees the kernels' outputs and the "
-                   "moved tiles' inputs after the forward and rebuilds them in the backward")
+    a.add_argument("--attention-memory", default="keep", choices=ATTENTION_MEMORY,
+                   help="system.attention_memory: owner frees the moved tiles' outputs and "
+                   "inputs after the forward and ships them again in the backward, rebuild the "
+                   "kernels' outputs too")
     a.add_argument("--tolerance", type=float, default=1e-5)
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=run_verify_attention)
@@ -89,7 +91,7 @@ def run_verify_attention(args):
         chunks=args.chunks,
         seed=args.seed,
         lengths=lengths,
-        rebuild=args.attention_memory == "rebuild",
+        memory=args.attention_memory,
     )
     result = run(cfg, tol=args.tolerance)
     cases = result["cases"]

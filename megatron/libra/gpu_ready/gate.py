@@ -25,7 +25,8 @@ MULTI_RANK scenarios (cp 2 per system; dp 2 / ep 2 with Libra's MoE balancer), e
 process.
 
 Rebuild: the same layer call of libra, distca and ulysses at the exchanging layouts with
-system.attention_memory = rebuild (through one stand-in), reported under "rebuild".
+system.attention_memory = rebuild (through one stand-in), reported under "rebuild"; libra and
+distca with owner, under "owner".
 
 Bounds (each constant below says what was measured): no errors (a device mismatch, a stand-in
 refusing its arguments), no host reads, no blocking transfers and no host-to-device copies
@@ -109,6 +110,13 @@ KEPT_BOUND_EXCHANGE = 1.9
 the all-to-all's receive, which the kernel keeps, and its output O before the all-to-all back;
 a plain call's output is the layer's own). Dropping O needs a kernel backward that takes it
 from the caller."""
+KEPT_OWNER_EXTRA = 0.05
+"""Libra and DistCA with system.attention_memory = owner (the "owner" scenarios): kept bytes at
+most Ulysses's (keeping) + this many times Q/K/V (measured +0.01: the moved units' Q/K/V/O
+are kept once, by their owner, and shipped again in the backward - 1.82 / 1.81 against
+keeping's 2.37-2.68 / 1.98-2.14); their peak within PEAK_BOUND (measured 3.84-3.97 / 3.81);
+extra device bytes and device ops as keeping (the messages sent again go from X and O in
+place, into the executed calls' own memory)."""
 KEPT_PEER_EXTRA = 1.0
 """Libra, DistCA and WLB-LLM where ranks exchange: kept bytes at most Ulysses's + this many
 times Q/K/V (what the moved units keep on their executor: their received Q/K/V and O;
@@ -246,11 +254,11 @@ def _exchanged_bytes(plan, replica: int, shape: Shape) -> int:
 
 
 def _rank_call(probe, plan, system: str, backend: str, groups, shape: Shape, chunks: int = 2,
-               rebuild: bool = False):
-    """One layer call (forward + backward) of rank (groups.r, groups.c) for slot 0 (with
-    `rebuild`: system.attention_memory = rebuild)."""
+               memory: str = "keep"):
+    """One layer call (forward + backward) of rank (groups.r, groups.c) for slot 0 (`memory`:
+    system.attention_memory)."""
 
-    runtime = Runtime(groups=groups, chunks=chunks, backend=backend, rebuild=rebuild)
+    runtime = Runtime(groups=groups, chunks=chunks, backend=backend, memory=memory)
     staged, compile_ms = _compiled(plan, groups, chunks)
     upload = probe.start("upload")
     steps = runtime.prepare(plan, "cuda", staged)
@@ -541,13 +549,13 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
                          "extra_ulysses": EXTRA_BOUND_ULYSSES, "extra_peer": PEER_BOUND,
                          "ops_peer": OPS_BOUND, "kept_over_plain": KEPT_BOUND,
                          "kept_exchange": KEPT_BOUND_EXCHANGE, "kept_peer": KEPT_PEER_EXTRA,
-                         "peak": PEAK_BOUND,
+                         "kept_owner": KEPT_OWNER_EXTRA, "peak": PEAK_BOUND,
                          "peak_peer": PEAK_PEER_EXTRA, "growth": GROWTH_BOUND,
                          "modeled_overhead": MODELED_OVERHEAD_BOUND,
                          "extra_ulysses_rebuild": EXTRA_BOUND_ULYSSES_REBUILD,
                          "extra_peer_rebuild": PEER_BOUND_REBUILD},
-              "operator": {}, "rebuild": {}, "plain": {}, "growth": {}, "drop_in": {},
-              "trainer": {}}
+              "operator": {}, "rebuild": {}, "owner": {}, "plain": {}, "growth": {},
+              "drop_in": {}, "trainer": {}}
     with harness.fake_cuda() as probe, standins.fake_collectives():
         for name in standin_names:
             with standins.use_backend(name) as backend:
@@ -563,8 +571,10 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
             for system in set(systems) & set(REBUILDING):
                 for lay in layouts:
                     if LAYOUTS[lay][1] > 1:
-                        report["rebuild"][f"{system}/{growth_standin}/{lay}"] = _layout_calls(
-                            probe, system, backend, LAYOUTS[lay], shape, docs=500, rebuild=True)
+                        for memory in ("rebuild", "owner") if system != "ulysses" else ("rebuild",):
+                            report[memory][f"{system}/{growth_standin}/{lay}"] = _layout_calls(
+                                probe, system, backend, LAYOUTS[lay], shape, docs=500,
+                                memory=memory)
             if "wlb" in systems:
                 for lay in layouts:
                     report["drop_in"][f"wlb/{lay}"] = _drop_in_calls(probe, backend,
@@ -591,7 +601,7 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
     return report
 
 
-def _layout_calls(probe, system, backend, layout, shape, docs, rebuild=False) -> dict:
+def _layout_calls(probe, system, backend, layout, shape, docs, memory="keep") -> dict:
     dp, cp, _ = layout
     try:
         plan = _plan(system, layout, shape, docs)
@@ -603,7 +613,7 @@ def _layout_calls(probe, system, backend, layout, shape, docs, rebuild=False) ->
             try:
                 ranks[f"{r}.{c}"] = _rank_call(probe, plan, system, backend,
                                                standins.FakeGroups(dp, cp, r, c), shape,
-                                               rebuild=rebuild)
+                                               memory=memory)
             except Exception as e:  # noqa: BLE001
                 ranks[f"{r}.{c}"] = _failure(e)
     return ranks
@@ -690,11 +700,21 @@ def _cost_failures(report: dict, key: str, where: str, r: dict,
     """A rank's extra device bytes, device ops and memory against the bounds: absolute at one
     rank (kept against a plain call's), Ulysses's absolute where ranks exchange, and its peers'
     against Ulysses's at the same kernel and layout (in the same `section` of the report:
-    "rebuild" for system.attention_memory = rebuild)."""
+    "rebuild" for system.attention_memory = rebuild; "owner", against Ulysses keeping, for
+    owner: kept and peak as Ulysses's, KEPT_OWNER_EXTRA, PEAK_BOUND)."""
     system, kernel, layout = key.split("/")
     bad = []
     x = r["extra_over_qkv"]
     plain = report["plain"].get(kernel, {})
+    if section == "owner":
+        ulysses = report["operator"].get(f"ulysses/{kernel}/{layout}", {})
+        kept = _worst_of(ulysses, "kept")
+        if kept is not None and r["kept"] > kept + KEPT_OWNER_EXTRA:
+            bad.append(f"{where}: keeps {r['kept']:.2f}x its Q/K/V for backward, over Ulysses's "
+                       f"{kept:.2f} + {KEPT_OWNER_EXTRA}")
+        if r["peak"] > PEAK_BOUND:
+            bad.append(f"{where}: peaks at {r['peak']:.2f}x its Q/K/V (bound {PEAK_BOUND})")
+        section = "operator"  # bytes and ops as keeping
     ulysses = report[section].get(f"ulysses/{kernel}/{layout}", {})
     rebuilt = section == "rebuild"
     kept_over_plain = ([f"{where}: keeps {r['kept']:.2f}x its Q/K/V for backward, over "
@@ -748,10 +768,10 @@ def check(report: dict) -> list[str]:
     for name, r in report["plain"].items():
         if "error" in r:
             bad.append(f"plain/{name}: {r['error']} at {r['where']}")
-    for section in ("operator", "rebuild"):
+    for section in ("operator", "rebuild", "owner"):
         for key, ranks in report.get(section, {}).items():
             for rank, r in ranks.items():
-                where = f"{key}{' (rebuild)' if section == 'rebuild' else ''} rank {rank}"
+                where = f"{key}{'' if section == 'operator' else f' ({section})'} rank {rank}"
                 if "error" in r:
                     bad.append(f"{where}: {r['error']} at {r['where']}")
                     continue
@@ -817,7 +837,8 @@ def summary(report: dict) -> str:
                  f"{'reads':>5s} {'blocking':>8s} {'uploads':>7s} {'extra':>7s} {'kept':>5s} "
                  f"{'peak':>5s} {'KiB/slot':>8s} {'ms/slot':>7s}")
     rows = list(report["operator"].items())
-    rows += [(f"{key}+rebuild", ranks) for key, ranks in report.get("rebuild", {}).items()]
+    rows += [(f"{key}+{section}", ranks) for section in ("rebuild", "owner")
+             for key, ranks in report.get(section, {}).items()]
     for key, ranks in rows:
         ok, err = _worst(ranks)
         if err:
