@@ -52,15 +52,16 @@ class StepTimes:
         return self.attention + self.cp_comm + self.pool_exposed + self.operator
 
 
-OPERATOR_LAUNCHES = {"ulysses": 8, "wlb": 6}
+OPERATOR_LAUNCHES = {"ulysses": 12, "wlb": 6}
 """Device ops of one layer call, forward + backward, beyond a plain call's (whose kernel calls
 `call_floor` counts): the Ulysses layout copies, per-document CP's key pack and reduction (the
-GPU-readiness gate's counts at 256K tokens, 32 / 4 heads: 13 and 11 against a plain call's 5).
-At one cp rank the operator is the plain call: nothing beyond it."""
+GPU-readiness gate's counts at 256K tokens, 32 / 4 heads: 17 and 11 against a plain call's 5;
+Ulysses's O and dO move between the layouts in exchange.ROUNDS token ranges, own block in
+place: 13 before). At one cp rank the operator is the plain call: nothing beyond it."""
 LAUNCHES_PER_SUBCHUNK = 3
 """Device ops one sub-chunk of the pool exchange adds to a layer call (its fused gathers, kernel
-calls and fused scatters, forward + backward; the gate: libra 8-10 forward and 9-13 backward
-at pool 2 and 8, against Ulysses's 6 / 7, over 2 x chunks sub-chunks)."""
+calls and fused scatters, forward + backward; the gate: libra 10 forward and 13-14 backward
+at pool 2 and 8, against Ulysses's 8 / 9, over 2 x chunks sub-chunks)."""
 OWNER_GATHERED = 0.005
 """The share of an owner's moved Q and K/V that travels gathered (its send gathered, its
 returned O and dQ scattered) rather than sent from X and received in place: 0 on the
