@@ -161,6 +161,14 @@ def _ranges(t: int) -> list:
     return [(a, min(t, a + step)) for a in range(0, t, step)]
 
 
+def _others(C: int, me: int) -> list:
+    """(rows of a staging buffer of the other ranks' blocks, the same blocks of a [C, ...]
+    tensor): the blocks before rank `me` and those after it, each as one slice where it has
+    any (at most two copies move them all)."""
+    pairs = ((slice(0, me), slice(0, me)), (slice(me, C - 1), slice(me + 1, C)))
+    return [(s, b) for s, b in pairs if s.stop > s.start]
+
+
 def _to_heads(x: torch.Tensor, dst: torch.Tensor, C: int, env: ExecEnv, kind: str) -> None:
     """The Ulysses transfer from the layer's layout to the kernel's: x [t, C*hl*d] (this rank's
     tokens, every head) -> dst [C, t, hl, d] (every rank's tokens, this rank's heads). This
@@ -175,10 +183,8 @@ def _to_heads(x: torch.Tensor, dst: torch.Tensor, C: int, env: ExecEnv, kind: st
     stage = x.new_empty(C - 1, rounds[0][1], *dst.shape[2:])
     for a, b in rounds:
         n = b - a
-        if me > 0:
-            stage[:me, :n].copy_(src[:me, a:b])
-        if me < C - 1:
-            stage[me:, :n].copy_(src[me + 1:, a:b])
+        for rows, blocks in _others(C, me):
+            stage[rows, :n].copy_(src[blocks, a:b])
         send_recv([(kind, [(j, stage[i, :n]) for i, j in enumerate(peers)],
                     [(j, dst[j, a:b]) for j in peers])], env.cp_group, env.counter)
 
@@ -197,10 +203,8 @@ def _from_heads(o: torch.Tensor, out: torch.Tensor, C: int, env: ExecEnv, kind: 
         n = b - a
         send_recv([(kind, [(j, o[j, a:b]) for j in peers],
                     [(j, stage[i, :n]) for i, j in enumerate(peers)])], env.cp_group, env.counter)
-        if me > 0:
-            dst[a:b, :me].copy_(stage[:me, :n].transpose(0, 1))
-        if me < C - 1:
-            dst[a:b, me + 1:].copy_(stage[me:, :n].transpose(0, 1))
+        for rows, blocks in _others(C, me):
+            dst[a:b, blocks].copy_(stage[rows, :n].transpose(0, 1))
 
 
 def _put_kv(dst: torch.Tensor, src: torch.Tensor, C: int, hl: int) -> None:
@@ -285,7 +289,7 @@ class PlannedAttention(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, prog, env, held, counts):
         t, h, d = q.shape
-        C, hl = prog.cp, prog.heads_local
+        C = prog.cp
         xq, xk, xv = _ulysses_in(q, k, v, prog, env)
         moving = bool(prog.subchunks)
         xqf = _flat(xq, d) if moving or prog.lpacks else None
@@ -482,6 +486,16 @@ def _wait(works: list, env: ExecEnv) -> None:
             w.wait()
 
 
+def _range(own, gathered, whole: bool, n: int, x: int, o: int, pos: int):
+    """Where one range of an owner's message lies (`Messages.q_send`'s entries): in `own` (X,
+    or O / dQ) from vector x when it is sent in place, else in the gathered buffer - at its
+    offset o in the rest, or at its position pos among every message when the whole message
+    set travels gathered (`whole`: own is not contiguous)."""
+    if whole:
+        return gathered[pos:pos + n]
+    return own[x:x + n] if x >= 0 else gathered[o:o + n]
+
+
 class _Exchange:
     """The pool exchange of one layer call: messages, the executor's calls, the returns.
 
@@ -518,7 +532,7 @@ class _Exchange:
         transfers."""
         m, transfers = self.m, []
         for kind, q, src, (g, whole), buf in parts:
-            sends = [(j, g[pos:pos + n] if whole else src[x:x + n] if x >= 0 else g[o:o + n])
+            sends = [(j, _range(src, g, whole, n, x, o, pos))
                      for j, n, x, o, pos in (m.q_send if q else m.kv_send)[k]]
             recvs = [(i, buf[off:off + n]) for i, n, off in (m.q_recv if q else m.kv_recv)[k]]
             transfers.append((kind, sends, recvs))
@@ -534,8 +548,8 @@ class _Exchange:
         for kind, q, msg, dest, (ret, whole) in parts:
             sends = [(i, msg[off:off + n]) for i, n, off in (m.q_recv if q else m.kv_recv)[k]]
             if q:
-                recvs = [(j, ret[pos:pos + n] if whole else dest[x:x + n] if x >= 0 else
-                          ret[o:o + n]) for j, n, x, o, pos in m.q_send[k]]
+                recvs = [(j, _range(dest, ret, whole, n, x, o, pos))
+                         for j, n, x, o, pos in m.q_send[k]]
             else:
                 recvs = [(j, ret[pos:pos + n]) for j, n, _, _, pos in m.kv_send[k]]
             transfers.append((kind, sends, recvs))
