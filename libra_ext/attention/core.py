@@ -41,6 +41,7 @@ from libra_ext.attention.exchange import ExecEnv, PerDocAttention, planned_atten
 from libra_ext.attention.kernels import backend_for
 from libra_ext.attention.meta import WlbProgram
 from libra_ext.attention.params import AttentionStep, LibraPackedSeqParams
+from libra_ext.memory import check_attention_memory
 from libra_ext.planner import SYSTEMS, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class Runtime:
     counter: ByteCounter = field(default_factory=ByteCounter)
     stats: RuntimeStats = field(default_factory=RuntimeStats)
     _programs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_attention_memory(self.memory, "memory")
 
     def prepare(self, plan: StepPlan, device, host_programs: list | None = None,
                 device_buffers: list | None = None) -> list:

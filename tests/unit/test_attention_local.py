@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from libra_ext.attention import kernels, reference_kernel, thd
+from libra_ext.attention.core import Runtime
 from libra_ext.attention.kernels import KernelParams, select_backend, why_not
 from libra_ext.attention.reference_kernel import reference_attention
 from libra_ext.distributed import free_port, run_ranks, share_cores
@@ -339,3 +340,8 @@ def test_kernel_time_on_one_cpu_thread_is_the_threads_own_work():
         assert timer.seconds() >= 0.2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_runtime_refuses_an_unknown_attention_memory_setting():
+    with pytest.raises(ValueError, match="memory must be one of keep, owner, rebuild, got 'kept'"):
+        Runtime(groups=None, memory="kept")
