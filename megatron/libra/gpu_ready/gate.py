@@ -706,14 +706,15 @@ def _cost_failures(report: dict, key: str, where: str, r: dict,
     bad = []
     x = r["extra_over_qkv"]
     plain = report["plain"].get(kernel, {})
+    over_peak = ([f"{where}: peaks at {r['peak']:.2f}x its Q/K/V (bound {PEAK_BOUND})"]
+                 if r["peak"] > PEAK_BOUND else [])
     if section == "owner":
         ulysses = report["operator"].get(f"ulysses/{kernel}/{layout}", {})
         kept = _worst_of(ulysses, "kept")
         if kept is not None and r["kept"] > kept + KEPT_OWNER_EXTRA:
             bad.append(f"{where}: keeps {r['kept']:.2f}x its Q/K/V for backward, over Ulysses's "
                        f"{kept:.2f} + {KEPT_OWNER_EXTRA}")
-        if r["peak"] > PEAK_BOUND:
-            bad.append(f"{where}: peaks at {r['peak']:.2f}x its Q/K/V (bound {PEAK_BOUND})")
+        bad += over_peak
         section = "operator"  # bytes and ops as keeping
     ulysses = report[section].get(f"ulysses/{kernel}/{layout}", {})
     rebuilt = section == "rebuild"
@@ -724,10 +725,7 @@ def _cost_failures(report: dict, key: str, where: str, r: dict,
         if x > EXTRA_BOUND_SINGLE:
             bad.append(f"{where}: {x:.2f}x Q/K/V extra device bytes (bound "
                        f"{EXTRA_BOUND_SINGLE})")
-        bad += kept_over_plain
-        if r["peak"] > PEAK_BOUND:
-            bad.append(f"{where}: peaks at {r['peak']:.2f}x its Q/K/V (bound {PEAK_BOUND})")
-        return bad
+        return bad + kept_over_plain + over_peak
     if system == "ulysses":
         for name, value, bound in (
                 ("extra device bytes", x,
@@ -749,9 +747,7 @@ def _cost_failures(report: dict, key: str, where: str, r: dict,
               ("kept for backward", r["kept"], _worst_of(ulysses, "kept"), KEPT_PEER_EXTRA, "+"),
               ("peak", r["peak"], _worst_of(ulysses, "peak"), PEAK_PEER_EXTRA, "+")]
     if rebuilt:
-        bad += kept_over_plain
-        if r["peak"] > PEAK_BOUND:
-            bad.append(f"{where}: peaks at {r['peak']:.2f}x its Q/K/V (bound {PEAK_BOUND})")
+        bad += kept_over_plain + over_peak
     for name, value, ref, bound, how in checks:
         if ref is None:
             continue
