@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -112,17 +113,24 @@ def test_every_system_and_two_pipeline_stages_train_and_validate_to_the_same_los
     runs, vals = {}, {}
     ck, tb = tmp_path / "ck", tmp_path / "tb"
     cases = [(s, 1) for s in ("libra", "ulysses", "wlb", "distca")] + [("wlb", 2), ("libra", 2)]
-    for system, pp in cases:
+
+    def launch(case):
+        system, pp = case
         extra = ["--libra-wlb-outlier-len", "100000"] if system == "wlb" else []
         if (system, pp) == ("libra", 1):  # checkpoints, TensorBoard, timers (once)
             extra += ["--save", str(ck), "--save-interval", "1", "--ckpt-format", "torch",
                       "--tensorboard-dir", str(tb), "--timing-log-level", "2"]
-        run = _ranks(4, [*MOCK, "--global-batch-size", "8", "--train-iters", "2",
-                            "--eval-iters", "1", "--eval-interval", "1",
-                            "--context-parallel-size", "2",
-                            "--libra-pool-size", "2" if pp == 1 else "1",
-                            "--pipeline-model-parallel-size", str(pp),
-                            "--libra-system", system, *extra])
+        return _ranks(4, [*MOCK, "--global-batch-size", "8", "--train-iters", "2",
+                             "--eval-iters", "1", "--eval-interval", "1",
+                             "--context-parallel-size", "2",
+                             "--libra-pool-size", "2" if pp == 1 else "1",
+                             "--pipeline-model-parallel-size", str(pp),
+                             "--libra-system", system, *extra])
+
+    # two runs at a time: a run's import and its process groups' set-up each leave a core idle
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = list(pool.map(launch, cases))
+    for (system, pp), run in zip(cases, done):
         assert run.returncode == 0, run.stderr[-3000:]
         losses = _losses(run.stdout)
         assert len(losses) == 2, run.stdout[-3000:]

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+from megatron.libra.gpu_ready import library
+
 
 def _args(argv):
     from libra_ext.planner import SYSTEMS
@@ -41,13 +43,10 @@ def _args(argv):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # deferred: the scenarios are imported in the gate's own process (fake CUDA preloaded)
-    from megatron.libra.gpu_ready import harness
-
-    if not os.environ.get(harness.PRELOAD_ENV):
-        lib = harness.build_library()
+    if not os.environ.get(library.PRELOAD_ENV):  # (this process imports no torch)
+        lib = library.build_library()
         cmd = [sys.executable, "-m", "megatron.libra.gpu_ready", *argv]
-        return subprocess.run(cmd, env=harness.preload_env(lib)).returncode
+        return subprocess.run(cmd, env=library.preload_env(lib)).returncode
     args = _args(argv)
     # deferred: the scenarios are imported in the gate's own process (fake CUDA preloaded)
     from megatron.libra.gpu_ready import gate

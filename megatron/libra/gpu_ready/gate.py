@@ -582,7 +582,8 @@ def run(systems=SYSTEMS, standin_names=tuple(standins.BACKEND_STANDINS), layouts
             report["rope"] = {"50": _rope_calls(probe, shape, 50), "500": _rope_calls(probe, shape, 500)}
             for system in systems:
                 for lay in layouts:
-                    few = _layout_calls(probe, system, backend, LAYOUTS[lay], shape, docs=500)
+                    few = report["operator"].get(f"{system}/{growth_standin}/{lay}") or \
+                        _layout_calls(probe, system, backend, LAYOUTS[lay], shape, docs=500)
                     many = _layout_calls(probe, system, backend, LAYOUTS[lay], shape, docs=5000)
                     report["growth"][f"{system}/{lay}"] = _growth(few, many)
         if trainer and "one-rank" in trainer_scenarios:

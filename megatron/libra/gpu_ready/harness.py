@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import subprocess
-import sys
 import traceback
 import weakref
 from collections import Counter
@@ -41,52 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from libra_ext.attention import counters
 from libra_ext.measure import traffic
-
-SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
-LIB_NAME = "libra_fake_cuda"
-PRELOAD_ENV = "LIBRA_FAKE_CUDA_LIB"
-"""Set (to the library's path) in the gate's process, which was started with it preloaded."""
-
-_ROOT = Path(__file__).resolve().parents[3]
-
-
-def build_dir() -> Path:
-    """Where the library is built: build/fake_cuda/<python>-<torch> under the checkout
-    (LIBRA_BUILD_DIR overrides build/), one per environment that shares the checkout."""
-    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
-    return Path(os.environ.get("LIBRA_BUILD_DIR") or _ROOT / "build") / "fake_cuda" / tag
-
-
-def build_library(verbose: bool = False) -> Path:
-    """Build the library (only what changed is rebuilt) in a process of its own, so that this
-    one never loads it; returns its path."""
-
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    code = (
-        "from torch.utils.cpp_extension import load; "
-        f"load({LIB_NAME!r}, [{str(SOURCE)!r}], build_directory={str(out)!r}, "
-        f"verbose={verbose})"
-    )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    lib = out / f"{LIB_NAME}.so"
-    if p.returncode != 0 or not lib.exists():
-        raise RuntimeError(
-            f"building the fake-CUDA library failed (a C++ compiler and ninja are needed):\n"
-            f"{p.stderr[-3000:]}"
-        )
-    return lib
-
-
-def preload_env(lib: Path) -> dict:
-    """The environment of a process started with the library preloaded."""
-    env = dict(os.environ)
-    torch_lib = str(Path(torch.__file__).parent / "lib")
-    env["LD_LIBRARY_PATH"] = torch_lib + (":" + env["LD_LIBRARY_PATH"]
-                                          if env.get("LD_LIBRARY_PATH") else "")
-    env["LD_PRELOAD"] = str(lib) + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
-    env[PRELOAD_ENV] = str(lib)
-    return env
+from megatron.libra.gpu_ready.library import LIB_NAME, PRELOAD_ENV, ROOT as _ROOT
 
 
 def real_gpus() -> int:
