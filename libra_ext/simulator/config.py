@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from libra_ext.memory import check_attention_memory
 from libra_ext.planner import ORDERS
 from libra_ext.workload import ModelConfig, preset_names
 
@@ -77,6 +78,9 @@ class SimConfig:
     """Production order of each step's sequences (megatron | contiguous; see PlannerOptions)."""
     pp: int = 4
     """Pipeline stages of the modeled 1F1B bubble (`pipeline_stages`; libra_ext.pipeline)."""
+    attention_memory: str = "keep"
+    """system.attention_memory of libra, distca-replica and ulysses (keep | owner | rebuild): what
+    owner and rebuild send again in the backward is priced (simulate_plan)."""
     cost_table: object = None
     """A `costmodel.CostTable` libra, distca and wlb balance instead of causal pairs (`libra simulate
     --cost-table`); None: pairs."""
@@ -109,6 +113,7 @@ class SimConfig:
             "reference",
             "scenarios",
             "order",
+            "attention_memory",
         }
         for k in d:
             if k not in known:
@@ -192,8 +197,11 @@ class SimConfig:
         order = d.get("order", "megatron")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+        attention_memory = d.get("attention_memory", "keep")
+        check_attention_memory(attention_memory)
         return cls(
             order=order,
+            attention_memory=attention_memory,
             hardware=str(d.get("hardware", "h100-sxm")),
             model=model,
             steps=_int(d, "steps", "config", 6),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from libra_ext.memory import check_attention_memory
 from libra_ext.planner import StepPlan
 from libra_ext.simulator.hardware import HardwareProfile
 from libra_ext.workload import (
@@ -135,8 +136,11 @@ def exposed_pool_comm(
     return comm * 2.0 / n + np.maximum(0.0, comm * (n - 2.0) / n - attn * (n - 1.0) / n)
 
 
-def pool_collective_time(plan: StepPlan, hw: HardwareProfile, chunks: int) -> np.ndarray:
-    """[D, m] seconds per layer of each replica's pool exchange in each slot."""
+def pool_collective_time(plan: StepPlan, hw: HardwareProfile, chunks: int,
+                         attention_memory: str = "keep") -> np.ndarray:
+    """[D, m] seconds per layer of each replica's pool exchange in each slot
+    (`attention_memory`: system.attention_memory; owner and rebuild ship each moved unit's Q,
+    K/V and O once more, with its dO)."""
     px, m, D = plan.exchange_pool, plan.slots, plan.dp
     out = np.zeros((D, m))
     if px == 1 or not plan.xchg_q.any():
@@ -146,6 +150,8 @@ def pool_collective_time(plan: StepPlan, hw: HardwareProfile, chunks: int) -> np
     # [G, a, b]: bytes a sends b over forward (Q, KV as owner; O as executor) and backward
     # (dO as owner; dQ, dKV as executor).
     send = dt * (q + kv + o + np.swapaxes(o, 1, 2) + np.swapaxes(q, 1, 2) + np.swapaxes(kv, 1, 2))
+    if attention_memory != "keep":  # backward, as owner: Q, KV and O again beside dO
+        send = send + dt * (q + kv + np.swapaxes(o, 1, 2))
     busiest = np.maximum(send.sum(axis=2), send.sum(axis=1)).max(axis=1)  # [G]
     peers = ((send > 0).sum(axis=2) + (send > 0).sum(axis=1)).max(axis=1)  # [G]
     link = hw.link(plan.cp * plan.tp * px <= hw.gpus_per_node)
@@ -172,8 +178,12 @@ def simulate_plan(
     *,
     pipelined: bool = True,
     chunks: int = 4,
+    attention_memory: str = "keep",
 ) -> StepTimes:
-    """Model one step of `plan` (any system) on `hw`."""
+    """Model one step of `plan` (any system) on `hw`; `attention_memory` (system.attention_
+    memory) prices what owner and rebuild send again in the backward: the moved units' Q, K/V
+    and O in the pool exchange, and with rebuild the Ulysses O once more."""
+    check_attention_memory(attention_memory)
     D, C, m, T = plan.dp, plan.cp, plan.slots, plan.tp
     L = model.layers
     d = model.head_dim
@@ -227,6 +237,9 @@ def simulate_plan(
         # Ulysses: all-to-all Q, K, V in and O out (fwd), dO in and dQ, dK, dV out (bwd).
         per_token = ((h + 2 * hkv) + h) / T * d * dtype * 2 * (C - 1) / C
         msgs = 4 * (C - 1)
+        if attention_memory == "rebuild":  # O rebuilt backward: its all-to-all once more
+            per_token += h / T * d * dtype * (C - 1) / C
+            msgs += C - 1
     cp_slot = (
         np.where(
             tokens_rank_slot > 0,
@@ -242,7 +255,7 @@ def simulate_plan(
     # of the group waits for max over members of max(bytes sent, bytes received).
     pool_comm = (
         np.repeat(
-            pool_collective_time(plan, hw, chunks).sum(axis=1)[:, None],
+            pool_collective_time(plan, hw, chunks, attention_memory).sum(axis=1)[:, None],
             C,
             axis=1,
         )

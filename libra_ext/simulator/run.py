@@ -100,7 +100,8 @@ def run_point(
     last: StepTimes | None = None
     for seqs in steps_data:
         plan = planner.plan(seqs)
-        t = simulate_plan(plan, model, hw, pipelined=pipelined, chunks=cfg.chunks)
+        t = simulate_plan(plan, model, hw, pipelined=pipelined, chunks=cfg.chunks,
+                          attention_memory=cfg.attention_memory)
         times.append(t.step)
         tokens.append(float(plan.doc_lengths.sum()))
         plan_ms.append(plan.plan_ms)
@@ -310,6 +311,7 @@ def simulate(
         "steps": cfg.steps,
         "dcp_steps": cfg.dcp_steps,
         "pipeline_stages": cfg.pp,
+        "attention_memory": cfg.attention_memory,
         "workload": {},
         "scenarios": {},
     }

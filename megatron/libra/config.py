@@ -97,7 +97,8 @@ class SystemConfig(PlannerKnobs):
     bytes, overlapped with the owner's own backward; Ulysses as keep). rebuild: no more than a
     plain call (its Q/K/V and the layer's output): that, and the kernel's O freed after the
     forward and rebuilt in the backward by one more all-to-all of O over the CP group. Identical
-    results under every setting."""
+    results under every setting; `libra simulate --attention-memory` prices the time owner and
+    rebuild add (docs/simulator.md)."""
     pp_order: str = "none"
     """With pipeline parallelism: none (micro-batches in the plan's slot order) or balanced
     (each exchange pool's slots reordered to shorten the modeled 1F1B step; the same samples,

@@ -281,7 +281,8 @@ def micro_batch_order(cfg: TrainConfig):
     hardware = HardwareProfile.load("h200-sxm")  # only the slots' relative times matter
 
     def order(plan):
-        times = simulate_plan(plan, cfg.model, hardware, chunks=cfg.system.chunks)
+        times = simulate_plan(plan, cfg.model, hardware, chunks=cfg.system.chunks,
+                              attention_memory=cfg.system.attention_memory)
         return order_slots(times.slot, plan.exchange_pool, stages, "balanced").order
 
     return order

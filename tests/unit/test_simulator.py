@@ -418,3 +418,51 @@ def test_the_planners_every_gpu_distca_makes_the_simulators_decisions_where_a_gp
     with pytest.raises(ValueError, match=r"distca_server must be one of replica, gpu; got 'node'"):
         Planner(LayoutConfig(dp=2, cp=1, pool_size=2, context=4096), m,
                 PlannerOptions(system="distca", distca_server="node")).plan([[4096]] * 2)
+
+
+def test_owner_and_rebuild_price_what_they_send_again_in_the_backward():
+    # system.attention_memory: owner and rebuild ship each moved unit's Q, K/V and O again with
+    # its dO (the pool exchange's bytes from owner to executor: Q + KV + O once more), and
+    # rebuild moves the Ulysses O once more; keep is the model as it was
+    from libra_ext.simulator.cost import pool_collective_time
+
+    hw = HardwareProfile.from_dict(FLAT_HW)
+    layout = LayoutConfig(dp=2, cp=2, pool_size=2, context=1000)
+    libra = Planner(layout, TINY, PlannerOptions(system="libra")).plan([[1000], [100] * 10])
+    assert libra.xchg_q.any()
+    dt = float(libra.dtype_bytes)
+    q, kv, o = (x.astype(np.float64) for x in (libra.xchg_q, libra.xchg_kv, libra.xchg_o))
+    keep_send = dt * (q + kv + o + np.swapaxes(o, 1, 2) + np.swapaxes(q, 1, 2)
+                      + np.swapaxes(kv, 1, 2))
+    again = dt * (q + kv + np.swapaxes(o, 1, 2))
+
+    def busiest(send):  # one group: its busiest member's bytes sent or received
+        return np.maximum(send.sum(axis=2), send.sum(axis=1)).max()
+
+    link = hw.link(True)  # cp 2 x pool 2 = 4 GPUs of one node
+    keep = pool_collective_time(libra, hw, 4)
+    owner = pool_collective_time(libra, hw, 4, "owner")
+    assert np.allclose(owner - keep, (busiest(keep_send + again) - busiest(keep_send))
+                       / link.bandwidth)
+    assert (owner > keep).all()
+    assert np.array_equal(pool_collective_time(libra, hw, 4, "rebuild"), owner)
+    times = {m: simulate_plan(libra, TINY, hw, attention_memory=m)
+             for m in ("keep", "owner", "rebuild")}
+    assert times["owner"].pool_comm.sum() > times["keep"].pool_comm.sum()
+    assert np.array_equal(times["owner"].cp_comm, times["keep"].cp_comm)
+    assert (times["rebuild"].cp_comm > times["owner"].cp_comm).all()  # the Ulysses O again
+    # a Ulysses plan has no pool exchange: owner is keep, rebuild adds its O's all-to-all
+    uly = Planner(layout, TINY, PlannerOptions(system="ulysses")).plan([[1000], [100] * 10])
+    assert simulate_plan(uly, TINY, hw, attention_memory="owner").step == \
+        simulate_plan(uly, TINY, hw).step
+    assert simulate_plan(uly, TINY, hw, attention_memory="rebuild").step > \
+        simulate_plan(uly, TINY, hw).step
+    with pytest.raises(ValueError, match="attention_memory must be one of keep, owner, rebuild"):
+        simulate_plan(libra, TINY, hw, attention_memory="lean")
+
+
+def test_the_simulate_config_takes_attention_memory_and_names_a_bad_one(tmp_path):
+    assert SimConfig.load(_cfg(tmp_path)).attention_memory == "keep"
+    assert SimConfig.load(_cfg(tmp_path, attention_memory="owner")).attention_memory == "owner"
+    with pytest.raises(ValueError, match="attention_memory must be one of .* got 'lean'"):
+        SimConfig.load(_cfg(tmp_path, attention_memory="lean"))

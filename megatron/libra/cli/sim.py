@@ -6,6 +6,7 @@ import json
 import sys
 
 from libra_ext import costmodel
+from libra_ext.memory import ATTENTION_MEMORY
 from libra_ext.planner import ORDERS
 from libra_ext.simulator.config import SimConfig
 from libra_ext.simulator.hardware import HardwareProfile
@@ -38,6 +39,12 @@ def _add_common(p) -> None:
         help="plan libra, distca and wlb balancing a cost table's predicted time instead of pairs: "
         "profile (the hardware profile's) or a JSON / YAML file (a table, or a `libra bench "
         "replay --json` result with an online_table)",
+    )
+    p.add_argument(
+        "--attention-memory", choices=ATTENTION_MEMORY,
+        help="system.attention_memory of libra, distca-replica and ulysses (overrides the "
+        "config's; default keep): owner and rebuild are priced with what they send again in "
+        "the backward",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -138,6 +145,8 @@ def _config(args) -> SimConfig:
         cfg.dcp_steps = min(cfg.dcp_steps, args.steps)
     if args.order is not None:
         cfg.order = args.order
+    if args.attention_memory is not None:
+        cfg.attention_memory = args.attention_memory
     if args.hardware is not None:
         HardwareProfile.load(args.hardware)  # refuse a bad profile before any work
         cfg.hardware = args.hardware
