@@ -10,7 +10,7 @@ key/value [t, h_kv, d] (h, h_kv already divided by tp). Output [t, h * d].
   tiles in sub-chunks, one call per sub-chunk on what arrives (exchange.PlannedAttention).
 - `wlb`: per-document CP in Megatron's zigzag layout: K and V all-gathered in the CP group, the
   rank's two chunks of every document in one batched call; dK/dV reduce-scattered back
-  (exchange.PerDocAttention). At one cp rank it is the plain call of `ulysses`.
+  (exchange.per_doc_attention). At one cp rank it is the plain call of `ulysses`.
 
 What a micro-batch needs of the plan is compiled ahead, once per step (`meta`), and copied to
 the device in one transfer (`Runtime.prepare`); the operator then runs only device gathers,
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from libra_ext.attention import DEFAULT_CHUNKS, meta
 from libra_ext.attention.comm import ByteCounter, GroupCache
 from libra_ext.attention.counters import RuntimeStats
-from libra_ext.attention.exchange import ExecEnv, PerDocAttention, planned_attention
+from libra_ext.attention.exchange import ExecEnv, per_doc_attention, planned_attention
 from libra_ext.attention.kernels import backend_for
 from libra_ext.attention.meta import WlbProgram
 from libra_ext.attention.params import AttentionStep, LibraPackedSeqParams
@@ -181,7 +181,7 @@ def core_attention(
             prog = meta.upload(meta.compile_wlb(doc_lengths, C, c, h, hkv, d), query.device)
         _check_slots(prog, t, c, r, step)
         if isinstance(prog, WlbProgram):
-            return PerDocAttention.apply(query, key, value, prog, env)
+            return per_doc_attention(query, key, value, prog, env)
         return planned_attention(query, key, value, prog, env)  # one cp rank: plain
     if h % C:
         raise ValueError(f"query heads ({h}) must be divisible by cp ({C}) for {system}")

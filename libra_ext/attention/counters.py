@@ -92,23 +92,29 @@ def on_kernel_exit(hook) -> None:
     _KERNEL.on_exit = hook
 
 
+_RESIZE_HOOK: list = [None]
+"""The probe that hears of storage resizes, process-wide: the operator frees storage in its
+forward and grows it back in its backward, which autograd runs on a thread of its own for a
+device (a thread-local hook missed every regrowth there)."""
+
+
 def resize_storage(x: torch.Tensor, nbytes: int) -> int:
     """Resize x's storage to `nbytes` (0 frees its memory while the tensor, and every tensor
-    sharing the storage, stays; the values are gone); a traffic probe on this thread hears of
-    it (`on_storage_resize`). Returns the size before."""
+    sharing the storage, stays; the values are gone); the traffic probe listening
+    (`on_storage_resize`) hears of it, on whichever thread. Returns the size before."""
     st = x.untyped_storage()
     before = st.nbytes()
     st.resize_(nbytes)
-    hook = getattr(_KERNEL, "on_resize", None)
+    hook = _RESIZE_HOOK[0]
     if hook is not None:
         hook(st, before, nbytes)
     return before
 
 
 def on_storage_resize(hook) -> None:
-    """Call `hook(storage, bytes_before, bytes_after)` when the operator resizes a storage on
-    this thread (`resize_storage`; None: no hook)."""
-    _KERNEL.on_resize = hook
+    """Call `hook(storage, bytes_before, bytes_after)` when the operator resizes a storage
+    (`resize_storage`, on any thread: autograd's device threads included; None: no hook)."""
+    _RESIZE_HOOK[0] = hook
 
 
 def cpu_clock():

@@ -24,8 +24,9 @@ layer's dO and the saved output are freed before any kernel backward begins:
             back to the owners (an in-place range's dQ into dQ itself), the other returned
             dQ written and every dK/dV added (one scatter), Ulysses back.
 
-`PerDocAttention` (wlb, cp > 1): K and V all-gathered in the CP group, the rank's chunks of
-every document in one kernel call on a key pack gathered from them, dK/dV reduce-scattered back.
+`per_doc_attention` (wlb, cp > 1): K and V all-gathered in the CP group, the rank's chunks of
+every document in one kernel call on a key pack gathered from them, dK/dV reduce-scattered back;
+two autograd nodes, so the layer's dO is freed before the reduce-scatter.
 
 Index arrays are int32 (meta.INDEX_DTYPE), expanded on the device once per slot (`meta.upload`).
 Every collective is issued inside these Functions in one fixed order on every rank. Kernel calls
@@ -84,8 +85,9 @@ class ExecEnv:
     with their values of the forward, the moved units' O and Q / K / V by the pool exchange
     again (from the owner's X and O, as in the forward), the local packs' by gathers from O and
     X. rebuild: that, and the direct call's O too (the layer's O, by the Ulysses all-to-all again
-    from the saved output): nothing kept beside what a plain call keeps. Gradients are bit for
-    bit those of keeping them."""
+    from the saved output): nothing kept beside what a plain call keeps. WLB-LLM's per-document
+    CP (owner, rebuild): its key and value packs freed after the forward and gathered again in
+    the backward. Gradients are bit for bit those of keeping them."""
 
     @property
     def rebuild(self) -> bool:
@@ -112,8 +114,15 @@ class _Call:
     def release(self, inputs: bool = False) -> None:
         """Free the output's memory (with `inputs`, the inputs' too; the kernel's saved tensors
         share it) until `restore`."""
-        self.held = list({x.untyped_storage()._cdata: x for x in
-                          [self.out] + (list(self.leaves) if inputs else [])}.values())
+        self._hold([self.out] + (list(self.leaves) if inputs else []))
+
+    def release_keys(self) -> None:
+        """Free the memory of the inputs k and v alone (packs of this call's own) until
+        `restore`."""
+        self._hold(self.leaves[1:])
+
+    def _hold(self, tensors) -> None:
+        self.held = list({x.untyped_storage()._cdata: x for x in tensors}.values())
         self.sizes = [counters.resize_storage(x, 0) for x in self.held]
 
     def restore(self) -> list:
@@ -680,42 +689,54 @@ class _Exchange:
         del self.ret_works, self.dq_ret, self.dk_ret, self.dv_ret
 
 
-class PerDocAttention(torch.autograd.Function):
-    """WLB-LLM's per-document CP: (q [t, h, d], k, v [t, hkv, d]) -> out [t, h*d]."""
+def per_doc_attention(q, k, v, prog: WlbProgram, env: ExecEnv) -> torch.Tensor:
+    """WLB-LLM's per-document CP: (q [t, h, d], k, v [t, hkv, d]) -> out [t, h*d], as two
+    autograd nodes: `_WlbPacks` (K and V all-gathered in the CP group, the key and value packs
+    the rank's chunks read gathered from them; backward: the packs' gradients added into every
+    rank's rows and reduce-scattered back) and `_WlbCall` (the kernel call on q and the packs).
+    The call's backward runs first and returns, so the layer's dO is freed before the packs'
+    gradients are summed and reduce-scattered. With system.attention_memory owner or rebuild
+    the packs - copies of the other CP ranks' K/V rows - are freed after the forward and
+    gathered again (one more all-gather of K and V) in the backward, bit for bit."""
+    with env.stats.watch("fwd", prog.tiles_executed, 1) as counts:
+        kp, vp = _WlbPacks.apply(k, v, prog, env)
+        return _WlbCall.apply(q, kp, vp, k, v, prog, env, counts)
+
+
+def _wlb_packs(k, v, prog: WlbProgram, env: ExecEnv, out: list | None = None) -> list:
+    """The key and value packs [n, hkv*d] (into `out` when given: their rebuild): K and V
+    all-gathered, the rows the rank's chunks read gathered from them in one gather."""
+    again = ".rebuild" if out is not None else ""
+    kg = all_gather_rows(k, env.cp_group, env.counter, "wlb.k" + again)  # [C*t, hkv, d]
+    vg = all_gather_rows(v, env.cp_group, env.counter, "wlb.v" + again)
+    rows = prog.kv.idx
+    srcs = [kg.view(kg.shape[0], -1), vg.view(vg.shape[0], -1)]
+    if out is not None:
+        rowops.gather_into(out, srcs, [rows, rows])
+        return out
+    return rowops.gather(srcs, [rows, rows])[1]
+
+
+class _WlbPacks(torch.autograd.Function):
+    """(k, v [t, hkv, d]) -> the key and value packs [n, hkv, d] (`per_doc_attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, prog: WlbProgram, env: ExecEnv):
-        with env.stats.watch("fwd", prog.tiles_executed, 1) as counts:
-            t, h, d = q.shape
-            hkv = k.shape[1]
-            kg = all_gather_rows(k, env.cp_group, env.counter, "wlb.k")  # [C*t, hkv, d]
-            vg = all_gather_rows(v, env.cp_group, env.counter, "wlb.v")
-            rows = prog.kv.idx
-            _, (kp, vp) = rowops.gather([kg.view(kg.shape[0], -1), vg.view(vg.shape[0], -1)],
-                                        [rows, rows])  # the key and value packs: one gather
-            del kg, vg  # the packs hold what the kernel reads of them
-            call = _Call(prog.call, q, kp.view(-1, hkv, d), vp.view(-1, hkv, d), env, counts)
-            del kp, vp
-            o = call.out.data
-            if prog.pad.size:  # padding slots attend to nothing: zero, whatever the kernel wrote
-                o.index_put_((prog.pad.idx,), o.new_zeros(()))
-            ctx.prog, ctx.env, ctx.call = prog, env, call
-            ctx.shape = (t, h, hkv, d)
-            return call.out.detach().view(t, h * d)
+    def forward(ctx, k, v, prog: WlbProgram, env: ExecEnv):
+        t, hkv, d = k.shape
+        kp, vp = _wlb_packs(k, v, prog, env)
+        ctx.prog, ctx.env, ctx.shape = prog, env, (t, hkv, d)
+        return kp.view(-1, hkv, d), vp.view(-1, hkv, d)
 
     @staticmethod
-    def backward(ctx, grad):
-        with ctx.env.stats.watch("bwd") as counts:
+    def backward(ctx, dkp, dvp):
+        with ctx.env.stats.watch("bwd"):
             prog, env = ctx.prog, ctx.env
-            t, h, hkv, d = ctx.shape
-            call, ctx.call = ctx.call, None
-            dq, dk, dv = call.backward(grad.view(t, h, d), counts)
-            del call
+            t, hkv, d = ctx.shape
             C = prog.cp
-            buf = dk.new_zeros(2, C * t, hkv * d)  # dK and dV of every rank's rows
+            buf = dkp.new_zeros(2, C * t, hkv * d)  # dK and dV of every rank's rows
             rowops.scatter([buf[0], buf[1]], [prog.kv.idx, prog.kv.idx],
-                           [dk.view(-1, hkv * d), dv.view(-1, hkv * d)], [True, True])
-            del dk, dv
+                           [dkp.reshape(-1, hkv * d), dvp.reshape(-1, hkv * d)], [True, True])
+            del dkp, dvp
             # reduce-scatter: rank j gets every rank's gradient of its rows, summed
             recv = torch.empty_like(buf)
             n = t * hkv * d
@@ -724,4 +745,39 @@ class PerDocAttention(torch.autograd.Function):
                            env.counter, kind)
             del buf
             out = recv.view(2, C, t, hkv, d).sum(1)
-            return dq, out[0], out[1], None, None
+            return out[0], out[1], None, None
+
+
+class _WlbCall(torch.autograd.Function):
+    """(q [t, h, d], the packs [n, hkv, d]; k, v for their rebuild) -> out [t, h*d]: the rank's
+    chunks of every document in one kernel call (`per_doc_attention`)."""
+
+    @staticmethod
+    def forward(ctx, q, kp, vp, k, v, prog: WlbProgram, env: ExecEnv, counts: CallCounts):
+        t, h, d = q.shape
+        call = _Call(prog.call, q, kp, vp, env, counts)
+        del kp, vp
+        o = call.out.data
+        if prog.pad.size:  # padding slots attend to nothing: zero, whatever the kernel wrote
+            o.index_put_((prog.pad.idx,), o.new_zeros(()))
+        ctx.prog, ctx.env, ctx.call, ctx.shape = prog, env, call, (t, h, d)
+        ctx.again = env.again
+        if ctx.again:  # the packs freed until the backward gathers them again
+            call.release_keys()
+            ctx.save_for_backward(k, v)
+        return call.out.detach().view(t, h * d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with ctx.env.stats.watch("bwd") as counts:
+            prog, env = ctx.prog, ctx.env
+            t, h, d = ctx.shape
+            call, ctx.call = ctx.call, None
+            if ctx.again:
+                k, v = ctx.saved_tensors
+                call.restore()
+                _wlb_packs(k, v, prog, env,
+                           [x.data.view(x.shape[0], -1) for x in call.leaves[1:]])
+                del k, v
+            dq, dkp, dvp = call.backward(grad.view(t, h, d), counts)
+            return dq, dkp, dvp, None, None, None, None, None

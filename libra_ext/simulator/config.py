@@ -79,8 +79,8 @@ class SimConfig:
     pp: int = 4
     """Pipeline stages of the modeled 1F1B bubble (`pipeline_stages`; libra_ext.pipeline)."""
     attention_memory: str = "keep"
-    """system.attention_memory of libra, distca-replica and ulysses (keep | owner | rebuild): what
-    owner and rebuild send again in the backward is priced (simulate_plan)."""
+    """system.attention_memory of libra, distca-replica, ulysses and wlb (keep | owner |
+    rebuild): what owner and rebuild send again in the backward is priced (simulate_plan)."""
     cost_table: object = None
     """A `costmodel.CostTable` libra, distca and wlb balance instead of causal pairs (`libra simulate
     --cost-table`); None: pairs."""

@@ -182,7 +182,8 @@ def simulate_plan(
 ) -> StepTimes:
     """Model one step of `plan` (any system) on `hw`; `attention_memory` (system.attention_
     memory) prices what owner and rebuild send again in the backward: the moved units' Q, K/V
-    and O in the pool exchange, and with rebuild the Ulysses O once more."""
+    and O in the pool exchange, with rebuild the Ulysses O once more, and wlb's K and V
+    all-gathered once more (owner, rebuild)."""
     check_attention_memory(attention_memory)
     D, C, m, T = plan.dp, plan.cp, plan.slots, plan.tp
     L = model.layers
@@ -233,6 +234,9 @@ def simulate_plan(
         # Per-document CP: all-gather K, V (fwd) and reduce-scatter dK, dV (bwd) over C ranks.
         per_token = 2 * hkv / T * d * dtype * 2 * (C - 1)
         msgs = 2 * 2 * (C - 1)
+        if attention_memory != "keep":  # its key and value packs gathered again (backward)
+            per_token += 2 * hkv / T * d * dtype * (C - 1)
+            msgs += 2 * (C - 1)
     else:
         # Ulysses: all-to-all Q, K, V in and O out (fwd), dO in and dQ, dK, dV out (bwd).
         per_token = ((h + 2 * hkv) + h) / T * d * dtype * 2 * (C - 1) / C

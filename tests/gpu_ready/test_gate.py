@@ -161,9 +161,10 @@ def test_exchanging_layouts_stay_within_their_bounds_of_ulysses(report):
 
 
 def test_rebuilding_keeps_what_a_plain_call_keeps_at_every_layout(report):
-    # system.attention_memory = rebuild: the kernels' outputs and the moved units' inputs are
-    # freed after the forward and rebuilt in the backward - every system then keeps what a
-    # plain call keeps, and pays for it in bytes within its own bounds
+    # system.attention_memory = rebuild: the kernels' outputs and the moved units' inputs (wlb:
+    # its key and value packs) are freed after the forward and rebuilt in the backward - every
+    # system then keeps what a plain call keeps, and pays for it in bytes within its own bounds;
+    # what is rebuilt is alive again in the backward, so only Ulysses peaks as a plain call
     assert set(report["rebuild"]) == {f"{s}/varlen-2.13/{lay}" for s in gate.REBUILDING
                                       for lay in gate.LAYOUTS if gate.LAYOUTS[lay][1] > 1}
     plain = report["plain"]["varlen-2.13"]
@@ -171,14 +172,19 @@ def test_rebuilding_keeps_what_a_plain_call_keeps_at_every_layout(report):
         system = key.split("/")[0]
         ulysses = report["rebuild"][f"ulysses/{key.split('/', 1)[1]}"]
         u = max(x["extra_over_qkv"] for x in ulysses.values())
+        u_peak = max(x["peak"] for x in report["operator"][f"ulysses/{key.split('/', 1)[1]}"]
+                     .values())
         kept = report["operator"][key]
         for rank, r in ranks.items():
             assert "error" not in r and r["host_reads"] == [], (key, rank)
             assert r["kept"] <= gate.KEPT_BOUND * plain["kept"], (key, rank, r["kept"])
-            assert r["kept"] < kept[rank]["kept"] - 0.7, (key, rank)  # O at least, freed
-            # and the peak is a plain call's: dO and the saved output are freed before any
-            # kernel backward begins
-            assert r["peak"] <= gate.PEAK_BOUND, (key, rank, r["peak"])
+            freed = 0.25 if system == "wlb" else 0.7  # its packs; O at least
+            assert r["kept"] < kept[rank]["kept"] - freed, (key, rank)
+            if system == "ulysses":  # a plain call's peak: dO and the saved output are freed
+                # before any kernel backward begins
+                assert r["peak"] <= gate.PEAK_BOUND, (key, rank, r["peak"])
+            else:
+                assert r["peak"] <= u_peak + gate.PEAK_PEER_EXTRA, (key, rank, r["peak"])
             bound = (gate.EXTRA_BOUND_ULYSSES_REBUILD if system == "ulysses"
                      else gate.PEER_BOUND_REBUILD * u)
             assert r["extra_over_qkv"] <= bound, (key, rank)
@@ -186,8 +192,9 @@ def test_rebuilding_keeps_what_a_plain_call_keeps_at_every_layout(report):
 
 def test_owner_keeps_moved_units_once_at_no_device_cost(report):
     # system.attention_memory = owner: the executors keep nothing of the moved units (their
-    # owner ships Q/K/V/O again with dO) - libra and distca keep what Ulysses keeps, peak
-    # within the one-rank bound, and move and launch on the device what keeping does
+    # owner ships Q/K/V/O again with dO) - libra and distca keep what Ulysses keeps, and move,
+    # launch and peak on the device as keeping does (the executed units' memory is grown back
+    # in the backward before the direct call's backward runs)
     assert set(report["owner"]) == {f"{s}/varlen-2.13/{lay}" for s in ("libra", "distca")
                                     for lay in gate.LAYOUTS if gate.LAYOUTS[lay][1] > 1}
     for key, ranks in report["owner"].items():
@@ -197,7 +204,7 @@ def test_owner_keeps_moved_units_once_at_no_device_cost(report):
         for rank, r in ranks.items():
             assert "error" not in r and r["host_reads"] == [], (key, rank)
             assert r["kept"] <= ulysses + gate.KEPT_OWNER_EXTRA, (key, rank, r["kept"])
-            assert r["peak"] <= gate.PEAK_BOUND, (key, rank, r["peak"])
+            assert r["peak"] <= kept[rank]["peak"] + 0.01, (key, rank, r["peak"])
             for field in ("device_ops_fwd", "device_ops_bwd"):
                 assert r[field] == kept[rank][field], (key, rank, field)
             # (what is shipped again goes in place, but for the few ranges that are gathered)

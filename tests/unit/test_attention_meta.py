@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from libra_ext.attention import kernels, meta, reference_kernel, thd
 from libra_ext.attention.comm import ByteCounter
 from libra_ext.attention.counters import RuntimeStats
-from libra_ext.attention.exchange import ExecEnv, PerDocAttention, planned_attention
+from libra_ext.attention.exchange import ExecEnv, per_doc_attention, planned_attention
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.workload import LengthSource, ModelConfig
 from tests import loopback
@@ -89,7 +89,7 @@ def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True, memory="k
         env = ExecEnv(kernel=kernels.ReferenceBackend(), scale=SCALE, cp_group=cp_groups[m],
                       cp_rank=c, pool_group=pool_groups[c] if px > 1 else None, counter=ByteCounter(),
                       stats=RuntimeStats(), pipelined=pipelined, memory=memory)
-        fn = PerDocAttention.apply if isinstance(prog, meta.WlbProgram) else planned_attention
+        fn = per_doc_attention if isinstance(prog, meta.WlbProgram) else planned_attention
         out = fn(*inputs, prog, env)
         g = _local(dout, idx)
         g[torch.as_tensor(idx < 0)] = torch.randn(int((idx < 0).sum()), h, d,
@@ -171,14 +171,15 @@ def test_every_rank_of_a_pool_gets_exact_attention_and_gradients(system, data):
 
 
 @pytest.mark.parametrize("memory", ["owner", "rebuild"])
-@pytest.mark.parametrize("system", ["libra", "distca", "ulysses"])
+@pytest.mark.parametrize("system", ["libra", "distca", "ulysses", "wlb"])
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_rebuilt_outputs_give_the_same_bits_and_ship_o_once_more(system, memory, data):
     """ExecEnv.memory: owner frees the moved units' outputs and inputs after the forward and
     rebuilds them in the backward, rebuild the kernels' O too - outputs and gradients bit for
     bit those of keeping them; in the pool the moved units' O and Q / K / V go again as in the
-    forward, and (rebuild) O goes over the CP group as dO goes (the layer's O)."""
+    forward, and (rebuild) O goes over the CP group as dO goes (the layer's O). WLB-LLM's key
+    and value packs (both settings) are gathered again: its K and V all-gathered once more."""
     layout, model = data.draw(layouts(max_dp=4))
     seqs = data.draw(step_inputs(layout))
     opts = PlannerOptions(system=system, head_group=data.draw(st.sampled_from([0, 1])))
@@ -199,6 +200,9 @@ def test_rebuilt_outputs_give_the_same_bits_and_ship_o_once_more(system, memory,
         want = {}
         if memory == "rebuild" and counter0.sent.get("ulysses.o.bwd"):  # as dO goes, O goes
             want["ulysses.o.rebuild"] = counter0.sent["ulysses.o.bwd"]
+        for kind in ("wlb.k", "wlb.v"):  # the packs gathered again
+            if counter0.sent.get(kind):
+                want[f"{kind}.rebuild"] = counter0.sent[kind]
         for kind, like in (("o", "do"), ("q", "q"), ("k", "k"), ("v", "v")):
             if counter0.sent.get(f"pool.{like}"):  # moved units' O and inputs again
                 want[f"pool.{kind}.rebuild"] = counter0.sent[f"pool.{like}"]

@@ -8,12 +8,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from libra_ext.attention import rowops
+from libra_ext.attention import counters, rowops
 from libra_ext.measure import traffic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +87,22 @@ def test_a_probe_counts_a_fused_call_as_one_op_with_its_parts_bytes():
     assert g.ops == 1 and g.bytes == 2 * 53 * row + 40 * i4 + 13 * i8
     # a written row: its source read and the row written; an added one also read first
     assert s.ops == 1 and s.bytes == 2 * 40 * row + 3 * 40 * row + 2 * 40 * i4
+
+
+def test_a_probe_hears_storage_freed_and_grown_back_on_any_thread():
+    # the operator frees a storage in its forward and grows it back in its backward, which
+    # autograd runs on a thread of its own for a device: the probe hears both, wherever they run
+    with traffic.TrafficProbe("cpu") as probe:
+        probe.start("fwd")
+        x = torch.zeros(1024)  # 4 KiB, live
+        counters.resize_storage(x, 0)
+        probe.start("bwd")
+        grow = threading.Thread(target=counters.resize_storage, args=(x, 4096))
+        grow.start()
+        grow.join()
+        probe.start("done")
+    assert probe.phases["fwd"].end_live == probe.phases["fwd"].start_live
+    assert probe.phases["bwd"].peak_live == probe.phases["bwd"].start_live + 4096
 
 
 def test_deterministic_algorithms_keep_additions_off_the_atomic_kernel(monkeypatch):

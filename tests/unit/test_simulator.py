@@ -457,6 +457,10 @@ def test_owner_and_rebuild_price_what_they_send_again_in_the_backward():
         simulate_plan(uly, TINY, hw).step
     assert simulate_plan(uly, TINY, hw, attention_memory="rebuild").step > \
         simulate_plan(uly, TINY, hw).step
+    # WLB-LLM's key and value packs are gathered again: its K/V all-gather once more
+    wlb = Planner(layout, TINY, PlannerOptions(system="wlb")).plan([[1000], [100] * 10])
+    assert (simulate_plan(wlb, TINY, hw, attention_memory="owner").cp_comm >
+            simulate_plan(wlb, TINY, hw).cp_comm).all()
     with pytest.raises(ValueError, match="attention_memory must be one of keep, owner, rebuild"):
         simulate_plan(libra, TINY, hw, attention_memory="lean")
 

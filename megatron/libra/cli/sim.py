@@ -42,7 +42,7 @@ def _add_common(p) -> None:
     )
     p.add_argument(
         "--attention-memory", choices=ATTENTION_MEMORY,
-        help="system.attention_memory of libra, distca-replica and ulysses (overrides the "
+        help="system.attention_memory of libra, distca-replica, ulysses and wlb (overrides the "
         "config's; default keep): owner and rebuild are priced with what they send again in "
         "the backward",
     )
