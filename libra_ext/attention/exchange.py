@@ -776,8 +776,9 @@ class _WlbCall(torch.autograd.Function):
             if ctx.again:
                 k, v = ctx.saved_tensors
                 call.restore()
-                _wlb_packs(k, v, prog, env,
-                           [x.data.view(x.shape[0], -1) for x in call.leaves[1:]])
+                _wlb_packs(k, v, prog, env,  # ([n, hkv*d]: n may be 0)
+                           [x.data.view(x.shape[0], x.shape[1] * x.shape[2])
+                            for x in call.leaves[1:]])
                 del k, v
             dq, dkp, dvp = call.backward(grad.view(t, h, d), counts)
             return dq, dkp, dvp, None, None, None, None, None
