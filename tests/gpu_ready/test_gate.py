@@ -193,8 +193,8 @@ def test_rebuilding_keeps_what_a_plain_call_keeps_at_every_layout(report):
 def test_owner_keeps_moved_units_once_at_no_device_cost(report):
     # system.attention_memory = owner: the executors keep nothing of the moved units (their
     # owner ships Q/K/V/O again with dO) - libra and distca keep what Ulysses keeps, and move,
-    # launch and peak on the device as keeping does (the executed units' memory is grown back
-    # in the backward before the direct call's backward runs)
+    # launch and peak on the device as keeping does (in the backward the executed units' memory
+    # is alive again beside X and O, which what is sent again is read from)
     assert set(report["owner"]) == {f"{s}/varlen-2.13/{lay}" for s in ("libra", "distca")
                                     for lay in gate.LAYOUTS if gate.LAYOUTS[lay][1] > 1}
     for key, ranks in report["owner"].items():

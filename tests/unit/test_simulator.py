@@ -11,7 +11,12 @@ import yaml
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
 from libra_ext.simulator import dcp
 from libra_ext.simulator.config import SYSTEMS, SimConfig
-from libra_ext.simulator.cost import OPERATOR_LAUNCHES, exposed_pool_comm, simulate_plan
+from libra_ext.simulator.cost import (
+    OPERATOR_LAUNCHES,
+    exposed_pool_comm,
+    pool_collective_time,
+    simulate_plan,
+)
 from libra_ext.simulator.hardware import HardwareProfile
 from libra_ext.simulator.run import run_point
 from libra_ext.workload import LengthSource, ModelConfig
@@ -424,8 +429,6 @@ def test_owner_and_rebuild_price_what_they_send_again_in_the_backward():
     # system.attention_memory: owner and rebuild ship each moved unit's Q, K/V and O again with
     # its dO (the pool exchange's bytes from owner to executor: Q + KV + O once more), and
     # rebuild moves the Ulysses O once more; keep is the model as it was
-    from libra_ext.simulator.cost import pool_collective_time
-
     hw = HardwareProfile.from_dict(FLAT_HW)
     layout = LayoutConfig(dp=2, cp=2, pool_size=2, context=1000)
     libra = Planner(layout, TINY, PlannerOptions(system="libra")).plan([[1000], [100] * 10])

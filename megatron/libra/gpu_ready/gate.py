@@ -116,9 +116,9 @@ most Ulysses's (keeping) + this many times Q/K/V (measured +0.01: the moved unit
 are kept once, by their owner, and shipped again in the backward - 1.82 / 1.81 against
 keeping's 2.37-2.68 / 1.98-2.14); extra device bytes and device ops as keeping (the messages
 sent again go from X and O in place, into the executed calls' own memory); their peak as
-keeping's (PEAK_PEER_EXTRA): the executed units' memory is grown back when the backward
-posts their messages, before the direct call's backward, so the peak is keeping's (4.39-4.83
-/ 3.84-4.07)."""
+keeping's (PEAK_PEER_EXTRA): in the backward the executed units' memory is alive again beside
+X and O (which the messages sent again are read from), dO and dX (measured 4.39-4.83 /
+3.84-4.07)."""
 KEPT_PEER_EXTRA = 1.0
 """Libra, DistCA and WLB-LLM where ranks exchange: kept bytes at most Ulysses's + this many
 times Q/K/V (what the moved units keep on their executor: their received Q/K/V and O;

@@ -44,8 +44,8 @@ def build_library(verbose: bool = False) -> Path:
     """Build the library (only what changed is rebuilt) in a process of its own, so that this
     one never loads it; returns its path. A library whose stamp matches is used as it is."""
     out = build_dir()
-    lib, stamp = out / f"{LIB_NAME}.so", out / f"{LIB_NAME}.stamp"
-    if lib.exists() and stamp.exists() and stamp.read_text() == _stamp():
+    lib, stamp, want = out / f"{LIB_NAME}.so", out / f"{LIB_NAME}.stamp", _stamp()
+    if lib.exists() and stamp.exists() and stamp.read_text() == want:
         return lib
     out.mkdir(parents=True, exist_ok=True)
     code = (
@@ -59,7 +59,7 @@ def build_library(verbose: bool = False) -> Path:
             f"building the fake-CUDA library failed (a C++ compiler and ninja are needed):\n"
             f"{p.stderr[-3000:]}"
         )
-    stamp.write_text(_stamp())
+    stamp.write_text(want)
     return lib
 
 
