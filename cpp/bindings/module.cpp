@@ -655,24 +655,32 @@ void bind_moe(py::module_& m) {
 
 }
 
-// Per-slot attention programs (libra_ext.attention.meta.compile_slot): the plan's arrays read
-// with the GIL held, the program compiled without it, returned as nested tuples of numpy arrays.
+// Per-slot attention programs (libra_ext.attention.meta.compile_slot). compile_slots reads the
+// plan's arrays with the GIL held and compiles and stages without it; each program comes back
+// as a CompiledProgram handle (the C++ program itself) and its staged buffer. The handle's
+// `unpack` makes the nested tuples meta reads - on the thread that runs the program - so the
+// sampler's thread makes three Python objects per slot while a thread launching kernels waits
+// on the GIL.
 void bind_program(py::module_& m) {
   using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
-  auto vec1d = [](std::vector<i64>&& v) { return to_numpy(std::move(v)); };
-  auto call = [vec1d](ProgCall&& c) {
-    return py::make_tuple(c.hc, c.hk, vec1d(std::move(c.cu_q)), vec1d(std::move(c.cu_k)),
-                          c.max_q, c.max_k);
+  auto vec1d = [](const std::vector<i64>& v) {
+    return py::array_t<i64>(static_cast<py::ssize_t>(v.size()), v.data());
   };
-  auto gather = [](ProgGather&& g) {
+  // `arrays` false: the calls' cu_q / cu_k and the gathers' runs are None (a staged program
+  // is uploaded from its staged buffer, which holds them)
+  auto call = [vec1d](const ProgCall& c, bool arrays) -> py::tuple {
+    if (!arrays) return py::make_tuple(c.hc, c.hk, py::none(), py::none(), c.max_q, c.max_k);
+    return py::make_tuple(c.hc, c.hk, vec1d(c.cu_q), vec1d(c.cu_k), c.max_q, c.max_k);
+  };
+  auto gather = [vec1d](const ProgGather& g, bool arrays) -> py::tuple {
+    if (!arrays) return py::make_tuple(py::none(), g.size);
     const py::ssize_t n = static_cast<py::ssize_t>(g.runs.size() / 4);
-    return py::make_tuple(to_numpy(std::move(g.runs)).reshape({n, py::ssize_t(4)}), g.size);
+    return py::make_tuple(vec1d(g.runs).reshape({n, py::ssize_t(4)}), g.size);
   };
-  auto packs = [call, gather](std::vector<ProgPack>&& ps) {
+  auto packs = [call, gather](const std::vector<ProgPack>& ps, bool arrays) {
     py::list out;
-    for (ProgPack& p : ps)
-      out.append(py::make_tuple(call(std::move(p.call)), gather(std::move(p.q)),
-                                gather(std::move(p.k))));
+    for (const ProgPack& p : ps)
+      out.append(py::make_tuple(call(p.call, arrays), gather(p.q, arrays), gather(p.k, arrays)));
     return out;
   };
   // flat (member, ...) entries of n values each -> a list of n-tuples
@@ -685,10 +693,34 @@ void bind_program(py::module_& m) {
     }
     return out;
   };
+  py::class_<Program>(m, "CompiledProgram",
+                      "One slot's attention program as the C++ compiler made it (unpack: its "
+                      "nested tuples).")
+      .def(
+          "unpack",
+          [call, gather, packs, tuples](const Program& prog, bool arrays) {
+            py::list subs;
+            for (const ProgSub& sc : prog.subchunks)
+              subs.append(py::make_tuple(
+                  sc.direct, sc.part, py::cast(sc.q_send), py::cast(sc.kv_send),
+                  py::cast(sc.q_recv), py::cast(sc.kv_recv), sc.q_send_off, sc.kv_send_off,
+                  sc.has_call ? py::object(call(sc.call, arrays)) : py::object(py::none()),
+                  packs(sc.packs, arrays), tuples(sc.q_ranges, 3), tuples(sc.kv_ranges, 3),
+                  tuples(sc.q_recv_ranges, 2), tuples(sc.kv_recv_ranges, 2)));
+            return py::make_tuple(prog.t, prog.tokens, prog.executed, call(prog.direct, arrays),
+                                  packs(prog.lpacks, arrays), subs, gather(prog.send_q, arrays),
+                                  gather(prog.send_kv, arrays));
+          },
+          "(t, tokens, tiles executed, direct call, local packs, sub-chunks, send_q, "
+          "send_kv): a call is (hc, hk, cu_q, cu_k, max_q, max_k), a gather (runs [n, 4], "
+          "size), a pack (call, q, k), a sub-chunk (direct, part, q_send, kv_send, q_recv, "
+          "kv_recv, q_send_off, kv_send_off, call or None, packs, then its ranges sent - lists "
+          "of (member, vectors, first vector or -1) - and received - lists of (member, vectors) "
+          "- for Q and for K/V). Without `arrays`, every cu_q, cu_k and runs is None.",
+          py::arg("arrays") = true);
   m.def(
       "compile_slots",
-      [call, gather, packs, tuples](py::object plan, i64 replica, const std::vector<i64>& slots,
-                                    i64 chunks) {
+      [](py::object plan, i64 replica, const std::vector<i64>& slots, i64 chunks) {
         ProgramPlan p;
         static constexpr std::pair<const char*, i64 ProgramPlan::*> kScalars[] = {
             {"dp", &ProgramPlan::dp},
@@ -724,50 +756,30 @@ void bind_program(py::module_& m) {
           if (keep.back().ndim() != 1) fail(std::string("plan.") + name + " must be 1-D");
           p.*field = ArrayView{keep.back().data(), static_cast<i64>(keep.back().size())};
         }
-        std::vector<Program> progs;
-        std::vector<std::vector<std::int32_t>> flats(slots.size());
-        std::vector<std::vector<i64>> sizes(slots.size());
-        std::vector<char> fits(slots.size(), 0);
-        progs.reserve(slots.size());
+        const std::size_t n = slots.size();
+        std::vector<Program> progs(n);
+        std::vector<std::vector<std::int32_t>> flats(n);
+        std::vector<std::vector<i64>> sizes(n);
+        std::vector<char> fits(n, 0);
         {
           ReleaseGil release;  // compiled and staged without it
-          for (std::size_t i = 0; i < slots.size(); ++i) {
-            progs.push_back(compile_slot_program(p, replica, slots[i], chunks));
-            fits[i] = stage_program(progs.back(), flats[i], sizes[i]);
+          for (std::size_t i = 0; i < n; ++i) {
+            progs[i] = compile_slot_program(p, replica, slots[i], chunks);
+            fits[i] = stage_program(progs[i], flats[i], sizes[i]);
           }
         }
-        py::list out;
-        for (std::size_t i = 0; i < progs.size(); ++i) {
-          Program& prog = progs[i];
-          py::list subs;
-          for (ProgSub& sc : prog.subchunks)
-            subs.append(py::make_tuple(
-                sc.direct, sc.part, py::cast(sc.q_send), py::cast(sc.kv_send),
-                py::cast(sc.q_recv), py::cast(sc.kv_recv), sc.q_send_off, sc.kv_send_off,
-                sc.has_call ? py::object(call(std::move(sc.call))) : py::object(py::none()),
-                packs(std::move(sc.packs)), tuples(sc.q_ranges, 3), tuples(sc.kv_ranges, 3),
-                tuples(sc.q_recv_ranges, 2), tuples(sc.kv_recv_ranges, 2)));
-          out.append(py::make_tuple(prog.t, prog.tokens, prog.executed,
-                                    call(std::move(prog.direct)), packs(std::move(prog.lpacks)),
-                                    subs, gather(std::move(prog.send_q)),
-                                    gather(std::move(prog.send_kv)),
-                                    fits[i] ? py::object(py::make_tuple(
-                                                  to_numpy(std::move(flats[i])),
-                                                  to_numpy(std::move(sizes[i]))))
-                                            : py::object(py::none())));
-        }
+        py::list out(n);
+        for (std::size_t i = 0; i < n; ++i)
+          out[i] = py::make_tuple(
+              py::cast(std::move(progs[i])),
+              fits[i] ? py::object(to_numpy(std::move(flats[i]))) : py::object(py::none()),
+              fits[i] ? py::object(to_numpy(std::move(sizes[i]))) : py::object(py::none()));
         return out;
       },
       "The attention programs of (replica, slot) for each of `slots` of a StepPlan (libra, "
-      "distca, ulysses), each as nested tuples: (t, tokens, tiles executed, direct call, local "
-      "packs, sub-chunks, send_q, send_kv, staged); a call is (hc, hk, cu_q, cu_k, max_q, max_k), a "
-      "gather (runs [n, 4], size), a pack (call, q, k), a sub-chunk (direct, part, q_send, "
-      "kv_send, q_recv, kv_recv, q_send_off, kv_send_off, call or None, packs, then its ranges "
-      "sent - lists of (member, vectors, first vector or -1) - and received - lists of (member, "
-      "vectors) - for Q and for K/V). The plan is read "
-      "once; the GIL is released while they compile. A ninth entry is the program staged: (its "
-      "arrays as one int32 buffer in meta._walk's order, their sizes), or None when an entry "
-      "does not fit in int32.",
+      "distca, ulysses), each as (CompiledProgram, staged, sizes): the program, and its arrays "
+      "as one int32 buffer in meta._walk's order with their sizes (both None when an entry "
+      "does not fit in int32). The plan is read once; the GIL is released while they compile.",
       py::arg("plan"), py::arg("replica"), py::arg("slots"), py::arg("chunks"));
 }
 

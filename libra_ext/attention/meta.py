@@ -727,32 +727,58 @@ def compile_slot(plan: StepPlan, replica: int, slot: int, chunks: int = 2) -> Sl
     return compile_slots(plan, replica, [slot], chunks)[0]
 
 
-def compile_slots(plan: StepPlan, replica: int, slots, chunks: int = 2) -> list:
+def compile_slots(plan: StepPlan, replica: int, slots, chunks: int = 2,
+                  staged_only: bool = False) -> list:
     """`compile_slot` for each of `slots`, the plan read once and all of them compiled in one
-    call with the GIL released."""
+    call with the GIL released. `staged_only`: each program is returned as the C++ compiler
+    made it (`NativeProgram`), for `stage` and `upload` alone - the sampler's thread, which
+    makes them one step ahead, then makes no Python object per call, gather or message while
+    it holds the GIL; `upload` unpacks the program on the thread that runs it."""
     slots = [int(s) for s in slots]
     for slot in slots:
         _check_slot_args(plan, replica, slot, chunks)
-    return [_program_of(plan, replica, slot, raw)
-            for slot, raw in zip(slots, _core.compile_slots(plan, int(replica), slots,
-                                                            int(chunks)), strict=True)]
+    out = []
+    for slot, (native, flat, sizes) in zip(
+            slots, _core.compile_slots(plan, int(replica), slots, int(chunks)), strict=True):
+        prog = NativeProgram(replica, slot, plan.cp, plan.heads_local, plan.kv_heads_local,
+                             plan.head_dim, plan.exchange_pool, native,
+                             (flat, sizes) if flat is not None else None)
+        out.append(prog if staged_only else prog.unpack())
+    return out
 
 
-def _program_of(plan: StepPlan, replica: int, slot: int, raw) -> SlotProgram:
-    t, tokens, executed, direct, lpacks, subs, send_q, send_kv, staged = raw
-    return SlotProgram(
-        replica=replica, slot=slot, cp=plan.cp, t=t, tokens=tokens,
-        heads_local=plan.heads_local, kv_heads_local=plan.kv_heads_local,
-        head_dim=plan.head_dim, members=plan.exchange_pool, direct=CallPlan(*direct),
-        lpacks=[_pack_of(p) for p in lpacks],
-        subchunks=[SubChunk(direct=d, part=part, q_send=qs, kv_send=ks, q_recv=qr, kv_recv=kr,
-                            q_send_off=qo, kv_send_off=ko,
-                            call=CallPlan(*call) if call is not None else None,
-                            packs=[_pack_of(p) for p in packs], q_ranges=qg, kv_ranges=kg,
-                            q_recv_ranges=qrg, kv_recv_ranges=krg)
-                   for d, part, qs, ks, qr, kr, qo, ko, call, packs, qg, kg, qrg, krg in subs],
-        send_q=Gather(*send_q), send_kv=Gather(*send_kv), tiles_executed=executed,
-        _staged=staged)
+@dataclass
+class NativeProgram:
+    """A slot's program as the C++ compiler returns it: the compiled program (`native`, a
+    `_planner.CompiledProgram`) and, where every entry fits in int32, its arrays staged as one
+    int32 buffer. `unpack` makes the SlotProgram."""
+
+    replica: int
+    slot: int
+    cp: int
+    heads_local: int
+    kv_heads_local: int
+    head_dim: int
+    members: int
+    native: object
+    _staged: tuple | None = field(default=None, repr=False)
+
+    def unpack(self, arrays: bool = True) -> SlotProgram:
+        """The SlotProgram. `arrays`: its calls' cu_q / cu_k and its gathers' runs as numpy
+        arrays; without, None (an upload reads them from the staged buffer)."""
+        t, tokens, executed, direct, lpacks, subs, send_q, send_kv = self.native.unpack(arrays)
+        return SlotProgram(
+            replica=self.replica, slot=self.slot, cp=self.cp, t=t, tokens=tokens,
+            heads_local=self.heads_local, kv_heads_local=self.kv_heads_local,
+            head_dim=self.head_dim, members=self.members, direct=CallPlan(*direct),
+            lpacks=[_pack_of(p) for p in lpacks],
+            subchunks=[SubChunk(d, part, qs, ks, qr, kr, qo, ko, qg, kg, qrg, krg,
+                                CallPlan(*call) if call is not None else None,
+                                [_pack_of(p) for p in packs])
+                       for d, part, qs, ks, qr, kr, qo, ko, call, packs, qg, kg, qrg, krg
+                       in subs],
+            send_q=Gather(*send_q), send_kv=Gather(*send_kv), tiles_executed=executed,
+            _staged=self._staged)
 
 
 def _pack_of(raw) -> PackCall:
@@ -841,11 +867,12 @@ def compile_wlb(doc_lengths, cp: int, cp_rank: int, heads_local: int, kv_heads_l
         pad=Gather.of(pad_base, pad, 1, 1), tiles_executed=int(2 * n))
 
 
-def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int) -> list:
+def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int,
+                 staged_only: bool = False) -> list:
     """Host programs of every slot of rank (replica, cp_rank): what the sampler's background
-    thread builds one step ahead."""
+    thread builds one step ahead (`staged_only`: as `compile_slots`)."""
     if plan.system != "wlb":
-        return compile_slots(plan, replica, range(plan.slots), chunks)
+        return compile_slots(plan, replica, range(plan.slots), chunks, staged_only)
     out = []
     for slot in range(plan.slots):
         L = sequence_lengths(plan, replica, slot)
@@ -994,10 +1021,16 @@ def stage(prog, pin: bool = False, owned: bool = False) -> Staged:
     copy). Runs off the critical path (the sampler's thread); a program of the C++ compiler
     comes flattened already (`SlotProgram._staged`). The upload fills in a copy of the program's
     structure, so the host program stays as it was - or, `owned` (a program compiled for this
-    stage alone, as the sampler's are), the program itself: no copy while the GIL is held."""
+    stage alone, as the sampler's are), the program itself: no copy while the GIL is held. A
+    NativeProgram (`compile_slots(staged_only=True)`) is staged as it is and unpacked by
+    `upload`; one whose entries do not fit in int32 is unpacked here, to be refused below."""
     staged = getattr(prog, "_staged", None)
-    prog = prog if owned else _clone(prog)
-    if owned and staged is not None:
+    if isinstance(prog, NativeProgram):
+        if staged is None:
+            prog = prog.unpack()
+    elif not owned:
+        prog = _clone(prog)
+    if owned and staged is not None and not isinstance(prog, NativeProgram):
         prog._staged = None  # (the host buffer below holds it)
     if staged is not None:
         flat, sizes = staged
@@ -1041,6 +1074,8 @@ def upload(prog, device: torch.device | str, pin: bool | None = None, device_buf
     if not isinstance(prog, Staged):
         prog = stage(prog, pin=device.type == "cuda" if pin is None else pin)
     dev, host = prog.prog, prog.host
+    if isinstance(dev, NativeProgram):  # unpacked here, on the thread that runs it
+        dev = dev.unpack(arrays=False)
     if device_buffer is not None:
         buf = device_buffer
     else:

@@ -395,7 +395,8 @@ class StepSampler:
 
     def _stage(self, plan: StepPlan, pieces: dict) -> list[StagedSlot]:
         """Per slot, this rank's attention program and THD micro-batch in one buffer."""
-        programs = meta.compile_rank(plan, self.replica, self.cp_rank, self.cfg.system.chunks)
+        programs = meta.compile_rank(plan, self.replica, self.cp_rank, self.cfg.system.chunks,
+                                     staged_only=True)
         layout = thd.layout_of(plan.system)
         out, off = [], plan.seq_doc_offsets
         for slot, program in enumerate(programs):

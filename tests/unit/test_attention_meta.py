@@ -353,6 +353,37 @@ def test_upload_is_one_copy_of_compact_descriptors_expanded_on_the_device():
         assert np.array_equal(g_dev.idx.numpy(), want)
 
 
+
+def test_a_staged_only_program_is_unpacked_by_its_upload_to_the_same_device_program():
+    """The sampler's programs (`staged_only`) stay native through staging - no SlotProgram and
+    no numpy array per call or gather is made on the sampler's thread - and `upload` unpacks
+    them into the device program a fully unpacked host program uploads to."""
+    plan = _scaled_preset_plan(LengthSource(preset="libra-256k").step(8, 4096, 3, 0),
+                               context=4096, block=256)
+    for replica in range(plan.dp):
+        native = meta.compile_rank(plan, replica, 0, 2, staged_only=True)
+        full = meta.compile_rank(plan, replica, 0, 2)
+        for slot, (n, f) in enumerate(zip(native, full, strict=True)):
+            assert isinstance(n, meta.NativeProgram) and (n.replica, n.slot) == (replica, slot)
+            staged = meta.stage(n, owned=True)
+            assert staged.prog is n  # staged as it is: unpacked only by the upload
+            bare = n.unpack(arrays=False)
+            assert all(c.cu_q is None and c.cu_k is None for c in bare.calls)
+            assert bare.send_q.runs is None and bare.send_kv.runs is None
+            _assert_same_program(n.unpack(), f)  # every scalar, list, range and array
+            a, b = meta.upload(staged, "cpu"), meta.upload(meta.stage(f), "cpu")
+            assert torch.equal(staged.host, meta.stage(f).host)
+            assert [sc.q_ranges for sc in a.subchunks] == [sc.q_ranges for sc in b.subchunks]
+            for x, y in zip(a.calls, b.calls, strict=True):
+                assert torch.equal(x.cu_q, y.cu_q) and torch.equal(x.cu_k, y.cu_k)
+            for g, h in ((a.send_q, b.send_q), (a.send_kv, b.send_kv)):
+                assert torch.equal(g.idx, h.idx) and torch.equal(g.runs, h.runs)
+            if a.messages is not None:
+                assert a.messages.q_send == b.messages.q_send
+                assert torch.equal(a.messages.q_rest, b.messages.q_rest)
+    with pytest.raises(ValueError, match="chunks must be at least 1"):
+        meta.compile_rank(plan, 0, 0, 0, staged_only=True)
+
 def test_one_cp_rank_runs_one_call_on_the_inputs_themselves():
     """Ulysses (and wlb) at world 1: the program is one direct call, no pack, no exchange."""
     plan = _scaled_preset_plan([[100, 28], [50, 50, 28], [128], [1] * 128], system="ulysses",

@@ -529,7 +529,7 @@ def _rank_programs(plan, replica: int, reference: bool = False) -> list:
         progs = [meta.compile_slot_reference(plan, replica, s, DEFAULT_CHUNKS)
                  for s in range(plan.slots)]
     else:
-        progs = meta.compile_rank(plan, replica, 0, DEFAULT_CHUNKS)
+        progs = meta.compile_rank(plan, replica, 0, DEFAULT_CHUNKS, staged_only=True)
     return [meta.stage(p, owned=True) for p in progs]
 
 
