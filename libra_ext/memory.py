@@ -23,6 +23,11 @@ estimate is an upper bound when both differ):
 - attention exchange buffers (Libra, DistCA): per layer, what the busiest rank receives and keeps
   for its backward - the moved tiles' Q and K/V prefixes, and the O it computed for them - taken
   from plans of the config's workload.
+- WLB-LLM (per-document CP): under keep, core attention keeps its key and value packs in place
+  of the Ulysses-layout K and V - every document's K/V prefix that each of the rank's two zigzag
+  chunks reads, (2 cp + 1) / (2 cp) of the sequence's K and V per rank (`meta.compile_wlb`) -;
+  under owner and rebuild the packs are gathered again in the backward and the rank's own K and V
+  are kept instead. At cp = 1 it is one plain call.
 - system.attention_memory = owner: no exchange buffers (the moved tiles' Q/K/V/O are kept once,
   by their owner, and shipped again in the backward); rebuild: that, and core attention keeps no
   O of its own either (the kernels' outputs are rebuilt from the layer's output in the
@@ -94,11 +99,23 @@ def check_attention_memory(value: str, field: str = "attention_memory") -> None:
         raise ValueError(f"{field} must be one of {', '.join(ATTENTION_MEMORY)}, got {value!r}")
 
 
+def kv_kept_per_token(lay: Layout, system: str, attention_memory: str) -> float:
+    """K and V rows core attention keeps per token of this rank, each of K and V: one (the
+    Ulysses layout, or WLB-LLM's own rows), or WLB-LLM's packs under keep at cp > 1: the
+    prefixes its two zigzag chunks read, (2 cp + 1) / (2 cp) of the sequence, that is
+    cp + 1/2 rows per token of the rank."""
+    if system == "wlb" and attention_memory == "keep" and lay.cp > 1:
+        return lay.cp + 0.5
+    return 1.0
+
+
 def activation_bytes_per_token(model: ModelConfig, lay: Layout,
-                               attention_memory: str = "keep") -> dict:
+                               attention_memory: str = "keep", system: str = "libra") -> dict:
     """Bytes one layer saves for its backward per token of this rank, by part (with
-    `attention_memory` = rebuild, core attention's O is not kept)."""
+    `attention_memory` = rebuild, core attention's O is not kept; `system` = wlb: its key and
+    value packs, `kv_kept_per_token`)."""
     check_attention_memory(attention_memory)
+    kv = kv_kept_per_token(lay, system, attention_memory)
     e = DTYPE_BYTES[lay.dtype]
     H, h, hkv, d = model.hidden, model.heads, model.kv_heads, model.head_dim
     T = lay.tp
@@ -107,9 +124,10 @@ def activation_bytes_per_token(model: ModelConfig, lay: Layout,
         "norms_and_gemm_inputs": e * 4 * H * stream,  # 2 norm inputs, QKV and MLP GEMM inputs
         "qkv": e * (h + 2 * hkv) * d / T,
         "attention_output": e * h * d / T,
-        # inside core attention: Q, K, V, O in the Ulysses layout and fp32 softmax statistics
-        "core_attention": e * ((h if attention_memory != "rebuild" else 0) + h + 2 * hkv) * d / T
-        + 4.0 * h / T,
+        # inside core attention: Q, K, V, O in the Ulysses layout (WLB-LLM: its own rows, its
+        # K/V packs under keep) and fp32 softmax statistics
+        "core_attention": e * ((h if attention_memory != "rebuild" else 0) + h
+                               + 2 * hkv * kv) * d / T + 4.0 * h / T,
     }
     if model.moe_topk > 0:
         k, f = model.moe_topk, model.moe_ffn
@@ -135,8 +153,9 @@ def in_flight(lay: Layout) -> float:
 
 def estimate(model: ModelConfig, lay: Layout, recompute: str = "none",
              recompute_num_layers: int = 1, exchange_bytes_per_layer: float = 0.0,
-             attention_memory: str = "keep") -> dict:
-    """Bytes per GPU, by part, and the total (`attention_memory`: system.attention_memory)."""
+             attention_memory: str = "keep", system: str = "libra") -> dict:
+    """Bytes per GPU, by part, and the total (`attention_memory`: system.attention_memory;
+    `system`: system.name, for WLB-LLM's key and value packs)."""
     check_attention_memory(attention_memory)
     if attention_memory != "keep":
         exchange_bytes_per_layer = 0.0  # shipped again in the backward, not kept
@@ -157,7 +176,7 @@ def estimate(model: ModelConfig, lay: Layout, recompute: str = "none",
     optimizer = state * (counts["dense"] / dense_shards + counts["expert"] / expert_shards)
 
     tokens = lay.context / lay.cp  # per rank and micro-batch
-    parts = activation_bytes_per_token(model, lay, attention_memory)
+    parts = activation_bytes_per_token(model, lay, attention_memory, system)
     per_layer_full = sum(parts.values()) * tokens + exchange_bytes_per_layer
     layers_total = model.layers  # all layers' worth, times the in-flight factor
     flight = in_flight(lay)

@@ -2,9 +2,11 @@
 
 import json
 
+import numpy as np
 import pytest
 
-from libra_ext.memory import Layout, estimate, parameter_counts
+from libra_ext.attention import meta
+from libra_ext.memory import Layout, estimate, kv_kept_per_token, parameter_counts
 from libra_ext.workload import ModelConfig
 from megatron.libra.cli import main
 
@@ -70,6 +72,27 @@ def test_rebuilding_attention_memory_keeps_no_o_and_no_exchange_buffers():
     assert owner["exchange_bytes_per_layer"] == 0
     with pytest.raises(ValueError, match="attention_memory must be one of keep, owner, rebuild"):
         estimate(QWEN, lay, attention_memory="some")
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_wlb_keeps_its_key_and_value_packs_as_its_programs_gather_them(cp):
+    """Under keep, WLB-LLM's core attention keeps the K/V packs its program gathers (the
+    prefixes of its two zigzag chunks) instead of one row of K and V per token; under owner and
+    rebuild it keeps its own rows, as the Ulysses family does; at cp 1 it is one plain call."""
+    lay = Layout(cp=cp, dp=16, ep=8, context=262_144, micro_batches=8)
+    lengths = np.array([100_000, 60_000, 50_000, 30_000, 22_144])
+    prog = meta.compile_wlb(lengths, cp, 0, QWEN.heads, QWEN.kv_heads, QWEN.head_dim)
+    rows = prog.kv.size / prog.call.n_q if cp > 1 else 1.0  # pack rows per token of the rank
+    assert kv_kept_per_token(lay, "wlb", "keep") == pytest.approx(rows, rel=1e-3)
+    keep, owner = (estimate(QWEN, lay, "none", 1, 0.0, mode, "wlb") for mode in ("keep", "owner"))
+    packs = 2 * 2 * QWEN.kv_heads * QWEN.head_dim * (rows - 1) * lay.context / cp * QWEN.layers
+    assert keep["activations_bytes"] - owner["activations_bytes"] == pytest.approx(packs,
+                                                                                 rel=1e-3)
+    libra = estimate(QWEN, lay, "none", 1, 0.0, "owner", "libra")
+    assert owner["activations_bytes"] == libra["activations_bytes"]
+    # selective recompute drops what core attention keeps, the packs with it
+    assert estimate(QWEN, lay, "selective", 1, 0.0, "keep", "wlb")["activations_bytes"] == \
+        estimate(QWEN, lay, "selective", 1, 0.0, "keep", "libra")["activations_bytes"]
 
 
 def test_memory_cli_refuses_a_bad_layout(capsys):

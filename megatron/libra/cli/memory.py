@@ -69,7 +69,7 @@ def run_memory(args) -> dict | None:
     m = cfg.model
     rows = {
         mode: estimate(m, lay, mode, m.recompute_num_layers, exchange,
-                       cfg.system.attention_memory)
+                       cfg.system.attention_memory, cfg.system.name)
         for mode in dict.fromkeys(["none", m.recompute])
     }
     limit = hw.memory_gb * 1e9 if hw.memory_gb is not None else None
