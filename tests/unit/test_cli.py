@@ -248,6 +248,7 @@ def test_bench_host_reports_the_sampler_lead_over_the_modeled_step(capsys):
         assert 0 < row["upload_bytes"]["median"] <= row["upload_bytes"]["max"] < 1 << 20
         ms = row["host_compile_ms"]
         assert 0 < ms["median"] <= ms["max"]
+        assert row["unpack_ms"] > 0  # the upload's unpacking, on the training thread
         assert "gil" not in row  # (only with --gil)
 
 

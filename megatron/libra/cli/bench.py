@@ -504,19 +504,29 @@ def run_bench_scaling(args) -> dict | None:
     return None
 
 
-def _slot_programs(plan, replica: int) -> tuple[list, list, int]:
-    """Replica `replica`'s (cp rank 0's) programs compiled and staged slot by slot: (the host
-    ms of each slot, compile and staging, the staged programs, their bytes)."""
+def _slot_programs(plan, replica: int) -> tuple[list, list, int, float]:
+    """Replica `replica`'s (cp rank 0's) programs compiled and staged slot by slot, as the
+    sampler's thread makes them (`staged_only`): (the host ms of each slot, compile and
+    staging, the staged programs, their bytes, the ms their upload then spends unpacking them
+    on the training thread, all slots: the median of five passes)."""
     # deferred: the CLI starts without torch
     from libra_ext.attention import meta
 
     ms, staged = [], []
     for slot in range(plan.slots):
         t0 = time.perf_counter()
-        staged.append(meta.stage(meta.compile_slot(plan, replica, slot, DEFAULT_CHUNKS),
-                                 owned=True))
+        prog = meta.compile_slots(plan, replica, [slot], DEFAULT_CHUNKS, staged_only=True)[0]
+        staged.append(meta.stage(prog, owned=True))
         ms.append((time.perf_counter() - t0) * 1e3)
-    return ms, staged, sum(x.host.numel() * x.host.element_size() for x in staged)
+    unpacks = []
+    for _ in range(5):  # the median of five (one pass is a few hundred microseconds)
+        t0 = time.perf_counter()
+        for x in staged:
+            if isinstance(x.prog, meta.NativeProgram):
+                x.prog.unpack(arrays=False)
+        unpacks.append((time.perf_counter() - t0) * 1e3)
+    unpack = statistics.median(unpacks)
+    return ms, staged, sum(x.host.numel() * x.host.element_size() for x in staged), unpack
 
 
 def _rank_programs(plan, replica: int, reference: bool = False) -> list:
@@ -592,11 +602,12 @@ def run_bench_host(args) -> dict | None:
         for seqs in steps:
             plan = planner.plan(seqs)
             per_rank = [_slot_programs(plan, r) for r in range(plan.dp)]
-            slot_ms += [x for ms, _, _ in per_rank for x in ms]
-            upload += [n for _, _, n in per_rank]
+            slot_ms += [x for ms, _, _, _ in per_rank for x in ms]
+            upload += [n for _, _, n, _ in per_rank]
             rows.append({
                 "plan_ms": plan.plan_ms,
-                "rank_host_ms": max(sum(ms) for ms, _, _ in per_rank),
+                "rank_host_ms": max(sum(ms) for ms, _, _, _ in per_rank),
+                "unpack_ms": max(u for _, _, _, u in per_rank),
                 "gpu_step_ms": simulate_plan(plan, model, hw).step * 1e3,
             })
         r = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
@@ -625,6 +636,8 @@ def run_bench_host(args) -> dict | None:
         print(f"  {name:7s} {r['source_ms']:8.1f} {r['plan_ms']:8.1f} {r['rank_host_ms']:9.1f} "
               f"{r['host_ms']:9.1f} {r['gpu_step_ms']:10.1f} {r['lead_ms']:10.1f} "
               f"{c['median']:7.2f}/{c['max']:<8.2f} {u['max'] / 1024:13.1f}")
+        print(f"          the training thread's upload unpacks a rank's programs in "
+              f"{r['unpack_ms']:.3f} ms per step (the heaviest rank)")
         for key, what in (("gil", "the compile (C++)"), ("gil_reference", "numpy reference")):
             if key in r:
                 g = r[key]
