@@ -344,16 +344,23 @@ class PlannedAttention(torch.autograd.Function):
             do = do.contiguous()
         dof = do.view(-1, d)
         rebuilt = _rebuild(direct, lpacks, d) if ctx.again else None
+        # rebuild, where the plan says it lowers the group's peak: the executed units' backward
+        # and every return before dX exists (their dQ lands in a buffer, added below)
+        early = bool(executed) and env.rebuild and prog.early_returns
         if executed:
             ex.post_grads(dof, executed, rebuilt)
         del rebuilt
+        if early:
+            ex.return_grads(executed, counts, None)
+            ex.wait_returns()
         dq, dk, dv = direct.backward(do, counts)
         del direct
         if lpacks or executed:
             dqf, dkf, dvf = _flat(dq, d), _flat(dk, d), _flat(dv, d)
             _packs_backward(lpacks, dof, dqf, dkf, dvf, counts)
             if executed:
-                ex.return_grads(executed, counts, dqf)
+                if not early:
+                    ex.return_grads(executed, counts, dqf)
                 ex.add_returned(dqf, dkf, dvf)
         del do, dof, ex, lpacks, executed
         if C == 1:
@@ -531,8 +538,9 @@ class _Exchange:
 
     def _back(self, dest) -> tuple:
         """(the buffer an owner's returned Q-sized messages land in where not in place,
-        whether every message lands there: `dest`, its O or dQ, is not contiguous)."""
-        whole = not dest.is_contiguous()
+        whether every message lands there: `dest`, its O or dQ, is None - not made yet - or
+        not contiguous)."""
+        whole = dest is None or not dest.is_contiguous()
         return self.new(self.prog.n_q_send if whole else int(self.m.q_rest.shape[0])), whole
 
     def _send(self, k: int, parts: list) -> list:
@@ -646,7 +654,8 @@ class _Exchange:
 
     def return_grads(self, executed: list, counts: CallCounts, dqf) -> None:
         """Each sub-chunk's kernel backward on this executor (last first), its dQ / dK / dV
-        straight back to the owners (in place: dQ into `dqf`, this rank's dQ)."""
+        straight back to the owners (in place: dQ into `dqf`, this rank's dQ; None: every
+        returned dQ into a buffer, before the direct call's backward made dQ)."""
         p, d = self.prog, self.d
         self.dq_ret = self._back(dqf)
         self.dk_ret, self.dv_ret = (self.new(p.n_kv_send), True), (self.new(p.n_kv_send), True)
@@ -676,6 +685,12 @@ class _Exchange:
                                                ("pool.dv", False, gv, None, self.dv_ret)])
             executed[i] = None
         del self.d_o, self.do_works, self.again
+
+    def wait_returns(self) -> None:
+        """Wait for every return `return_grads` posted (what this rank sent is freed with them,
+        what it received waits in its buffers for `add_returned`)."""
+        _wait(self.ret_works, self.env)
+        self.ret_works = []
 
     def add_returned(self, dqf, dkf, dvf) -> None:
         """The gradients of this rank's moved units: dQ written (each query vector ran once;

@@ -200,6 +200,10 @@ class SlotProgram:
     send_kv: Gather
     """Xk-flat vectors of the outgoing K (and V) messages."""
     tiles_executed: int
+    early_returns: bool = False
+    """Under system.attention_memory = rebuild: run the executed units' backward, and wait for
+    every return, before the direct call's backward (`early_return_groups`; the same for every
+    member of the exchange group)."""
     _keep: list = field(default_factory=list, repr=False)
     _staged: tuple | None = field(default=None, repr=False, compare=False)
     """(its arrays as one int32 buffer in `_walk`'s order, their sizes), made by the C++
@@ -283,6 +287,48 @@ def _doc_starts(plan: StepPlan) -> np.ndarray:
     cum = np.cumsum(L) - L
     seq = np.repeat(np.arange(plan.n_seq), np.diff(off))
     return cum - cum[off[seq]] if len(L) else cum
+
+
+PEAK_BASE = 3.6
+"""A rank's backward peak without the pool exchange, over its X (Q/K/V in the kernel's layout):
+X, O, dO (the layer's and in the kernel's layout) and dX with the kernel's own working memory -
+what the fake-CUDA gate measures for one plain call (3.6x). `early_return_groups` weighs the
+exchange buffers against it."""
+
+
+def early_return_groups(plan: StepPlan) -> np.ndarray:
+    """Per exchange group (`plan.group_of`), whether its members run the units they execute
+    backward - and wait for every return - before their direct call's backward, when that
+    lowers the group's modeled backward peak (system.attention_memory = rebuild). Member m,
+    with X_m its X, E_m = 3 Q + K/V elements it executes (their Q and O kept or rebuilt, their
+    dO received) and R_m = Q + K/V elements it moved out (their dQ, dK, dV returned):
+    late (today's order), max_m PEAK_BASE X_m + E_m - the direct backward beside the executed
+    units' memory; early, max_m max((PEAK_BASE - 1) X_m + E_m + R_m, PEAK_BASE X_m + R_m) -
+    the executed units' backward before dX exists, then the direct backward beside the returns
+    waiting to be added. Early where it is lower: a function of the plan alone, the same on
+    every member. Cached on the plan."""
+    cached = getattr(plan, "_early_returns", None)
+    if cached is not None:
+        return cached
+    px, m = plan.exchange_pool, plan.slots
+    q, kv = (np.asarray(x, dtype=np.float64) for x in (plan.xchg_q, plan.xchg_kv))
+    out = np.zeros(q.shape[0], dtype=bool)
+    if px > 1 and q.any():
+        csum = np.r_[0, np.cumsum(plan.doc_lengths, dtype=np.float64)]
+        off = np.asarray(plan.seq_doc_offsets)
+        seq_tokens = csum[off[1:]] - csum[off[:-1]]
+        tokens = np.zeros((plan.dp, m))
+        tokens[plan.seq_replica, plan.seq_slot] = seq_tokens
+        rows = plan.cp * np.ceil(tokens / plan.cp)
+        x = rows * (plan.heads_local + 2 * plan.kv_heads_local) * plan.head_dim  # [D, m]
+        xg = x.reshape(-1, px, m).transpose(0, 2, 1).reshape(-1, px)  # [G, member]
+        e = 3.0 * q.sum(axis=1) + kv.sum(axis=1)  # received, per member
+        r = q.sum(axis=2) + kv.sum(axis=2)  # sent, per member
+        late = (PEAK_BASE * xg + e).max(axis=1)
+        early = np.maximum((PEAK_BASE - 1.0) * xg + e + r, PEAK_BASE * xg + r).max(axis=1)
+        out = early < late
+    plan._early_returns = out
+    return out
 
 
 def sequence_lengths(plan: StepPlan, replica: int, slot: int) -> np.ndarray:
@@ -737,12 +783,13 @@ def compile_slots(plan: StepPlan, replica: int, slots, chunks: int = 2,
     slots = [int(s) for s in slots]
     for slot in slots:
         _check_slot_args(plan, replica, slot, chunks)
-    out = []
-    for slot, (native, flat, sizes) in zip(
-            slots, _core.compile_slots(plan, int(replica), slots, int(chunks)), strict=True):
+    raws = _core.compile_slots(plan, int(replica), slots, int(chunks))  # (the plan checked)
+    out, early = [], early_return_groups(plan)
+    for slot, (native, flat, sizes) in zip(slots, raws, strict=True):
         prog = NativeProgram(replica, slot, plan.cp, plan.heads_local, plan.kv_heads_local,
                              plan.head_dim, plan.exchange_pool, native,
-                             (flat, sizes) if flat is not None else None)
+                             (flat, sizes) if flat is not None else None,
+                             bool(early[plan.group_of(replica, slot)]))
         out.append(prog if staged_only else prog.unpack())
     return out
 
@@ -762,6 +809,7 @@ class NativeProgram:
     members: int
     native: object
     _staged: tuple | None = field(default=None, repr=False)
+    early_returns: bool = False
 
     def unpack(self, arrays: bool = True) -> SlotProgram:
         """The SlotProgram. `arrays`: its calls' cu_q / cu_k and its gathers' runs as numpy
@@ -778,7 +826,7 @@ class NativeProgram:
                        for d, part, qs, ks, qr, kr, qo, ko, call, packs, qg, kg, qrg, krg
                        in subs],
             send_q=Gather(*send_q), send_kv=Gather(*send_kv), tiles_executed=executed,
-            _staged=self._staged)
+            early_returns=self.early_returns, _staged=self._staged)
 
 
 def _pack_of(raw) -> PackCall:
@@ -806,7 +854,8 @@ def compile_slot_reference(plan: StepPlan, replica: int, slot: int,
     return SlotProgram(
         replica=replica, slot=slot, cp=plan.cp, t=t, tokens=int(L.sum()), heads_local=hl,
         kv_heads_local=kvl, head_dim=plan.head_dim, members=px, direct=direct, lpacks=lpacks,
-        subchunks=subchunks, send_q=send_q, send_kv=send_kv, tiles_executed=executed)
+        subchunks=subchunks, send_q=send_q, send_kv=send_kv, tiles_executed=executed,
+        early_returns=bool(early_return_groups(plan)[plan.group_of(replica, slot)]))
 
 
 def _local_work(L: np.ndarray, local: _Segs, hl: int, kvl: int, rows: int) -> tuple:

@@ -96,7 +96,9 @@ class SystemConfig(PlannerKnobs):
     kept once, by their owner, and shipped to the executor again with dO in the backward (pool
     bytes, overlapped with the owner's own backward; Ulysses as keep). rebuild: no more than a
     plain call (its Q/K/V and the layer's output): that, and the kernel's O freed after the
-    forward and rebuilt in the backward by one more all-to-all of O over the CP group. wlb
+    forward and rebuilt in the backward by one more all-to-all of O over the CP group, and
+    where the plan says it lowers the backward's peak, the executed units' backward run before
+    the direct call's (the first sub-chunk's dO exposed). wlb
     (owner or rebuild): its key and value packs freed after the forward and gathered again (K
     and V all-gathered once more) in the backward. Identical
     results under every setting; `libra simulate --attention-memory` prices the time owner and

@@ -164,7 +164,8 @@ def test_rebuilding_keeps_what_a_plain_call_keeps_at_every_layout(report):
     # system.attention_memory = rebuild: the kernels' outputs and the moved units' inputs (wlb:
     # its key and value packs) are freed after the forward and rebuilt in the backward - every
     # system then keeps what a plain call keeps, and pays for it in bytes within its own bounds;
-    # what is rebuilt is alive again in the backward, so only Ulysses peaks as a plain call
+    # what is rebuilt is alive again in the backward, so only Ulysses peaks as a plain call, and
+    # Libra / DistCA peak lower than keeping only where their executed units run backward first
     assert set(report["rebuild"]) == {f"{s}/varlen-2.13/{lay}" for s in gate.REBUILDING
                                       for lay in gate.LAYOUTS if gate.LAYOUTS[lay][1] > 1}
     plain = report["plain"]["varlen-2.13"]
@@ -188,6 +189,20 @@ def test_rebuilding_keeps_what_a_plain_call_keeps_at_every_layout(report):
             bound = (gate.EXTRA_BOUND_ULYSSES_REBUILD if system == "ulysses"
                      else gate.PEER_BOUND_REBUILD * u)
             assert r["extra_over_qkv"] <= bound, (key, rank)
+        if system in ("libra", "distca"):
+            # where the plan's exchange volumes say so (meta.early_return_groups), every member
+            # runs its executed units backward before its direct call's: the group's peak drops
+            # below keeping's; elsewhere it is keeping's order
+            early = {r["early_returns"] for r in ranks.values()}
+            assert len(early) == 1, (key, "the same order on every member")
+            peak = max(r["peak"] for r in ranks.values())
+            keeping = max(r["peak"] for r in report["operator"][key].values())
+            assert peak < keeping - 0.2 if early == {True} else peak <= keeping + 0.01, \
+                (key, early, peak, keeping)
+    # Libra at pool 2 runs early and peaks within the absolute bound
+    libra = report["rebuild"]["libra/varlen-2.13/cp2-pool2"]
+    assert all(r["early_returns"] for r in libra.values())
+    assert max(r["peak"] for r in libra.values()) <= gate.PEAK_BOUND
 
 
 def test_owner_keeps_moved_units_once_at_no_device_cost(report):

@@ -49,11 +49,12 @@ def _local(x, idx):
 
 
 def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True, memory="keep",
-             fused=False):
+             fused=False, early=None):
     """Forward and backward of every rank of replica's exchange pool for `slot`, each a thread
     (`fused`: q, k and v are views of one [t, h + 2 hkv, d] tensor, as split from a fused QKV
-    projection - not contiguous). Returns {(member, cp rank): (program, output, (dq, dk, dv),
-    counter)} and per member the sequence's (lengths, q, k, v, dout)."""
+    projection - not contiguous; `early`: every program's early_returns set so). Returns
+    {(member, cp rank): (program, output, (dq, dk, dv), counter)} and per member the
+    sequence's (lengths, q, k, v, dout)."""
     px, C = plan.exchange_pool, plan.cp
     base = replica // px * px
     h, d = plan.heads_local * C, D_HEAD
@@ -77,6 +78,8 @@ def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True, memory="k
             prog = meta.upload(meta.compile_rank(plan, base + m, c, chunks)[slot], "cpu")
         else:
             prog = meta.upload(meta.compile_slot(plan, base + m, slot, chunks), "cpu")
+            if early is not None:
+                prog.early_returns = early
         idx = thd.split(L or [thd.empty_sequence_tokens(C, layout)], C, c, layout).token_index
         if not L:
             idx = np.full_like(idx, -1)
@@ -208,6 +211,71 @@ def test_rebuilt_outputs_give_the_same_bits_and_ship_o_once_more(system, memory,
             if counter0.sent.get(f"pool.{like}"):  # moved units' O and inputs again
                 want[f"pool.{kind}.rebuild"] = counter0.sent[f"pool.{like}"]
         assert extra == want, (mc, extra, want)
+
+
+@pytest.mark.parametrize("system", ["libra", "distca"])
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_executed_units_backward_first_gives_the_same_bits_and_bytes(system, data):
+    """Under rebuild, a group whose plan says so (`meta.early_return_groups`) runs its executed
+    units' backward and waits for every return before the direct call's backward, every
+    returned dQ landing in a buffer: outputs, gradients and every transfer's bytes are those of
+    the late order - and of keeping - bit for bit."""
+    layout, model = data.draw(layouts(max_dp=4))
+    seqs = data.draw(step_inputs(layout))
+    plan = Planner(layout, model, PlannerOptions(system=system)).plan(seqs, flush=True)
+    chunks = data.draw(st.integers(1, 3))
+    replica = data.draw(st.integers(0, layout.dp - 1))
+    slot = data.draw(st.integers(0, plan.slots - 1))
+    hkv = _kv_heads(layout, model)
+    kept, _ = run_pool(plan, replica, slot, chunks, hkv)
+    late, _ = run_pool(plan, replica, slot, chunks, hkv, memory="rebuild", early=False)
+    early, _ = run_pool(plan, replica, slot, chunks, hkv, memory="rebuild", early=True)
+    for mc, (_, out, grads, counter, _) in early.items():
+        for other in (late[mc], kept[mc]):
+            assert torch.equal(out, other[1]), mc
+            for g, g0 in zip(grads, other[2], strict=True):
+                assert torch.equal(g, g0), mc
+        assert counter.sent == late[mc][3].sent, mc
+
+
+def test_the_early_order_is_chosen_where_it_lowers_the_modeled_peak():
+    """`early_return_groups` per exchange group: the members that execute others' units keep
+    their memory through the direct call's backward in the late order, the members whose units
+    were moved keep their returns through it in the early one - the lower of the two peaks,
+    weighed against PEAK_BASE times each member's X, is taken, the same for every member."""
+    model = ModelConfig(hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=64, layers=1,
+                        moe_topk=0, moe_ffn=0)
+    layout = LayoutConfig(dp=4, cp=2, pool_size=4, context=4096)
+    plan = Planner(layout, model, PlannerOptions(system="libra")).plan(
+        LengthSource(preset="libra-256k").step(8, 4096, seed=3, step=0))
+    early = meta.early_return_groups(plan)
+    assert early.shape == (plan.xchg_q.shape[0],) and early.dtype == bool
+    assert meta.early_return_groups(plan) is early  # cached on the plan
+    q, kv = plan.xchg_q.astype(float), plan.xchg_kv.astype(float)
+    for g in range(len(early)):
+        pool, slot = divmod(g, plan.slots)
+        x = np.array([plan.cp * -(-sum(meta.sequence_lengths(plan, pool * 4 + j, slot)) // plan.cp)
+                      for j in range(4)], dtype=float) * (plan.heads_local
+                                                         + 2 * plan.kv_heads_local) * 8
+        e, r = 3 * q[g].sum(0) + kv[g].sum(0), q[g].sum(1) + kv[g].sum(1)
+        late = max(meta.PEAK_BASE * x + e)
+        first = max(np.maximum((meta.PEAK_BASE - 1) * x + e + r, meta.PEAK_BASE * x + r))
+        assert early[g] == (first < late) and (q[g].any() or not early[g]), g
+        for j in range(4):  # every member's program carries its group's choice
+            assert meta.compile_slot(plan, pool * 4 + j, slot).early_returns == early[g]
+    # one member moves units with long K/V prefixes to each of the others: its returns (their
+    # dQ, dK, dV) outweigh what any executor frees, so the late order stays; the others moving
+    # units to one executor, its memory is the larger, and the early order is taken
+    def fake(q, kv):
+        return type("P", (), dict(exchange_pool=4, slots=1, dp=4, cp=1, heads_local=1,
+                                  kv_heads_local=1, head_dim=1, xchg_q=q, xchg_kv=kv,
+                                  doc_lengths=np.full(4, 8), seq_doc_offsets=np.arange(5),
+                                  seq_replica=np.arange(4), seq_slot=np.zeros(4, dtype=int)))()
+    q, kv = np.zeros((1, 4, 4)), np.zeros((1, 4, 4))
+    q[0, 0, 1:], kv[0, 0, 1:] = 10 ** 6, 2 * 10 ** 6
+    assert not meta.early_return_groups(fake(q, kv))[0]
+    assert meta.early_return_groups(fake(q.transpose(0, 2, 1).copy(), 0 * kv))[0]
 
 
 def _scaled_preset_plan(preset_docs, system="libra", dp=4, pool=4, cp=2, context=4096, **kw):

@@ -132,15 +132,19 @@ libra 1.02, against 1.81 / 1.98-2.14 / 2.65-2.86 keeping them)."""
 PEER_BOUND_REBUILD = 1.25
 """Libra, DistCA and WLB-LLM with rebuild: extra device bytes at most this many times Ulysses's
 (also rebuilding) at the same layout: PEER_BOUND's, the moved units' O and Q / K / V sent
-again from where they lie (measured libra 1.04 / 1.19, distca 1.03 / 1.19 at pool 2 / 8;
-1.39 / 1.79 and 1.24 / 1.78 before the exchange went in place)."""
+again from where they lie, and in a group that runs its executed units backward first every
+returned dQ scattered into dQ (measured libra 1.09 / 1.24, distca 1.06 / 1.19 at pool 2 / 8;
+1.04 / 1.19 and 1.03 / 1.19 before that order; 1.39 / 1.79 and 1.24 / 1.78 before the
+exchange went in place)."""
 REBUILDING = ("libra", "distca", "ulysses", "wlb")
 """The systems system.attention_memory = rebuild changes: the kernels' outputs released (wlb's
 per-document CP returns its kernel's output as the layer's, and rebuilds its key and value
 packs instead: K and V all-gathered again in the backward - kept 1.01x against 1.31x). Their
 peak is held to PEAK_PEER_EXTRA over Ulysses keeping, as keeping's is: what is rebuilt is
-alive again in the backward (libra 4.39 / 4.83, distca 4.07 / 3.84, wlb 4.42: its local K and
-V are kept for the rebuild)."""
+alive again in the backward; where a group runs its executed units backward first
+(`meta.early_return_groups`) the peak is below keeping's (libra 3.96 / 4.42 against 4.39 /
+4.83 at pool 2 / 8, distca 3.84 / 3.84, wlb 4.43: its local K and V are kept for the
+rebuild)."""
 PEAK_BOUND = 4.0
 """Peak device bytes of a layer call (forward and backward) at most this many times its
 Q/K/V: at one rank for every system and kernel, torch 2.11's varlen_attn included (measured
@@ -299,6 +303,7 @@ def _rank_call(probe, plan, system: str, backend: str, groups, shape: Shape, chu
         "slots": plan.slots,
         "exchanged_bytes": _exchanged_bytes(plan, groups.r, shape),
         "subchunks": len(getattr(steps[0].program, "subchunks", [])),
+        "early_returns": bool(getattr(steps[0].program, "early_returns", False)),
         "upload_bytes": [x.host.numel() * x.host.element_size() for x in staged],
         "host_compile_ms": compile_ms,
     }
