@@ -728,7 +728,8 @@ void bind_program(py::module_& m) {
             {"cp", &ProgramPlan::cp},
             {"exchange_pool", &ProgramPlan::exchange_pool},
             {"heads_local", &ProgramPlan::heads_local},
-            {"kv_heads_local", &ProgramPlan::kv_heads_local}};
+            {"kv_heads_local", &ProgramPlan::kv_heads_local},
+            {"head_dim", &ProgramPlan::head_dim}};
         static constexpr std::pair<const char*, ArrayView ProgramPlan::*> kArrays[] = {
             {"doc_lengths", &ProgramPlan::doc_lengths},
             {"seq_doc_offsets", &ProgramPlan::seq_doc_offsets},
@@ -756,16 +757,24 @@ void bind_program(py::module_& m) {
           if (keep.back().ndim() != 1) fail(std::string("plan.") + name + " must be 1-D");
           p.*field = ArrayView{keep.back().data(), static_cast<i64>(keep.back().size())};
         }
+        for (const auto& [name, field] : {std::pair{"xchg_q", &ProgramPlan::xchg_q},
+                                          std::pair{"xchg_kv", &ProgramPlan::xchg_kv}}) {
+          keep.emplace_back(I64Array::ensure(plan.attr(name)));
+          if (!keep.back()) fail(std::string("plan.") + name + " must be an integer array");
+          if (keep.back().ndim() != 3) fail(std::string("plan.") + name + " must be 3-D");
+          p.*field = ArrayView{keep.back().data(), static_cast<i64>(keep.back().size())};
+        }
         const std::size_t n = slots.size();
         std::vector<Program> progs(n);
         std::vector<std::vector<std::int32_t>> flats(n);
         std::vector<std::vector<i64>> sizes(n);
-        std::vector<char> fits(n, 0);
+        std::vector<char> fits(n, 0), early(n, 0);
         {
           ReleaseGil release;  // compiled and staged without it
           for (std::size_t i = 0; i < n; ++i) {
             progs[i] = compile_slot_program(p, replica, slots[i], chunks);
             fits[i] = stage_program(progs[i], flats[i], sizes[i]);
+            early[i] = early_returns(p, replica, slots[i]);
           }
         }
         py::list out(n);
@@ -773,13 +782,16 @@ void bind_program(py::module_& m) {
           out[i] = py::make_tuple(
               py::cast(std::move(progs[i])),
               fits[i] ? py::object(to_numpy(std::move(flats[i]))) : py::object(py::none()),
-              fits[i] ? py::object(to_numpy(std::move(sizes[i]))) : py::object(py::none()));
+              fits[i] ? py::object(to_numpy(std::move(sizes[i]))) : py::object(py::none()),
+              py::bool_(early[i] != 0));
         return out;
       },
       "The attention programs of (replica, slot) for each of `slots` of a StepPlan (libra, "
-      "distca, ulysses), each as (CompiledProgram, staged, sizes): the program, and its arrays "
-      "as one int32 buffer in meta._walk's order with their sizes (both None when an entry "
-      "does not fit in int32). The plan is read once; the GIL is released while they compile.",
+      "distca, ulysses), each as (CompiledProgram, staged, sizes, early_returns): the program, "
+      "its arrays as one int32 buffer in meta._walk's order with their sizes (both None when "
+      "an entry does not fit in int32), and its group's backward order under rebuild "
+      "(meta.early_return_groups). The plan is read once; the GIL is released while they "
+      "compile.",
       py::arg("plan"), py::arg("replica"), py::arg("slots"), py::arg("chunks"));
 }
 

@@ -634,6 +634,49 @@ Program compile_slot_program(const ProgramPlan& p, i64 replica, i64 slot, i64 ch
   return prog;
 }
 
+bool early_returns(const ProgramPlan& p, i64 replica, i64 slot) {
+  const i64 px = p.exchange_pool, cells = px * px;
+  if (px <= 1) return false;
+  const i64 base = (replica / px) * px, g = (replica / px) * p.slots + slot;
+  if (p.xchg_q.size != p.xchg_kv.size || p.xchg_q.size < (g + 1) * cells)
+    fail("plan.xchg_q / xchg_kv must be [groups, " + std::to_string(px) + ", " +
+         std::to_string(px) + "] and hold group " + std::to_string(g));
+  const i64* q = p.xchg_q.data + g * cells;
+  const i64* kv = p.xchg_kv.data + g * cells;
+  if (std::all_of(q, q + cells, [](i64 v) { return v == 0; })) return false;
+  // each member's X (elements): its sequence's rows, cp-rounded, times its heads
+  std::vector<double> x(static_cast<std::size_t>(px), 0.0);
+  const double per_row = static_cast<double>(p.heads_local + 2 * p.kv_heads_local);
+  for (i64 s = 0; s < p.seq_replica.size; ++s) {
+    const i64 r = p.seq_replica.data[s];
+    if (p.seq_slot.data[s] != slot || r < base || r >= base + px) continue;
+    const i64 d0 = p.seq_doc_offsets.data[s], d1 = p.seq_doc_offsets.data[s + 1];
+    if (d0 < 0 || d1 < d0 || d1 > p.doc_lengths.size)
+      fail("plan.seq_doc_offsets[" + std::to_string(s) + "]: documents [" + std::to_string(d0) +
+           ", " + std::to_string(d1) + ") outside the plan's " +
+           std::to_string(p.doc_lengths.size));
+    const i64 tokens = std::accumulate(p.doc_lengths.data + d0, p.doc_lengths.data + d1, i64(0));
+    const i64 rows = p.cp * ((tokens + p.cp - 1) / p.cp);
+    x[static_cast<std::size_t>(r - base)] =
+        static_cast<double>(rows) * per_row * static_cast<double>(p.head_dim);
+  }
+  double late = 0.0, early = 0.0;
+  for (i64 j = 0; j < px; ++j) {
+    double in_q = 0, in_kv = 0, out_q = 0, out_kv = 0;
+    for (i64 a = 0; a < px; ++a) {
+      in_q += static_cast<double>(q[a * px + j]);
+      in_kv += static_cast<double>(kv[a * px + j]);
+      out_q += static_cast<double>(q[j * px + a]);
+      out_kv += static_cast<double>(kv[j * px + a]);
+    }
+    const double xj = x[static_cast<std::size_t>(j)];
+    const double e = 3.0 * in_q + in_kv, r = out_q + out_kv;
+    late = std::max(late, kPeakBase * xj + e);
+    early = std::max(early, std::max((kPeakBase - 1.0) * xj + e + r, kPeakBase * xj + r));
+  }
+  return early < late;
+}
+
 bool stage_program(const Program& prog, std::vector<std::int32_t>& flat, std::vector<i64>& sizes) {
   std::vector<const ProgCall*> calls{&prog.direct};
   std::vector<const ProgGather*> gathers{&prog.send_q, &prog.send_kv};

@@ -306,7 +306,8 @@ def early_return_groups(plan: StepPlan) -> np.ndarray:
     units' memory; early, max_m max((PEAK_BASE - 1) X_m + E_m + R_m, PEAK_BASE X_m + R_m) -
     the executed units' backward before dX exists, then the direct backward beside the returns
     waiting to be added. Early where it is lower: a function of the plan alone, the same on
-    every member. Cached on the plan."""
+    every member. Cached on the plan. The specification of the C++ compiler's
+    `early_returns` (cpp/src/program.cpp), which the sampler's programs carry."""
     cached = getattr(plan, "_early_returns", None)
     if cached is not None:
         return cached
@@ -314,7 +315,8 @@ def early_return_groups(plan: StepPlan) -> np.ndarray:
     q, kv = (np.asarray(x, dtype=np.float64) for x in (plan.xchg_q, plan.xchg_kv))
     out = np.zeros(q.shape[0], dtype=bool)
     if px > 1 and q.any():
-        csum = np.r_[0, np.cumsum(plan.doc_lengths, dtype=np.float64)]
+        csum = np.zeros(len(plan.doc_lengths) + 1, dtype=np.int64)
+        np.cumsum(plan.doc_lengths, out=csum[1:])
         off = np.asarray(plan.seq_doc_offsets)
         seq_tokens = csum[off[1:]] - csum[off[:-1]]
         tokens = np.zeros((plan.dp, m))
@@ -783,13 +785,12 @@ def compile_slots(plan: StepPlan, replica: int, slots, chunks: int = 2,
     slots = [int(s) for s in slots]
     for slot in slots:
         _check_slot_args(plan, replica, slot, chunks)
-    raws = _core.compile_slots(plan, int(replica), slots, int(chunks))  # (the plan checked)
-    out, early = [], early_return_groups(plan)
-    for slot, (native, flat, sizes) in zip(slots, raws, strict=True):
+    out = []
+    for slot, (native, flat, sizes, early) in zip(
+            slots, _core.compile_slots(plan, int(replica), slots, int(chunks)), strict=True):
         prog = NativeProgram(replica, slot, plan.cp, plan.heads_local, plan.kv_heads_local,
                              plan.head_dim, plan.exchange_pool, native,
-                             (flat, sizes) if flat is not None else None,
-                             bool(early[plan.group_of(replica, slot)]))
+                             (flat, sizes) if flat is not None else None, early)
         out.append(prog if staged_only else prog.unpack())
     return out
 

@@ -19,10 +19,12 @@ struct ArrayView {
 
 // What compiling a slot reads of a StepPlan (Ulysses family: libra, distca, ulysses).
 struct ProgramPlan {
-  i64 dp = 0, slots = 0, cp = 0, exchange_pool = 0, heads_local = 0, kv_heads_local = 0;
+  i64 dp = 0, slots = 0, cp = 0, exchange_pool = 0, heads_local = 0, kv_heads_local = 0,
+      head_dim = 0;
   ArrayView doc_lengths, seq_doc_offsets, seq_replica, seq_slot, send_order, send_group_offsets,
       tile_doc, tile_doc_count, tile_q_start, tile_q_len, tile_kv_start, tile_kv_len,
       tile_head_start, tile_head_count, tile_owner, tile_executor, tile_cp;
+  ArrayView xchg_q, xchg_kv;  // [groups, exchange_pool, exchange_pool], flattened
 };
 
 // One batched varlen call: segments (cu_q, cu_k), hc query and hk KV heads each, max lengths
@@ -69,6 +71,16 @@ struct Program {
 // The program of (replica, any cp rank of it) for `slot`. Every index read from the plan is
 // checked: a malformed plan raises std::invalid_argument naming the field and index.
 Program compile_slot_program(const ProgramPlan& plan, i64 replica, i64 slot, i64 chunks);
+
+// A plain call's backward peak over its X (the kernel's Q/K/V): `early_returns` weighs the
+// exchange buffers against it (libra_ext.attention.meta.PEAK_BASE).
+constexpr double kPeakBase = 3.6;
+
+// Whether the exchange group of (replica, slot) runs its executed units' backward, and waits for
+// every return, before the direct call's backward (system.attention_memory = rebuild): the
+// early order's modeled peak below the late one's - the rule of
+// libra_ext.attention.meta.early_return_groups, its oracle, the same on every member.
+bool early_returns(const ProgramPlan& plan, i64 replica, i64 slot);
 
 // A program's arrays as one flat int32 buffer, ready for one host-to-device copy: every call's
 // cu_q then cu_k (the direct call, the local packs', then per sub-chunk its call and its packs'),
