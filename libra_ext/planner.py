@@ -255,6 +255,14 @@ class StepPlan:
         off = self.seq_doc_offsets
         return [self.doc_lengths[off[s] : off[s + 1]].tolist() for s in range(self.n_seq)]
 
+    def sequence_tokens(self) -> np.ndarray:
+        """[n_seq] tokens of each packed sequence (0 for one without documents: WLB-LLM's
+        repacking can leave one empty, the last one included)."""
+        csum = np.zeros(len(self.doc_lengths) + 1, dtype=np.int64)
+        np.cumsum(self.doc_lengths, out=csum[1:])
+        off = np.asarray(self.seq_doc_offsets)
+        return csum[off[1:]] - csum[off[:-1]]
+
     def group_of(self, replica: int, slot: int) -> int:
         """Exchange group of a (replica, slot)."""
         return (replica // self.exchange_pool) * self.slots + slot

@@ -315,12 +315,8 @@ def early_return_groups(plan: StepPlan) -> np.ndarray:
     q, kv = (np.asarray(x, dtype=np.float64) for x in (plan.xchg_q, plan.xchg_kv))
     out = np.zeros(q.shape[0], dtype=bool)
     if px > 1 and q.any():
-        csum = np.zeros(len(plan.doc_lengths) + 1, dtype=np.int64)
-        np.cumsum(plan.doc_lengths, out=csum[1:])
-        off = np.asarray(plan.seq_doc_offsets)
-        seq_tokens = csum[off[1:]] - csum[off[:-1]]
         tokens = np.zeros((plan.dp, m))
-        tokens[plan.seq_replica, plan.seq_slot] = seq_tokens
+        tokens[plan.seq_replica, plan.seq_slot] = plan.sequence_tokens()
         rows = plan.cp * np.ceil(tokens / plan.cp)
         x = rows * (plan.heads_local + 2 * plan.kv_heads_local) * plan.head_dim  # [D, m]
         xg = x.reshape(-1, px, m).transpose(0, 2, 1).reshape(-1, px)  # [G, member]

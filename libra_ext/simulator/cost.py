@@ -190,12 +190,7 @@ def simulate_plan(
     d = model.head_dim
     dtype = plan.dtype_bytes
     # Tokens of every executed sequence, and the (replica, slot) it runs in.
-    seq_tokens = (
-        np.add.reduceat(plan.doc_lengths, plan.seq_doc_offsets[:-1])
-        if len(plan.doc_lengths)
-        else np.zeros(plan.n_seq, dtype=np.int64)
-    )
-    seq_tokens = np.where(np.diff(plan.seq_doc_offsets) > 0, seq_tokens, 0).astype(np.float64)
+    seq_tokens = plan.sequence_tokens().astype(np.float64)
     rs = plan.seq_replica * m + plan.seq_slot
     slot_tokens = np.bincount(rs, weights=seq_tokens, minlength=D * m).reshape(D, m)
     tokens_rank_slot = slot_tokens / C  # every cp rank holds 1/C of each sequence's tokens

@@ -15,7 +15,7 @@ from libra_ext.attention import kernels, meta, reference_kernel, thd
 from libra_ext.attention.comm import ByteCounter
 from libra_ext.attention.counters import RuntimeStats
 from libra_ext.attention.exchange import ExecEnv, per_doc_attention, planned_attention
-from libra_ext.planner import LayoutConfig, Planner, PlannerOptions
+from libra_ext.planner import LayoutConfig, Planner, PlannerOptions, StepPlan
 from libra_ext.workload import LengthSource, ModelConfig
 from tests import loopback
 from tests.strategies import layouts, step_inputs
@@ -271,7 +271,8 @@ def test_the_early_order_is_chosen_where_it_lowers_the_modeled_peak():
         return type("P", (), dict(exchange_pool=4, slots=1, dp=4, cp=1, heads_local=1,
                                   kv_heads_local=1, head_dim=1, xchg_q=q, xchg_kv=kv,
                                   doc_lengths=np.full(4, 8), seq_doc_offsets=np.arange(5),
-                                  seq_replica=np.arange(4), seq_slot=np.zeros(4, dtype=int)))()
+                                  seq_replica=np.arange(4), seq_slot=np.zeros(4, dtype=int),
+                                  sequence_tokens=StepPlan.sequence_tokens))()
     q, kv = np.zeros((1, 4, 4)), np.zeros((1, 4, 4))
     q[0, 0, 1:], kv[0, 0, 1:] = 10 ** 6, 2 * 10 ** 6
     assert not meta.early_return_groups(fake(q, kv))[0]

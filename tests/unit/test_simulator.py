@@ -104,6 +104,20 @@ def test_the_operators_data_path_is_counted_where_ranks_exchange():
         simulate_plan(ulysses, model, hw).operator.max()
 
 
+def test_a_step_whose_last_sequence_is_empty_is_simulated():
+    """WLB-LLM's repacking can hold back a step's only long document, leaving its last
+    sequence without documents: it counts 0 tokens (once an out-of-range read)."""
+    model = ModelConfig(hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=64, layers=1,
+                        moe_topk=0, moe_ffn=0)
+    planner = Planner(LayoutConfig(dp=2, cp=2, pool_size=2, context=4096), model,
+                      PlannerOptions(system="wlb", wlb_outlier_len=1000))
+    plan = planner.plan([[100], [4000]])
+    assert plan.seq_doc_offsets[-1] == plan.seq_doc_offsets[-2]  # the last one is empty
+    assert plan.sequence_tokens().tolist() == [100, 0]
+    t = simulate_plan(plan, model, HardwareProfile.load("h200-sxm"))
+    assert np.isfinite(t.step) and t.step > 0
+
+
 def test_pipeline_exposure_formula():
     comm, attn = np.array([8.0, 8.0, 0.0]), np.array([100.0, 1.0, 5.0])
     # 4 chunks: first and last chunk exposed (2/4 of comm), middle hidden behind 3/4 of attention
