@@ -659,8 +659,8 @@ void bind_moe(py::module_& m) {
 // plan's arrays with the GIL held and compiles and stages without it; each program comes back
 // as a CompiledProgram handle (the C++ program itself) and its staged buffer. The handle's
 // `unpack` makes the nested tuples meta reads - on the thread that runs the program - so the
-// sampler's thread makes three Python objects per slot while a thread launching kernels waits
-// on the GIL.
+// sampler's thread makes four Python objects per slot (the handle, the staged buffer, its sizes
+// and the backward order) while a thread launching kernels waits on the GIL.
 void bind_program(py::module_& m) {
   using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
   auto vec1d = [](const std::vector<i64>& v) {

@@ -1076,7 +1076,7 @@ def stage(prog, pin: bool = False, owned: bool = False) -> Staged:
             prog = prog.unpack()
     elif not owned:
         prog = _clone(prog)
-    if owned and staged is not None and not isinstance(prog, NativeProgram):
+    elif staged is not None:
         prog._staged = None  # (the host buffer below holds it)
     if staged is not None:
         flat, sizes = staged
