@@ -763,6 +763,16 @@ class _WlbPacks(torch.autograd.Function):
             return out[0], out[1], None, None
 
 
+def _check_unchanged(tensors, versions) -> None:
+    """Raise as autograd does for a saved tensor when one of `tensors` was modified in place
+    since its version was taken."""
+    for name, x, v in zip(("key", "value"), tensors, versions):
+        if x._version != v:
+            raise RuntimeError(
+                f"the {name} a per-document CP call reads again in its backward was modified by "
+                f"an inplace operation (version {x._version}, expected {v})")
+
+
 class _WlbCall(torch.autograd.Function):
     """(q [t, h, d], the packs [n, hkv, d]; k, v for their rebuild) -> out [t, h*d]: the rank's
     chunks of every document in one kernel call (`per_doc_attention`)."""
@@ -779,7 +789,11 @@ class _WlbCall(torch.autograd.Function):
         ctx.again = env.again
         if ctx.again:  # the packs freed until the backward gathers them again
             call.release_keys()
-            ctx.save_for_backward(k, v)
+            # k and v held on ctx, not saved: the backward drops them once the packs are
+            # gathered again, before the kernel's backward (saved tensors live until the node
+            # returns); their versions are checked as autograd checks a saved tensor's
+            ctx.kv = (k, v)
+            ctx.kv_versions = (k._version, v._version)
         return call.out.detach().view(t, h * d)
 
     @staticmethod
@@ -789,7 +803,8 @@ class _WlbCall(torch.autograd.Function):
             t, h, d = ctx.shape
             call, ctx.call = ctx.call, None
             if ctx.again:
-                k, v = ctx.saved_tensors
+                (k, v), ctx.kv = ctx.kv, None
+                _check_unchanged((k, v), ctx.kv_versions)
                 call.restore()
                 _wlb_packs(k, v, prog, env,  # ([n, hkv*d]: n may be 0)
                            [x.data.view(x.shape[0], x.shape[1] * x.shape[2])

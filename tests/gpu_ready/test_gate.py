@@ -184,6 +184,9 @@ def test_rebuilding_keeps_what_a_plain_call_keeps_at_every_layout(report):
             if system == "ulysses":  # a plain call's peak: dO and the saved output are freed
                 # before any kernel backward begins
                 assert r["peak"] <= gate.PEAK_BOUND, (key, rank, r["peak"])
+            if system == "wlb":  # K and V, read again for the packs, are dropped before the
+                # kernel's backward: no higher than keeping the packs
+                assert r["peak"] <= kept[rank]["peak"] + 0.01, (key, rank, r["peak"])
             else:
                 assert r["peak"] <= u_peak + gate.PEAK_PEER_EXTRA, (key, rank, r["peak"])
             bound = (gate.EXTRA_BOUND_ULYSSES_REBUILD if system == "ulysses"

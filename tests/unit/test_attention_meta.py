@@ -213,6 +213,37 @@ def test_rebuilt_outputs_give_the_same_bits_and_ship_o_once_more(system, memory,
         assert extra == want, (mc, extra, want)
 
 
+@pytest.mark.parametrize("memory", ["owner", "rebuild"])
+def test_per_document_cp_reads_its_inputs_again_only_as_they_were(memory):
+    """WLB-LLM's per-document CP under owner / rebuild holds K and V for its backward (its packs
+    are gathered from them again) and drops them before the kernel's backward; a key modified
+    in place after the forward is refused as autograd refuses a changed saved tensor, on every
+    rank, before any collective."""
+    model = ModelConfig(hidden=32, heads=4, kv_heads=2, head_dim=D_HEAD, ffn=32, layers=1,
+                        moe_topk=0, moe_ffn=0)
+    layout = LayoutConfig(dp=1, cp=2, pool_size=1, context=64)
+    plan = Planner(layout, model, PlannerOptions(system="wlb")).plan([[40, 24]], flush=True)
+    cp = loopback.LoopGroup([(0, c) for c in range(2)], "cp")
+    gen = torch.Generator().manual_seed(0)
+
+    def rank(mc):
+        prog = meta.upload(meta.compile_rank(plan, 0, mc[1], 1)[0], "cpu")
+        t = prog.t
+        q, k, v = (torch.randn(t, n, D_HEAD, generator=gen, dtype=torch.float64,
+                               requires_grad=True) for n in (4, 2, 2))
+        k2 = k * 1  # the layer's key, made from a leaf; modified below
+        env = ExecEnv(kernel=kernels.ReferenceBackend(), scale=SCALE, cp_group=cp,
+                      cp_rank=mc[1], pool_group=None, counter=ByteCounter(),
+                      stats=RuntimeStats(), memory=memory)
+        out = per_doc_attention(q, k2, v, prog, env)
+        with torch.no_grad():
+            k2.add_(1.0)
+        out.sum().backward()
+
+    with pytest.raises(RuntimeError, match="key .* modified by an inplace operation"):
+        loopback.run_members(rank, [(0, 0), (0, 1)])
+
+
 @pytest.mark.parametrize("system", ["libra", "distca"])
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())

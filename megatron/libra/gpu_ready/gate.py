@@ -143,8 +143,9 @@ packs instead: K and V all-gathered again in the backward - kept 1.01x against 1
 peak is held to PEAK_PEER_EXTRA over Ulysses keeping, as keeping's is: what is rebuilt is
 alive again in the backward; where a group runs its executed units backward first
 (`meta.early_return_groups`) the peak is below keeping's (libra 3.96 / 4.42 against 4.39 /
-4.83 at pool 2 / 8, distca 3.84 / 3.84, wlb 4.43: its local K and V are kept for the
-rebuild)."""
+4.83 at pool 2 / 8, distca 3.84 / 3.84; wlb 4.22, keeping's: its local K and V, held for the
+rebuild, are dropped once the packs are gathered again, before the kernel's backward - 4.43
+while they were saved tensors)."""
 PEAK_BOUND = 4.0
 """Peak device bytes of a layer call (forward and backward) at most this many times its
 Q/K/V: at one rank for every system and kernel, torch 2.11's varlen_attn included (measured
@@ -156,7 +157,7 @@ node of its own); with rebuild O is rebuilt before, from the output, which is fr
 PEAK_PEER_EXTRA over Ulysses keeping under every setting: their backward holds what their
 executed units (or WLB-LLM's key packs, 5/4 of the sequence's K/V at cp 2) read beside what
 Ulysses holds (measured libra 4.39 / 4.83 at pool 2 / 8, distca 4.15 / 3.98 keeping, 4.07 /
-3.84 rebuilding, wlb 4.22 / 4.42)."""
+3.84 rebuilding, wlb 4.22 / 4.22)."""
 PEAK_PEER_EXTRA = 1.1
 """Libra, DistCA and WLB-LLM where ranks exchange, under every system.attention_memory: peak
 at most Ulysses's (keeping) + this many times Q/K/V (measured at most +1.02, libra at pool 8:
