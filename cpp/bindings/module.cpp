@@ -321,7 +321,20 @@ void bind_types(py::module_& m) {
         return m.tail_start(lo, hi, b, heads, want);
       }, py::arg("lo"), py::arg("hi"), py::arg("b"), py::arg("heads"), py::arg("want"),
       "The smallest c in [lo, hi] with rows(c, b, heads) <= want (hi when none), priced as "
-      "the planner prices (prepared); TAP's cut of a tile's tail rows.");
+      "the planner prices (prepared); TAP's cut of a tile's tail rows.")
+      .def("prefix_end", [](const CostModel& c, i64 lo, i64 hi, i64 heads, double want) {
+        c.validate();
+        if (!c.active()) fail("prefix_end: the cost model has no table");
+        if (lo < 1 || lo > kMaxTokens) fail("lo must be in [1, 2^30], got " + std::to_string(lo));
+        if (hi < lo || hi > kMaxTokens) fail("hi must be in [lo, 2^30], got " + std::to_string(hi));
+        if (heads < 1 || heads > kMaxSplit) fail("heads must be in [1, 2^16], got " + std::to_string(heads));
+        if (!std::isfinite(want)) fail("want must be finite, got " + std::to_string(want));
+        CostModel m = c;
+        m.prepare();
+        return m.prefix_end(lo, hi, heads, want);
+      }, py::arg("lo"), py::arg("hi"), py::arg("heads"), py::arg("want"),
+      "The smallest c in [lo, hi] with rows(0, c, heads) >= want (hi when none before it), "
+      "priced as the planner prices (prepared); where TAP re-cuts a fragmented document.");
   m.def("nnls_normal", [](const std::vector<double>& G, const std::vector<double>& b,
                           const std::vector<double>& prior, double alpha, i64 max_sweeps) {
     NnlsResult r;

@@ -98,28 +98,11 @@ double CostModel::attended_walk(i64 x) const {
   return t;
 }
 
-i64 CostModel::tail_start(i64 lo, i64 hi, i64 b, i64 heads, double want) const {
-  if (lo >= hi) return hi;
-  // rows(c, b) <= want  <=>  F(c) = attended(c) + c * per_row >= attended(b) + b * per_row -
-  // want / heads (c > 0, so no per_segment): F rises with c
-  const double h = static_cast<double>(heads), Ab = attended(b);
-  const double target = Ab + static_cast<double>(b) * per_row - want / h;
+i64 CostModel::crossing(i64 lo, i64 hi, double target) const {
+  // F(c) = attended(c) + c * per_row rises with c
   auto F = [&](i64 c) { return attended(c) + static_cast<double>(c) * per_row; };
-  // rows(c, b, heads) for c > 0, the same operations with attended(b) made once
-  auto R = [&](i64 c) {
-    return (h * (Ab - attended(c) + static_cast<double>(b - c) * per_row) + per_segment) -
-           per_segment;
-  };
-  // an estimate settled on rows() itself (a row or two at most): the first c in [lo, hi] that
-  // fits, hi when none does
-  auto settle = [&](i64 c) {
-    while (c > lo && R(c - 1) <= want) --c;
-    while (c < hi && R(c) > want) ++c;
-    return c;
-  };
-  // (the ends decided on F; the settling below decides them on rows() itself)
-  if (F(lo) >= target) return settle(lo);
-  if (F(hi) < target) return settle(hi);
+  if (F(lo) >= target) return lo;
+  if (F(hi) < target) return hi;
   // the crossing's bin: the last whose first row is still short of the target
   i64 bin_lo = cost_bin(lo), bin_hi = cost_bin(hi);
   while (bin_lo < bin_hi) {
@@ -138,7 +121,37 @@ i64 CostModel::tail_start(i64 lo, i64 hi, i64 b, i64 heads, double want) const {
     k = B > 0 ? need / B : static_cast<double>(hi - u);
   }
   const i64 c = std::isfinite(k) ? u + static_cast<i64>(std::ceil(std::max(0.0, k))) : hi;
-  return settle(std::min(std::max(c, lo), hi));
+  return std::min(std::max(c, lo), hi);
+}
+
+i64 CostModel::tail_start(i64 lo, i64 hi, i64 b, i64 heads, double want) const {
+  if (lo >= hi) return hi;
+  // rows(c, b) <= want  <=>  F(c) = attended(c) + c * per_row >= attended(b) + b * per_row -
+  // want / heads (c > 0, so no per_segment): F rises with c
+  const double h = static_cast<double>(heads), Ab = attended(b);
+  const double target = Ab + static_cast<double>(b) * per_row - want / h;
+  // rows(c, b, heads) for c > 0, the same operations with attended(b) made once
+  auto R = [&](i64 c) {
+    return (h * (Ab - attended(c) + static_cast<double>(b - c) * per_row) + per_segment) -
+           per_segment;
+  };
+  // the estimate settled on rows() itself (a row or two at most): the first c in [lo, hi]
+  // that fits, hi when none does
+  i64 c = crossing(lo, hi, target);
+  while (c > lo && R(c - 1) <= want) --c;
+  while (c < hi && R(c) > want) ++c;
+  return c;
+}
+
+i64 CostModel::prefix_end(i64 lo, i64 hi, i64 heads, double want) const {
+  if (lo >= hi) return hi;
+  // rows(0, c) >= want  <=>  F(c) >= (want - per_segment) / heads
+  const double h = static_cast<double>(heads);
+  auto P = [&](i64 c) { return rows(0, c, heads) >= want; };
+  i64 c = crossing(lo, hi, (want - per_segment) / h);
+  while (c > lo && P(c - 1)) --c;
+  while (c < hi && !P(c)) ++c;
+  return c;
 }
 
 double CostModel::documents(const i64* lengths, i64 count, i64 heads) const {

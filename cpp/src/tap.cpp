@@ -810,9 +810,14 @@ void contiguous_pieces(const StepPlan& plan, const CostModel& m, const TileBytes
         ok = false;
         break;
       }
-      while (lo < hi) {  // the smallest c with prefix(c) >= want (hi if none)
-        const i64 mid = lo + (hi - lo) / 2;
-        if (prefix(mid) >= want) hi = mid; else lo = mid + 1;
+      // the smallest c with prefix(c) >= want (hi if none): a table's inverted in O(log bins)
+      if (m.active()) {
+        lo = m.prefix_end(lo, hi, hc, want);
+      } else {
+        while (lo < hi) {
+          const i64 mid = lo + (hi - lo) / 2;
+          if (prefix(mid) >= want) hi = mid; else lo = mid + 1;
+        }
       }
       i64 c = lo;
       if (c > cut[p] + 1 && want - prefix(c - 1) <= prefix(c) - want) --c;

@@ -165,6 +165,40 @@ def test_a_tail_cut_is_the_first_row_within_the_budget():
         c.tail_start(1, 3, 100, 1, float("nan"))
 
 
+def test_a_re_cut_lands_on_the_row_a_binary_search_finds():
+    """Where TAP re-cuts a fragmented document into contiguous pieces, each boundary is the
+    first row whose prefix weighs at least the target; the O(log bins) inversion lands where a
+    binary search over the planner's own prices does, for any table, zero rates included."""
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        per_pair = rng.uniform(0.5e-9, 4e-9, cm.BINS)
+        per_pair[rng.random(cm.BINS) < 0.2] = 0.0
+        per_pair[0] = 1e-9
+        table = cm.CostTable(per_pair, per_row=float(rng.choice([0.0, 3e-8])),
+                             per_segment=float(rng.choice([0.0, 1e-5])))
+        c = table.to_core().prepared()
+        l = int(rng.integers(4, 40000))
+        heads = int(rng.integers(1, 9))
+        lo = int(rng.integers(1, l))
+        hi = int(rng.integers(lo, l + 1))
+        prices = np.array([c.rows(0, x, heads) for x in range(lo, hi + 1)])
+        wants = (0.0, prices.min(), prices.max(), float(rng.uniform(prices.min(), prices.max())),
+                 float(prices[rng.integers(len(prices))]), 2 * prices.max())
+        for want in wants:
+            a, b = lo, hi  # contiguous_pieces' binary search, before the inversion
+            while a < b:
+                mid = a + (b - a) // 2
+                if c.rows(0, mid, heads) >= want:
+                    b = mid
+                else:
+                    a = mid + 1
+            assert c.prefix_end(lo, hi, heads, want) == a, (trial, lo, hi, heads, want)
+    with pytest.raises(ValueError, match="hi must be in"):
+        c.prefix_end(5, 3, 1, 1.0)
+    with pytest.raises(ValueError, match="want must be finite"):
+        c.prefix_end(1, 3, 1, float("inf"))
+
+
 def test_a_table_changed_in_place_is_priced_anew():
     """Options keep their table's O(1) price tables from one plan to the next; an entry changed
     in place (options.cost.per_pair = ...) is priced and planned as a table set afresh."""

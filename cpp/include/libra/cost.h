@@ -145,12 +145,20 @@ struct CostModel {
   // bins) after prepare(): the crossing's bin found among the bins' prefix sums, the quadratic
   // inside it solved, the estimate settled on rows() itself.
   i64 tail_start(i64 lo, i64 hi, i64 b, i64 heads, double want) const;
+  // The smallest c in [lo, hi] (0 < lo) whose rows [0, c) weigh at least `want` over `heads`
+  // heads (rows(0, c, heads) >= want), hi when none before it does; rows(0, c) rises with c.
+  // The same search as tail_start's: a binary search over the rows finds the same c.
+  i64 prefix_end(i64 lo, i64 hi, i64 heads, double want) const;
   // [kCostFeatures] in the order of the features.
   std::vector<double> coefficients() const;
   static CostModel from_coefficients(const std::vector<double>& x);
 
  private:
   double attended_walk(i64 x) const;  // without prepare(): a walk over the bins
+  // An estimate of the first c in [lo, hi] with attended(c) + c * per_row >= target: lo or hi
+  // where the crossing is not inside, else the crossing's bin among the bins' prefix sums and
+  // the quadratic inside it solved (off by a row or two at most: callers settle it).
+  i64 crossing(i64 lo, i64 hi, double target) const;
 };
 
 // Adds one segment's features to f ([kCostFeatures]); the constant is not touched.
