@@ -252,6 +252,19 @@ def test_bench_host_reports_the_sampler_lead_over_the_modeled_step(capsys):
         assert "gil" not in row  # (only with --gil)
 
 
+def test_bench_host_gil_measures_the_compile_beside_a_gil_free_call_of_its_length(capsys):
+    assert main(["bench", "host", "--steps", "1", "--gil", "--gil-seconds", "0.3",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for name, row in r["layouts"].items():
+        for key in ("gil", "gil_free", "gil_reference"):
+            g = row[key]
+            assert 0 <= g["blocked_fraction"] <= 1 and g["call_ms"] > 0, (name, key)
+            assert g["lost_ms_per_call"] == pytest.approx(g["blocked_fraction"] * g["call_ms"])
+        # the floor is sized to the compile: about as long (a doubling, noise)
+        assert row["gil_free"]["call_ms"] > 0.25 * row["gil"]["call_ms"], name
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--nproc", "4", "a.b=1"], "key=value overrides are libra train's; give "
      "pretrain_gpt_libra.py's arguments after `--`"),

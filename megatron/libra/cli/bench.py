@@ -92,7 +92,8 @@ def add_bench_parser(sub) -> None:
     bh.add_argument("--seed", type=int, default=0)
     bh.add_argument("--gil", action="store_true",
                     help="also measure how much a thread launching small torch ops is slowed "
-                    "while the heaviest rank's programs compile beside it (the GIL)")
+                    "while the heaviest rank's programs compile beside it (the GIL), and beside "
+                    "a GIL-free call of the same length (the floor)")
     bh.add_argument("--gil-seconds", type=float, default=2.0)
     bh.add_argument("--json", action="store_true")
     bh.set_defaults(func=run_bench_host)
@@ -588,6 +589,29 @@ def gil_blocking(work, seconds: float = 1.0) -> dict:
             "call_ms": per_call * 1e3, "lost_ms_per_call": blocked * per_call * 1e3}
 
 
+def _gil_free_call(ms: float):
+    """A call that holds the GIL only to enter and leave (numpy's sort of float64, which
+    releases it for its loop), sized to take about `ms`: what any GIL-releasing call of that
+    length costs a launching thread beside it - the floor `gil_blocking` measures for a compile
+    that held the GIL for nothing but its entry and exit."""
+    n = 1 << 12
+    x = np.random.default_rng(0).random(n)
+    while True:  # doubled until one sort takes `ms` or more (the median of five)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            np.sort(x)
+            times.append((time.perf_counter() - t0) * 1e3)
+        took = statistics.median(times)
+        if took >= ms or n >= 1 << 26:
+            break
+        n *= 2
+        x = np.random.default_rng(0).random(n)
+    # then scaled to the length (a sort's time is about linear at these sizes)
+    x = np.random.default_rng(0).random(max(1 << 12, int(n * min(1.0, ms / max(took, 1e-6)))))
+    return lambda: np.sort(x)
+
+
 def run_bench_host(args) -> dict | None:
     """See the `bench host` parser."""
     positive(args.steps, "steps")
@@ -621,6 +645,7 @@ def run_bench_host(args) -> dict | None:
         if args.gil:  # the C++ compiler and, side by side, the numpy reference compiler
             heavy = max(range(plan.dp), key=lambda i: sum(per_rank[i][0]))
             r["gil"] = gil_blocking(lambda: _rank_programs(plan, heavy), args.gil_seconds)
+            r["gil_free"] = gil_blocking(_gil_free_call(r["gil"]["call_ms"]), args.gil_seconds)
             r["gil_reference"] = gil_blocking(lambda: _rank_programs(plan, heavy, True),
                                               args.gil_seconds)
         out["layouts"][name] = r
@@ -638,7 +663,8 @@ def run_bench_host(args) -> dict | None:
               f"{c['median']:7.2f}/{c['max']:<8.2f} {u['max'] / 1024:13.1f}")
         print(f"          the training thread's upload unpacks a rank's programs in "
               f"{r['unpack_ms']:.3f} ms per step (the heaviest rank)")
-        for key, what in (("gil", "the compile (C++)"), ("gil_reference", "numpy reference")):
+        for key, what in (("gil", "the compile (C++)"), ("gil_free", "a GIL-free call"),
+                          ("gil_reference", "numpy reference")):
             if key in r:
                 g = r[key]
                 print(f"          a launching thread beside {what:17s}: one step's compile "
