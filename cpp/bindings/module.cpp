@@ -730,7 +730,19 @@ void bind_program(py::module_& m) {
           "kv_recv, q_send_off, kv_send_off, call or None, packs, then its ranges sent - lists "
           "of (member, vectors, first vector or -1) - and received - lists of (member, vectors) "
           "- for Q and for K/V). Without `arrays`, every cu_q, cu_k and runs is None.",
-          py::arg("arrays") = true);
+          py::arg("arrays") = true)
+      .def(
+          "features",
+          [](const Program& prog) {
+            std::vector<double> f(static_cast<std::size_t>(kCostFeatures), 0.0);
+            {
+              ReleaseGil release;
+              add_program_features(prog, f.data());
+            }
+            return py::array_t<double>(static_cast<py::ssize_t>(f.size()), f.data());
+          },
+          "The cost-model features [FEATURES] of every segment of the program's calls, the "
+          "constant 0 (libra_ext.costmodel.call_features over its calls, but the constant).");
   m.def(
       "compile_slots",
       [](py::object plan, i64 replica, const std::vector<i64>& slots, i64 chunks) {

@@ -9,6 +9,8 @@
 #include <string>
 #include <tuple>
 
+#include "libra/cost.h"
+
 namespace libra {
 namespace {
 
@@ -720,6 +722,21 @@ bool stage_program(const Program& prog, std::vector<std::int32_t>& flat, std::ve
     sizes.push_back(static_cast<i64>(a->size()));
   }
   return true;
+}
+
+void add_program_features(const Program& prog, double* f) {
+  auto add = [f](const ProgCall& c) {
+    for (std::size_t i = 0; i + 1 < c.cu_q.size() && i + 1 < c.cu_k.size(); ++i) {
+      const i64 q = c.cu_q[i + 1] - c.cu_q[i], k = c.cu_k[i + 1] - c.cu_k[i];
+      if (q > 0 && k > 0) add_segment_features(f, q, k, c.hc);
+    }
+  };
+  add(prog.direct);
+  for (const ProgPack& p : prog.lpacks) add(p.call);
+  for (const ProgSub& sc : prog.subchunks) {
+    if (sc.has_call) add(sc.call);
+    else for (const ProgPack& p : sc.packs) add(p.call);
+  }
 }
 
 }  // namespace libra

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from libra_ext import _planner as _core
+from libra_ext import costmodel
 from libra_ext.attention import thd
 from libra_ext.attention.kernels import Segments
 from libra_ext.planner import StepPlan
@@ -927,6 +928,21 @@ def compile_rank(plan: StepPlan, replica: int, cp_rank: int, chunks: int,
         out.append(compile_wlb(L, plan.cp, cp_rank, plan.heads_local * plan.cp,
                                plan.kv_heads_local, plan.head_dim))
     return out
+
+
+def program_features(programs) -> np.ndarray:
+    """The cost-model features [costmodel.FEATURES] of a rank's programs in a step: every
+    segment of every call, the constant 1 - `costmodel.call_features` over their calls. A
+    NativeProgram's are summed by the C++ compiler with the GIL released, without unpacking it
+    (the sums are of integers, exact in any order: the same bits)."""
+    out = np.zeros(costmodel.FEATURES)
+    calls = []
+    for prog in programs:
+        if isinstance(prog, NativeProgram):
+            out += prog.native.features()
+        else:
+            calls += prog.calls
+    return out + costmodel.call_features(calls)
 
 
 # ------------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ class StepBatch:
     epochs: tuple = (0, 0)
     """The pass over the data it starts in, and the one the next starts in."""
     features: np.ndarray | None = None
-    """This rank's cost-model features of the step, one layer (`costmodel.call_features` over
+    """This rank's cost-model features of the step, one layer (`meta.program_features` over
     its programs' calls; None without a cost model)."""
     cost_table: object = None
     """The cost table the step was planned with (None: pairs)."""
@@ -366,14 +366,15 @@ class StepSampler:
             step, plan, pieces, self._label_tokens(plan, ids), self.planner.state_dict(),
             self._doc_base, n_in, dict(self._bases),
             [int(x) for x in self._order(plan)[self.replica]],
-            self._stage(plan, pieces) if self.cp_rank is not None else None,
-            self.source.epochs(step),
+            None, self.source.epochs(step),
         )
-        if self.costs is not None and self.cp_rank is not None:
-            batch.features = costmodel.call_features(
-                [c for prog in meta.compile_rank(plan, self.replica, self.cp_rank, 1)
-                 for c in prog.calls])
-            batch.cost_table = table
+        if self.cp_rank is not None:
+            programs = meta.compile_rank(plan, self.replica, self.cp_rank,
+                                         self.cfg.system.chunks, staged_only=True)
+            if self.costs is not None:  # (before staging: an upload may fill in the programs)
+                batch.features = meta.program_features(programs)
+                batch.cost_table = table
+            batch.staged = self._stage(plan, pieces, programs)
         self._doc_base += n_in
         return batch
 
@@ -393,10 +394,9 @@ class StepSampler:
                 pieces[i] = self.source.piece(int(ids[i]), int(lengths[i]))
         return pieces
 
-    def _stage(self, plan: StepPlan, pieces: dict) -> list[StagedSlot]:
-        """Per slot, this rank's attention program and THD micro-batch in one buffer."""
-        programs = meta.compile_rank(plan, self.replica, self.cp_rank, self.cfg.system.chunks,
-                                     staged_only=True)
+    def _stage(self, plan: StepPlan, pieces: dict, programs: list) -> list[StagedSlot]:
+        """Per slot, this rank's attention program (`programs`, compiled for it) and THD
+        micro-batch in one buffer."""
         layout = thd.layout_of(plan.system)
         out, off = [], plan.seq_doc_offsets
         for slot, program in enumerate(programs):

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from libra_ext import costmodel
 from libra_ext.attention import kernels, meta, reference_kernel, thd
 from libra_ext.attention.comm import ByteCounter
 from libra_ext.attention.counters import RuntimeStats
@@ -483,6 +484,25 @@ def test_a_staged_only_program_is_unpacked_by_its_upload_to_the_same_device_prog
                 assert torch.equal(a.messages.q_rest, b.messages.q_rest)
     with pytest.raises(ValueError, match="chunks must be at least 1"):
         meta.compile_rank(plan, 0, 0, 0, staged_only=True)
+
+@pytest.mark.parametrize("system", ["libra", "distca", "ulysses", "wlb"])
+def test_a_ranks_cost_features_come_from_its_native_programs_unpacked_or_not(system):
+    """The sampler's cost-model features of a step (`meta.program_features`) are summed by the
+    C++ compiler over the native programs it stages, bit for bit `costmodel.call_features` over
+    the unpacked programs' calls - at every chunk count (a segment lands in one sub-chunk's
+    call whatever the cut), every replica and cp rank; WLB-LLM's programs are numpy's."""
+    plan = _scaled_preset_plan(LengthSource(preset="libra-256k").step(8, 4096, 5, 0),
+                               system=system, context=4096, block=256)
+    for replica in range(plan.dp):
+        for cp_rank in range(plan.cp):
+            want = costmodel.call_features(
+                [c for p in meta.compile_rank(plan, replica, cp_rank, 1) for c in p.calls])
+            assert want[costmodel.CONSTANT] == 1 and want[costmodel.SEGMENTS] > 0
+            for chunks in (1, 2, 3):
+                native = meta.compile_rank(plan, replica, cp_rank, chunks, staged_only=True)
+                got = meta.program_features(native)
+                assert np.array_equal(got, want), (replica, cp_rank, chunks)
+
 
 def test_one_cp_rank_runs_one_call_on_the_inputs_themselves():
     """Ulysses (and wlb) at world 1: the program is one direct call, no pack, no exchange."""

@@ -89,4 +89,9 @@ bool early_returns(const ProgramPlan& plan, i64 replica, i64 slot);
 // that order. False (flat and sizes left empty) when an entry does not fit in int32.
 bool stage_program(const Program& prog, std::vector<std::int32_t>& flat, std::vector<i64>& sizes);
 
+// Adds the cost-model features of every segment of the program's calls to f ([kCostFeatures],
+// add_segment_features; segments with no rows or no keys do no work and are not counted; the
+// constant is not touched): libra_ext.costmodel.call_features over the program's calls.
+void add_program_features(const Program& prog, double* f);
+
 }  // namespace libra
