@@ -224,6 +224,17 @@ def error_of(predicted, measured) -> float:
     return float(np.median(np.abs(p[ok] - m[ok]) / m[ok])) if ok.any() else 0.0
 
 
+def split_error_of(predicted, measured) -> float:
+    """The error of the predicted split of one step's time among ranks: `error_of` with the
+    predictions scaled to the measured total. A planner balances ranks against each other, so
+    this is the part of the error that costs balance; what it leaves out - the whole step
+    running faster or slower than predicted (a device whose clock drifts, a shared host's load)
+    - moves every rank alike."""
+    p, m = np.asarray(predicted, dtype=np.float64), np.asarray(measured, dtype=np.float64)
+    total = float(p.sum())
+    return error_of(p * (float(m.sum()) / total) if total > 0 else p, m)
+
+
 class OnlineFit:
     """A cost table fitted from (features, measured seconds) rows.
 

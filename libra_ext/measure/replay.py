@@ -218,6 +218,28 @@ def replay_plan(
     }
 
 
+def noise_floor(plan: StepPlan, model: ModelConfig, timer: Timer, rounds: int = 1) -> dict:
+    """What the replay measures for a perfectly balanced step: the calls of one rank (the one
+    with the median modeled load) timed once per rank of the layout, in `rounds` rounds taken
+    the way `replay_plan` takes its ranks, each copy's time the median of its rounds. Its
+    max/mean is the floor the measuring host puts under any system's measured max/mean."""
+    if rounds <= 0:
+        raise ValueError(f"rounds must be positive, got {rounds}")
+    wlb = plan.system == "wlb"
+    ranks = [(r, c) for r in range(plan.dp) for c in (range(plan.cp) if wlb else [0])]
+    load = np.asarray(plan.rank_load if wlb else plan.rank_load[:, 0], dtype=np.float64).ravel()
+    rank = ranks[int(np.argsort(load, kind="stable")[len(load) // 2])]
+    calls = rank_calls(plan, *rank, model)
+    times = np.array([[timer.ms(calls) for _ in ranks] for _ in range(rounds)])
+    ms = np.median(times, axis=0)
+    return {
+        "rank": list(rank),
+        "copies": len(ranks),
+        "measured_max_over_mean": float(ms.max() / ms.mean()) if ms.mean() > 0 else 1.0,
+        "round_spread": float(np.max((times.max(0) - times.min(0)) / np.maximum(ms, 1e-12))),
+    }
+
+
 def run(
     steps_data: list,
     layout: LayoutConfig,
@@ -325,10 +347,22 @@ def _run(steps_data, layout, model, systems, dev, dtype, backend, progress, orde
                     meas = np.asarray(step["rank_ms"]) / 1e3
                     step["predicted_max_over_mean"] = float(pred.max() / max(pred.mean(), 1e-300))
                     step["prediction_error"] = costmodel.error_of(pred, meas)
+                    step["split_error"] = costmodel.split_error_of(pred, meas)
                     step["predicted_s"] = pred.tolist()
                     fit.add(step["features"], meas)
                     out.append(step)
                 runs.setdefault(_entry_name(name, cm), []).append(out)
+    # the host's floor: one rank's calls timed as every rank, per step (the first system's
+    # plan under pairs), measured after the replays so that it sees the same host
+    floor_planner = Planner(layout, model, PlannerOptions(**SYSTEM_OPTIONS[systems[0]],
+                                                          order=order))
+    floors = [noise_floor(floor_planner.plan(seqs), model, timer, rounds) for seqs in steps_data]
+    result["noise_floor"] = {
+        "system": systems[0],
+        "measured_max_over_mean": float(np.mean([f["measured_max_over_mean"] for f in floors])),
+        "measured_max_over_mean_worst": max(f["measured_max_over_mean"] for f in floors),
+        "per_step": floors,
+    }
     result["online_fits"] = fit.fits
     result["online_dropped_rows"] = fit.dropped
     if fit.table is not None:
@@ -342,7 +376,7 @@ def _run(steps_data, layout, model, systems, dev, dtype, backend, progress, orde
             for i in range(len(steps_data))
         ]
         keys = ("measured_max_over_mean", "modeled_max_over_mean", "predicted_max_over_mean",
-                "prediction_error", "tiling_efficiency", "bytes_sent_per_rank",
+                "prediction_error", "split_error", "tiling_efficiency", "bytes_sent_per_rank",
                 "bytes_sent_max_rank", "round_spread")
         out = {k: float(np.mean([s[k] for s in per_step])) for k in keys}
         out["measured_max_over_mean_worst"] = max(s["measured_max_over_mean"] for s in per_step)

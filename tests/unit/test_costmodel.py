@@ -453,3 +453,16 @@ def test_plan_explain_names_each_pools_bound_hold_and_moves(capsys, tmp_path):
     p.set_cost_model(_short_heavy())
     ex = explain.explain(p.plan(seqs), table=_short_heavy())
     assert ex["max_over_mean"] == pytest.approx(p.plan(seqs).max_over_mean, rel=1e-9)
+
+
+def test_the_split_error_leaves_out_what_moves_every_rank_alike():
+    # predictions off by one factor for the whole step split its time exactly
+    measured = np.array([1.0, 2.0, 3.0, 4.0])
+    assert cm.split_error_of(1.7 * measured, measured) == pytest.approx(0.0, abs=1e-15)
+    assert cm.error_of(1.7 * measured, measured) == pytest.approx(0.7)
+    # otherwise the split's error is the error of the predictions scaled to the measured total
+    pred = np.array([1.1, 1.8, 3.3, 3.9])
+    for c in (0.5, 1.0, 3.0):
+        assert cm.split_error_of(c * pred, measured) == pytest.approx(
+            cm.error_of(pred * measured.sum() / pred.sum(), measured))
+    assert cm.split_error_of(np.zeros(4), measured) == cm.error_of(np.zeros(4), measured)

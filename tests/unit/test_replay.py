@@ -68,6 +68,11 @@ def test_replay_command_json_and_bad_system(capsys):
     assert out["layout"]["dp"] == 2 and out["cost_models"] == ["pairs", "online"]
     for x in out["systems"].values():
         assert x["predicted_max_over_mean"] >= 1.0 and 0 <= x["prediction_error"] < 1.0
+        assert 0 <= x["split_error"] < 1.0
+    # the host's floor: one rank's calls timed as each of the layout's ranks
+    nf = out["noise_floor"]
+    assert nf["system"] == "ulysses" and len(nf["per_step"]) == 1
+    assert nf["per_step"][0]["copies"] == 2 and nf["measured_max_over_mean"] >= 1.0
     # every replayed rank taught the online fit; its table is in the report
     assert out["online_fits"] >= 1 and len(out["online_table"]["per_pair"]) == 61
     with pytest.raises(ValueError, match="cost_models\\[1\\] = 'nope'"):
@@ -80,3 +85,25 @@ def test_replay_command_json_and_bad_system(capsys):
         replay.run(_steps(), LAYOUT, MODEL, ["ulysses"], rounds=0)
     assert main(args[:-1] + ["--rounds", "0", "--json"]) != 0
     assert "rounds must be positive, got 0" in capsys.readouterr().err
+
+
+def test_noise_floor_times_one_ranks_calls_once_per_rank(monkeypatch):
+    # the median-load rank's calls, as many times per round as the layout has ranks
+    plan = Planner(LAYOUT, MODEL, PlannerOptions(system="ulysses")).plan(_steps()[0])
+    load = plan.rank_load[:, 0]
+    median_rank = int(np.argsort(load, kind="stable")[len(load) // 2])
+    timed = []
+    timer = replay.Timer(torch.device("cpu"), torch.float32, MODEL.head_dim)
+    monkeypatch.setattr(timer, "ms", lambda calls: timed.append(calls) or 10.0 + len(timed))
+    out = replay.noise_floor(plan, MODEL, timer, rounds=3)
+    want = replay.rank_calls(plan, median_rank, 0, MODEL)
+    assert out["rank"] == [median_rank, 0] and out["copies"] == LAYOUT.dp
+    assert len(timed) == 3 * LAYOUT.dp
+    for calls in timed:
+        assert [(c.hc, c.cu_q.tolist(), c.cu_k.tolist()) for c in calls] == [
+            (c.hc, c.cu_q.tolist(), c.cu_k.tolist()) for c in want]
+    # copy i of round k took 10 + k * dp + i + 1: medians 10 + dp + i + 1
+    ms = 10.0 + LAYOUT.dp + np.arange(1, LAYOUT.dp + 1)
+    assert out["measured_max_over_mean"] == pytest.approx(ms.max() / ms.mean())
+    with pytest.raises(ValueError, match="rounds must be positive"):
+        replay.noise_floor(plan, MODEL, timer, rounds=0)

@@ -263,16 +263,20 @@ def run_bench_replay(args) -> dict | None:
         f"{r['rounds']} round(s), {r['repeats']} repeat(s)"
     )
     print(f"  {'system':22s} {'measured max/mean':>18s} {'predicted':>10s} {'pred. error':>12s} "
-          f"{'modeled max/mean':>17s} {'tiling eff.':>12s} {'calls':>7s} {'MiB sent/rank':>14s} "
-          f"{'round spread':>13s}")
+          f"{'split error':>12s} {'modeled max/mean':>17s} {'tiling eff.':>12s} {'calls':>7s} "
+          f"{'MiB sent/rank':>14s} {'round spread':>13s}")
     for name, x in r["systems"].items():
         print(f"  {name:22s} {x['measured_max_over_mean']:18.3f} "
               f"{x['predicted_max_over_mean']:10.3f} {x['prediction_error']:12.3f} "
-              f"{x['modeled_max_over_mean']:17.3f} {x['tiling_efficiency']:12.3f} "
-              f"{x['kernel_calls']:7d} {x['bytes_sent_per_rank'] / 2**20:14.1f} "
-              f"{x['round_spread']:13.3f}")
+              f"{x['split_error']:12.3f} {x['modeled_max_over_mean']:17.3f} "
+              f"{x['tiling_efficiency']:12.3f} {x['kernel_calls']:7d} "
+              f"{x['bytes_sent_per_rank'] / 2**20:14.1f} {x['round_spread']:13.3f}")
+    nf = r["noise_floor"]
+    print(f"  {'noise floor':22s} {nf['measured_max_over_mean']:18.3f}   (one {nf['system']} "
+          f"rank's calls timed as each of {nf['per_step'][0]['copies']} ranks)")
     print("  predicted: the cost model's per-rank max/mean (pairs: pairs x heads); pred. error: "
-          "median |predicted - measured| / measured over ranks")
+          "median |predicted - measured| / measured over ranks; split error: the same with the "
+          "predictions scaled to the step's measured total (what costs balance)")
     return None
 
 
