@@ -61,11 +61,16 @@ def test_ab_libra_matches_ulysses_and_learns(tmp_path, capsys):
         assert s["losses_identical_over_repeats"]  # deterministic: repeats differ in time only
         spread = s["repeats"]["tokens_per_s"]
         assert len(spread["runs"]) == 2 and spread["min"] <= spread["median"] <= spread["max"]
+        # each rank's own kernel time (no collective waits), per run the mean over its steps
+        kernel = s["repeats"]["attn_kernel_time_max_over_mean"]
+        runs = s["attn_kernel_time_max_over_mean"]
+        assert len(kernel["runs"]) == 2 and all(x >= 1.0 for x in kernel["runs"])
+        assert kernel["runs"][0] == pytest.approx(sum(runs) / len(runs))
     ratio = lib["tokens_per_s_ratio_vs_ulysses"]
     assert len(ratio["runs"]) == 2 and uly["tokens_per_s_ratio_vs_ulysses"]["median"] == 1.0
     report = (out / "report.md").read_text()
     assert "`schedule.warmup_steps=2`" in report and "not meaningful" in report
-    assert "median (range)" in report
+    assert "median (range)" in report and "attn kernel time max/mean" in report
     for key in ("loss", "attn_work_max_over_mean", "attn_time_max_over_mean"):
         assert len(lib[key]) == 8 and len(uly[key]) == 8
     assert lib["max_rel_loss_diff_vs_ulysses"] <= 1e-4

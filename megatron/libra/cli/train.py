@@ -134,12 +134,16 @@ def _spread(xs: list[float]) -> dict:
 
 def _run_figures(hist: list[dict]) -> dict:
     """One run's speed figures: tokens/s over its steps after the first (allocation and
-    first-call warm-up), and its mean attention time max/mean."""
+    first-call warm-up), its mean attention time max/mean and, where its steps measured it
+    (logging.attention_time), its mean kernel time max/mean."""
     timed = hist[1:] or hist
+    kernel = [h.get("attn_kernel_time_max_over_mean") for h in hist]
+    kernel = [x for x in kernel if x is not None]
     return {
         "tokens_per_s": sum(h["tokens"] for h in timed) / max(sum(h["step_time"] for h in timed),
                                                               1e-12),
         "attn_time_max_over_mean": sum(h["attn_time_max_over_mean"] for h in hist) / len(hist),
+        "attn_kernel_time_max_over_mean": sum(kernel) / len(kernel) if kernel else None,
     }
 
 
@@ -254,7 +258,9 @@ def _entry(hist: list[dict], identical: bool, figures: list[dict]) -> dict:
                                            for h in hist],
         "tokens_per_s": _median([f["tokens_per_s"] for f in figures]),
         "repeats": {key: _spread([f[key] for f in figures])
-                    for key in ("tokens_per_s", "attn_time_max_over_mean")},
+                    for key in ("tokens_per_s", "attn_time_max_over_mean",
+                                "attn_kernel_time_max_over_mean")
+                    if all(f.get(key) is not None for f in figures)},
     }
 
 
@@ -452,9 +458,10 @@ def _ab_markdown(r: dict) -> str:
           if r.get("trainer") != "megatron" else []),
         f"| run | final loss | max rel. loss diff vs {ref} | max rel. grad-norm diff "
         "| losses same over repeats | attn work max/mean (mean) | per-step attn time max/mean: "
-        f"median (range) | expert tokens max/mean before → after (mean) | tokens/s: median (range) "
+        "median (range) | per-step attn kernel time max/mean: median (range) "
+        f"| expert tokens max/mean before → after (mean) | tokens/s: median (range) "
         f"| tokens/s ÷ {ref}: median (range) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in r["systems"].items():
         n = len(s["loss"])
@@ -466,12 +473,14 @@ def _ab_markdown(r: dict) -> str:
             moe = f"{sum(b) / len(b):.3f} → {sum(a) / len(a):.3f}"
         ratio = s.get(f"tokens_per_s_ratio_vs_{ref}")
         rep = s["repeats"]
+        kernel = rep.get("attn_kernel_time_max_over_mean")
         lines.append(
             f"| {system_label(name, r.get('distca_server', 'replica'))} | {s['loss'][-1]:.5f} "
             f"| {diff:.2e} | {gdiff:.2e} "
             f"| {'yes' if s['losses_identical_over_repeats'] else 'NO'} "
             f"| {sum(s['attn_work_max_over_mean']) / n:.3f} "
-            f"| {_fmt_spread(rep['attn_time_max_over_mean'])} | {moe} "
+            f"| {_fmt_spread(rep['attn_time_max_over_mean'])} "
+            f"| {_fmt_spread(kernel) if kernel else '-'} | {moe} "
             f"| {_fmt_spread(rep['tokens_per_s'], 1)} "
             f"| {_fmt_spread(ratio, 2) if ratio else '-'} |"
         )
@@ -479,7 +488,10 @@ def _ab_markdown(r: dict) -> str:
         "",
         "Attention work is the plan's modeled per-rank attention FLOPs (the same in every "
         "repeat); attention time is the measured wall time of core attention per rank, forward "
-        "and backward, max over mean per step, averaged over the steps of a run; tokens/s "
+        "and backward, max over mean per step, averaged over the steps of a run (it includes "
+        "the collectives' waits, which follow the slowest rank, so it stays near 1 whatever the "
+        "balance); attention kernel time is each rank's own attention work without those waits "
+        "(`logging.attention_time`), what balancing moves; tokens/s "
         "counts the steps after the first. Medians and ranges are over the repeats; the ratio "
         f"to {ref} pairs the runs of one repeat, which ran back to back. `wlb` changes which "
         "documents each step trains on (workload-aware packing and its delay queue), so its "
