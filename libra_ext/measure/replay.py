@@ -158,6 +158,26 @@ def check_memory(name: str, calls_of: dict, head_dim: int, elem: int, device: to
             )
 
 
+def _replayed_ranks(plan: StepPlan) -> tuple[list, np.ndarray]:
+    """The ranks a replay times, (replica, cp rank), and their modeled loads: every cp rank of a
+    replica runs what cp rank 0 runs (on its own heads), so one stands for all - except under
+    wlb, whose chunks differ per cp rank."""
+    if plan.system == "wlb":
+        ranks = [(r, c) for r in range(plan.dp) for c in range(plan.cp)]
+        return ranks, np.asarray(plan.rank_load, dtype=np.float64).ravel()
+    return [(r, 0) for r in range(plan.dp)], np.asarray(plan.rank_load[:, 0], dtype=np.float64)
+
+
+def _max_over_mean(x) -> float:
+    x = np.asarray(x)
+    return float(x.max() / x.mean()) if x.mean() > 0 else 1.0
+
+
+def _round_spread(times: np.ndarray, ms: np.ndarray) -> float:
+    """How far the rounds of a rank spread: the largest (max - min) / median over the ranks."""
+    return float(np.max((times.max(0) - times.min(0)) / np.maximum(ms, 1e-12)))
+
+
 def replay_plan(
     plan: StepPlan, name: str, model: ModelConfig, timer: Timer, progress: bool = False,
     rounds: int = 1,
@@ -167,7 +187,7 @@ def replay_plan(
     if rounds <= 0:
         raise ValueError(f"rounds must be positive, got {rounds}")
     wlb = plan.system == "wlb"
-    ranks = [(r, c) for r in range(plan.dp) for c in (range(plan.cp) if wlb else [0])]
+    ranks, modeled = _replayed_ranks(plan)
     calls_of = {rank: rank_calls(plan, *rank, model) for rank in ranks}
     untiled = untiled_calls(plan)
     elem = torch.tensor([], dtype=timer.dtype).element_size()
@@ -193,20 +213,13 @@ def replay_plan(
     # every cp rank of a replica runs what cp rank 0 runs (on its own heads), except wlb
     tiled_total = float(rank_ms.sum() * (1 if wlb else plan.cp))
     untiled_total = float(np.median(untiled_ms)) * plan.cp
-    modeled = plan.rank_load if wlb else plan.rank_load[:, 0]
-
-    def max_over_mean(x) -> float:
-        return float(x.max() / x.mean()) if x.mean() > 0 else 1.0
 
     return {
         "rank_ms": rank_ms.tolist(),
         "rounds": rounds,
-        # how far the rounds of a rank spread: the largest (max - min) / median over the ranks
-        "round_spread": float(
-            np.max((times.max(0) - times.min(0)) / np.maximum(rank_ms, 1e-12))
-        ),
-        "measured_max_over_mean": max_over_mean(rank_ms),
-        "modeled_max_over_mean": max_over_mean(modeled),
+        "round_spread": _round_spread(times, rank_ms),
+        "measured_max_over_mean": _max_over_mean(rank_ms),
+        "modeled_max_over_mean": _max_over_mean(modeled),
         "tiled_total_ms": tiled_total,
         "untiled_total_ms": untiled_total,
         "tiling_efficiency": untiled_total / tiled_total if tiled_total > 0 else 1.0,
@@ -225,9 +238,7 @@ def noise_floor(plan: StepPlan, model: ModelConfig, timer: Timer, rounds: int = 
     max/mean is the floor the measuring host puts under any system's measured max/mean."""
     if rounds <= 0:
         raise ValueError(f"rounds must be positive, got {rounds}")
-    wlb = plan.system == "wlb"
-    ranks = [(r, c) for r in range(plan.dp) for c in (range(plan.cp) if wlb else [0])]
-    load = np.asarray(plan.rank_load if wlb else plan.rank_load[:, 0], dtype=np.float64).ravel()
+    ranks, load = _replayed_ranks(plan)
     rank = ranks[int(np.argsort(load, kind="stable")[len(load) // 2])]
     calls = rank_calls(plan, *rank, model)
     times = np.array([[timer.ms(calls) for _ in ranks] for _ in range(rounds)])
@@ -235,8 +246,8 @@ def noise_floor(plan: StepPlan, model: ModelConfig, timer: Timer, rounds: int = 
     return {
         "rank": list(rank),
         "copies": len(ranks),
-        "measured_max_over_mean": float(ms.max() / ms.mean()) if ms.mean() > 0 else 1.0,
-        "round_spread": float(np.max((times.max(0) - times.min(0)) / np.maximum(ms, 1e-12))),
+        "measured_max_over_mean": _max_over_mean(ms),
+        "round_spread": _round_spread(times, ms),
     }
 
 
