@@ -40,3 +40,21 @@ def test_profile_with_a_foreign_measured_section_is_refused(tmp_path):
 def test_calibrate_refuses_bad_lengths(capsys):
     assert main(["calibrate", "--device", "cpu", "--lengths", "512,128"]) == 2
     assert "lengths" in capsys.readouterr().err
+
+
+def test_calibrate_on_the_cpu_times_one_rank_s_thread_and_leaves_the_threads_as_they_were():
+    # deferred: the CLI tests above import no torch
+    import torch
+
+    from libra_ext.measure.calibrate import calibrate
+
+    before = torch.get_num_threads()
+    kw = dict(device="cpu", dtype="fp32", heads=2, kv_heads=1, head_dim=16, lengths=(32, 64),
+              tokens=128, reps=1)
+    r = calibrate(**kw)
+    assert r["measured"]["threads"] == 1  # a rank's share, as training and the replay time
+    assert torch.get_num_threads() == before
+    for bad in (0, 1025):
+        with pytest.raises(ValueError, match="threads"):
+            calibrate(**kw, threads=bad)
+    assert torch.get_num_threads() == before

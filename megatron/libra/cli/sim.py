@@ -84,6 +84,10 @@ def add_calibrate_parser(sub) -> None:
                    help="query tokens per measured call (default 65536)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
     p.add_argument("--backend", default="auto", help="auto, te, flash, varlen or reference")
+    p.add_argument("--threads", type=int,
+                   help="intra-op threads on the cpu (default 1: a training rank's share where "
+                   "local workers share the cores, timed by the thread's CPU time as training "
+                   "and bench replay time kernels)")
     p.add_argument("--base", default="h100-sxm",
                    help="profile whose compute and network figures are kept (default h100-sxm)")
     p.add_argument("--name", default="calibrated", help="profile name (default calibrated)")
@@ -109,13 +113,15 @@ def run_calibrate(args):
         tokens=args.tokens,
         reps=args.reps,
         backend=None if args.backend == "auto" else args.backend,
+        threads=args.threads,
     )
     path = write_profile(result, args.base, args.name, args.out)
     result["profile"] = str(path)
     if args.json:
         return result
     a, m = result["attention"], result["measured"]
-    print(f"libra calibrate: {m['device']}, {m['backend']} kernel, {m['dtype']}, heads "
+    threads = f", {m['threads']} thread(s)" if "threads" in m else ""
+    print(f"libra calibrate: {m['device']}{threads}, {m['backend']} kernel, {m['dtype']}, heads "
           f"{m['heads']}/{m['kv_heads']}, head dim {m['head_dim']}: wrote {path}")
     print(f"  peak {a['peak_tflops']:.3g} TFLOP/s forward; backward at "
           f"{a['backward_speed_ratio']:.2f} of forward; call floor {a['call_floor_us']:.1f} us")
