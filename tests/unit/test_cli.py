@@ -291,3 +291,26 @@ def test_arguments_after_a_double_dash_are_only_for_megatron_lm(capsys):
         main(["ab", "--config", "configs/train/cpu_tiny.yaml", "--", "--lr", "1"])
     assert e.value.code == 2
     assert "arguments after `--` are pretrain_gpt_libra.py's" in capsys.readouterr().err
+
+
+def test_ab_reads_repeats_that_differ_at_rounding_apart_from_ones_that_differ():
+    # deferred: only this test needs the trainer's CLI module
+    from megatron.libra.cli.train import LOSS_ROUNDING, _interleaved, _same_over_repeats
+
+    curves = {"same": [[4.0, 3.0], [4.0, 3.0]],
+              "online": [[4.0, 3.0], [4.0, 3.0 * (1 + 3e-8)]],
+              "apart": [[4.0, 3.0], [4.0, 3.3]],
+              "nan": [[4.0, float("nan")], [4.0, 3.0]]}
+    runs = {name: iter(c) for name, c in curves.items()}
+    _, spread, _ = _interleaved(2, list(curves), lambda name: [
+        {"loss": x, "tokens": 8, "step_time": 1.0, "attn_time_max_over_mean": 1.0}
+        for x in next(runs[name])
+    ])
+    assert spread["same"] == 0.0 and spread["online"] == pytest.approx(3e-8, rel=1e-3)
+    assert spread["apart"] == pytest.approx(0.1) and spread["nan"] == float("inf")
+    cells = {name: _same_over_repeats({"losses_identical_over_repeats": d == 0.0,
+                                       "max_rel_loss_diff_over_repeats": d})
+             for name, d in spread.items()}
+    assert cells == {"same": "yes", "online": "to 3.0e-08", "apart": "NO (1.0e-01)",
+                     "nan": "NO (inf)"}
+    assert 3e-8 < LOSS_ROUNDING < 0.1
