@@ -19,11 +19,16 @@
    256K rank's attention shape, written as a measured hardware profile next to the JSON;
 5. replay: one 256K step (GBS 128, DP 16, CP 8, P 8) under ulysses and libra, every rank's
    kernel calls measured: per-rank max/mean beside the planner's modeled one;
-6. train (only when megatron-core imports): ten steps of the tiny model on this GPU, bf16;
-7. train_megatron_lm (only when megatron-core >= 0.19's megatron.training imports): ten
+6. cost_models: Libra over 4 steps of the same layout balancing causal pairs, the calibrated
+   profile's table and a table fitted online from the replay's own rank times
+   (`libra bench replay --cost-model pairs,profile,online`): each one's measured per-rank
+   max/mean, predicted max/mean, prediction and split errors, the fitted table and the host's
+   noise floor - the shape of the kernel's cost a GPU gives the fit;
+7. train (only when megatron-core imports): ten steps of the tiny model on this GPU, bf16;
+8. train_megatron_lm (only when megatron-core >= 0.19's megatron.training imports): ten
    iterations of pretrain_gpt_libra.py (configs/megatron/cpu_tiny.yaml, NCCL, bf16, 4K-token
    sequences of Libra's synthetic documents) in Megatron-LM's own loop on this GPU;
-8. train_megatron_hybrid (only with Transformer Engine as well): the same with
+9. train_megatron_hybrid (only with Transformer Engine as well): the same with
    --libra-system megatron-hybrid, megatron-core's own hybrid CP scheduler.
 
 Each step runs on its own: a step that fails is recorded with its error and the others still
@@ -181,6 +186,36 @@ def _replay(device: str, cpu: bool) -> dict:
     return r
 
 
+def _cost_models(device: str, cpu: bool, calibration: dict) -> dict:
+    """Libra's replay under each cost model (pairs, the calibrated profile's table where the
+    calibration wrote one, online), 4 steps of the replay's layout (2 on the CPU), one round."""
+    from libra_ext.measure import replay
+    from libra_ext.planner import LayoutConfig
+    from libra_ext.simulator.hardware import HardwareProfile
+    from libra_ext.workload import LengthSource, ModelConfig
+
+    if cpu:
+        layout = LayoutConfig(dp=4, cp=2, pool_size=2, context=2048)
+        model, gbs, n = ModelConfig(heads=4, kv_heads=2, head_dim=16), 8, 2
+    else:
+        layout = LayoutConfig(dp=16, cp=8, pool_size=8, context=262_144)
+        model, gbs, n = ModelConfig(heads=32, kv_heads=4, head_dim=128), 128, 4
+    source = LengthSource(preset="libra-256k")
+    steps = [source.step(gbs, layout.context, 0, s) for s in range(n)]
+    path = calibration.get("profile")
+    profile = HardwareProfile.load(path) if path else None
+    models = ("pairs", "profile", "online") if profile is not None else ("pairs", "online")
+    r = replay.run(steps, layout, model, ["libra"], device=device,
+                   dtype="fp32" if cpu else "bf16", rounds=1, cost_models=models,
+                   profile=profile)
+    keys = ("measured_max_over_mean", "predicted_max_over_mean", "prediction_error",
+            "split_error", "bytes_sent_per_rank")
+    return {"cost_models": list(models), "steps": n,
+            "entries": {name: {k: s[k] for k in keys} for name, s in r["systems"].items()},
+            "noise_floor": r["noise_floor"]["measured_max_over_mean"],
+            "online_fits": r["online_fits"], "online_table": r.get("online_table")}
+
+
 OVERHEAD_SYSTEMS = ("ulysses", "libra", "distca", "wlb")
 
 
@@ -247,6 +282,7 @@ def main() -> int:
         ("overhead", lambda: _overhead(args, cpu)),
         ("calibration", lambda: _calibration(args.device, cpu, out.parent)),
         ("replay", lambda: _replay(args.device, cpu)),
+        ("cost_models", lambda: _cost_models(args.device, cpu, res.get("calibration", {}))),
     ]
     if not args.skip_train and not cpu:
         steps.append(("train", lambda: _train(out.parent)))
@@ -277,6 +313,11 @@ def main() -> int:
                                                "tiling_efficiency")}
             for name, s in res["replay"]["systems"].items()
         }
+    if "entries" in res["cost_models"]:
+        summary["cost_models"] = {
+            name: {k: round(v, 4) for k, v in e.items() if k != "bytes_sent_per_rank"}
+            for name, e in res["cost_models"]["entries"].items()
+        }
     if "peak_tflops" in res["calibration"]:
         summary["calibration"] = {k: res["calibration"][k] for k in ("peak_tflops", "profile")}
     for name, c in checks.items():  # one line per check
@@ -305,7 +346,7 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
     """Each check's status: pass, fail, or skip (with the reason); a skip is never a pass."""
     out = {}
     for name in ("kernels", "alignment", "sync", "rebuild", "rowops", "overhead",
-                 "calibration", "replay"):
+                 "calibration", "replay", "cost_models"):
         failed = _failed(res, name)
         if failed is not None:
             out[name] = failed
@@ -389,9 +430,34 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
                 + " (CPU timings recorded, not judged)")
         else:
             out["replay"] = _replay_check(rs, measured)
+    if "cost_models" not in out:
+        out["cost_models"] = _cost_models_check(res["cost_models"], cpu)
     out["multi_rank"] = _skip("one device: the CP and pool collectives need a device per rank "
                               "(run libra verify attention on a multi-GPU node)")
     return out
+
+
+def _cost_models_check(cm: dict, cpu: bool) -> dict:
+    """Every cost model replayed and a table fitted; on a GPU the fitted table's prediction
+    error at most COST_MODEL_ERROR and its plan's measured balance no worse than pairs' (+0.01)
+    - on the CPU the timings are recorded, not judged."""
+    e = cm["entries"]
+    pairs, online = e.get("libra"), e.get("libra+online")
+    ran = (pairs is not None and online is not None and cm["online_fits"] > 0
+           and cm["online_table"] is not None and len(e) == len(cm["cost_models"]))
+    detail = ", ".join(f"{n} measured {x['measured_max_over_mean']:.3f} / predicted "
+                       f"{x['predicted_max_over_mean']:.3f}, error {x['prediction_error']:.1%}"
+                       for n, x in e.items()) + f"; noise floor {cm['noise_floor']:.3f}"
+    if cpu or not ran:
+        return _check(ran, detail + (" (CPU timings recorded, not judged)" if cpu else ""))
+    return _check(online["prediction_error"] <= COST_MODEL_ERROR and
+                  online["measured_max_over_mean"] <= pairs["measured_max_over_mean"] + 0.01,
+                  detail)
+
+
+COST_MODEL_ERROR = 0.10
+"""On a GPU, the online table's median per-rank prediction error at most this (the CPU's
+reference kernel: 2.8-3.9%)."""
 
 
 def _replay_check(rs: dict, measured: bool) -> dict:

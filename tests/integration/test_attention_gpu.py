@@ -90,6 +90,17 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     for name in ("ulysses", "libra"):
         s = r["replay"]["systems"][name]
         assert len(s["rank_ms"]) == 4 and s["modeled_max_over_mean"] >= 1.0
+    # Libra under pairs, the calibrated profile's table and the online fit, side by side
+    cm = r["cost_models"]
+    assert checks["cost_models"]["status"] == "pass"
+    assert set(cm["entries"]) == {"libra", "libra+profile", "libra+online"}
+    assert cm["online_fits"] > 0 and len(cm["online_table"]["per_pair"]) == 61
+    assert all(e["prediction_error"] >= 0 for e in cm["entries"].values())
+
+
+def _cost_entry(measured: float, error: float) -> dict:
+    return {"measured_max_over_mean": measured, "predicted_max_over_mean": 1.01,
+            "prediction_error": error, "split_error": error / 2, "bytes_sent_per_rank": 1.0}
 
 
 def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
@@ -115,6 +126,10 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
                                            "modeled_max_over_mean": 1.97, "rank_ms": [9.0, 4.0]},
                                "libra": {"measured_max_over_mean": 1.05,
                                          "modeled_max_over_mean": 1.01, "rank_ms": [5.0, 4.8]}}},
+        "cost_models": {"cost_models": ["pairs", "online"], "online_fits": 3,
+                        "online_table": {"per_pair": [1e-12] * 61}, "noise_floor": 1.002,
+                        "entries": {"libra": _cost_entry(1.08, 0.06),
+                                    "libra+online": _cost_entry(1.02, 0.03)}},
         "train": {"rc": 0, "loss_first": 5.5, "loss_last": 4.9},
         "train_megatron_lm": {"rc": 0, "loss_first": 6.2, "loss_last": 5.7},
     }
@@ -125,7 +140,15 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
         "overhead_within_5pct": "pass", "train": "pass", "train_megatron_lm": "pass",
         "train_megatron_hybrid": "skip",
         "calibration": "pass",
-        "replay": "pass", "multi_rank": "skip"}
+        "replay": "pass", "cost_models": "pass", "multi_rank": "skip"}
+    # a fitted table that predicts badly, or balances worse than pairs, fails on a GPU
+    for online in (_cost_entry(1.02, 0.25), _cost_entry(1.12, 0.03)):
+        worse = {**good, "cost_models": {**good["cost_models"], "entries": {
+            "libra": _cost_entry(1.08, 0.06), "libra+online": online}}}
+        assert gc._checks(worse, cpu=False, skip_train=False)["cost_models"]["status"] == "fail"
+        assert gc._checks(worse, cpu=True, skip_train=False)["cost_models"]["status"] == "pass"
+    unfitted = {**good, "cost_models": {**good["cost_models"], "online_fits": 0}}
+    assert gc._checks(unfitted, cpu=True, skip_train=False)["cost_models"]["status"] == "fail"
     bad = {
         **good,
         "calibration": {"peak_tflops": 0.0, "rows": [{"fwd_tflops": 0.0}]},
