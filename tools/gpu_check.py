@@ -164,10 +164,9 @@ def _calibration(device: str, cpu: bool, out_dir: Path) -> dict:
             "profile": str(path)}
 
 
-def _replay(device: str, cpu: bool) -> dict:
-    """One step's per-rank attention under ulysses and libra, measured (256K: GBS 128, DP 16,
-    CP 8, P 8 on a GPU; a small layout on the CPU)."""
-    from libra_ext.measure import replay
+def _replay_shape(cpu: bool, steps: int) -> tuple:
+    """The replays' layout, model and the first `steps` steps of libra-256k (256K: GBS 128,
+    DP 16, CP 8, P 8 on a GPU; a small layout on the CPU)."""
     from libra_ext.planner import LayoutConfig
     from libra_ext.workload import LengthSource, ModelConfig
 
@@ -177,7 +176,15 @@ def _replay(device: str, cpu: bool) -> dict:
     else:
         layout = LayoutConfig(dp=16, cp=8, pool_size=8, context=262_144)
         model, gbs = ModelConfig(heads=32, kv_heads=4, head_dim=128), 128
-    steps = [LengthSource(preset="libra-256k").step(gbs, layout.context, 0, 0)]
+    source = LengthSource(preset="libra-256k")
+    return layout, model, [source.step(gbs, layout.context, 0, s) for s in range(steps)]
+
+
+def _replay(device: str, cpu: bool) -> dict:
+    """One step's per-rank attention under ulysses and libra, measured (`_replay_shape`)."""
+    from libra_ext.measure import replay
+
+    layout, model, steps = _replay_shape(cpu, 1)
     # one round: device events do not see the host's load, and the check has a time budget
     r = replay.run(steps, layout, model, ["ulysses", "libra"], device=device,
                    dtype="fp32" if cpu else "bf16", rounds=1)
@@ -190,18 +197,10 @@ def _cost_models(device: str, cpu: bool, calibration: dict) -> dict:
     """Libra's replay under each cost model (pairs, the calibrated profile's table where the
     calibration wrote one, online), 4 steps of the replay's layout (2 on the CPU), one round."""
     from libra_ext.measure import replay
-    from libra_ext.planner import LayoutConfig
     from libra_ext.simulator.hardware import HardwareProfile
-    from libra_ext.workload import LengthSource, ModelConfig
 
-    if cpu:
-        layout = LayoutConfig(dp=4, cp=2, pool_size=2, context=2048)
-        model, gbs, n = ModelConfig(heads=4, kv_heads=2, head_dim=16), 8, 2
-    else:
-        layout = LayoutConfig(dp=16, cp=8, pool_size=8, context=262_144)
-        model, gbs, n = ModelConfig(heads=32, kv_heads=4, head_dim=128), 128, 4
-    source = LengthSource(preset="libra-256k")
-    steps = [source.step(gbs, layout.context, 0, s) for s in range(n)]
+    n = 2 if cpu else 4
+    layout, model, steps = _replay_shape(cpu, n)
     path = calibration.get("profile")
     profile = HardwareProfile.load(path) if path else None
     models = ("pairs", "profile", "online") if profile is not None else ("pairs", "online")

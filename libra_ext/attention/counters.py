@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from libra_ext import hostmem
+
 _FROM_HOST = {"tensor", "as_tensor", "asarray", "from_numpy"}
 _TO_HOST = {"item", "tolist", "numpy", "cpu"}
 _COPIES = {"to", "copy_", "cuda"}
@@ -122,6 +124,24 @@ def cpu_clock():
     time (the kernel runs on it, forward and backward alike, so ranks that share the cores are
     not charged for each other's work); with a thread pool, wall time."""
     return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+@contextlib.contextmanager
+def timed_as_a_rank(device: torch.device, threads: int = 1):
+    """Kernel timings on the CPU as a training rank takes them: `threads` intra-op threads (a
+    rank's share where local workers share the cores; with one, `cpu_clock` is the thread's CPU
+    time) and freed host memory kept in the process (no page faults inside timed calls); the
+    caller's thread count restored after. Nothing on other devices."""
+    if device.type != "cpu":
+        yield
+        return
+    hostmem.retain_freed_memory()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class KernelTimer:

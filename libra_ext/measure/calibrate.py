@@ -32,8 +32,7 @@ import numpy as np
 import torch
 import yaml
 
-from libra_ext import hostmem
-from libra_ext.attention.counters import cpu_clock
+from libra_ext.attention.counters import cpu_clock, timed_as_a_rank
 from libra_ext.attention.kernels import backend_for, segments_on
 from libra_ext.simulator.hardware import HARDWARE_DIR, MEASURED_SCHEMA, HardwareProfile
 
@@ -127,15 +126,8 @@ def calibrate(
     if threads is not None and (dev.type != "cpu" or not 1 <= threads <= 1024):
         raise ValueError(f"threads: intra-op threads on the cpu, 1 to 1024, got {threads} on "
                          f"{dev.type}")
-    if dev.type != "cpu":
+    with timed_as_a_rank(dev, threads or 1):
         return _calibrate(dev, dtype, heads, kv_heads, head_dim, lengths, tokens, reps, backend)
-    hostmem.retain_freed_memory()  # no page faults inside the timed calls
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or 1)
-    try:
-        return _calibrate(dev, dtype, heads, kv_heads, head_dim, lengths, tokens, reps, backend)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _calibrate(dev, dtype, heads, kv_heads, head_dim, lengths, tokens, reps, backend) -> dict:

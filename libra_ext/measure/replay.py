@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from libra_ext import costmodel, hostmem
+from libra_ext import costmodel
 from libra_ext.attention import meta
-from libra_ext.attention.counters import cpu_clock
+from libra_ext.attention.counters import cpu_clock, timed_as_a_rank
 from libra_ext.attention.kernels import backend_for, segments_on
 from libra_ext.planner import LayoutConfig, Planner, PlannerOptions, StepPlan
 from libra_ext.workload import ModelConfig
@@ -291,18 +291,12 @@ def run(
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda asked for, but no GPU is available")
-    threads = torch.get_num_threads()
-    if dev.type == "cpu":
-        hostmem.retain_freed_memory()  # no page faults inside the timed calls
-        # One thread per rank on the CPU: with intra-op threads over small pieces, the time of
-        # a rank follows the other cores' load more than its own work (medians move by 20-40%
-        # between rounds on a shared 2-core machine; one thread, a few percent).
-        torch.set_num_threads(1)
-    try:
+    # One thread per rank on the CPU: with intra-op threads over small pieces, the time of a
+    # rank follows the other cores' load more than its own work (medians move by 20-40% between
+    # rounds on a shared 2-core machine; one thread, a few percent).
+    with timed_as_a_rank(dev, 1):
         return _run(steps_data, layout, model, systems, dev, dtype, backend, progress, order,
                     rounds, tuple(cost_models), repeats, profile)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _entry_name(system: str, cost_model: str) -> str:

@@ -402,13 +402,12 @@ def _interleaved(repeats: int, names: list[str], run) -> tuple[dict, dict, dict]
     return first, spread, figures
 
 
-def _same_over_repeats(s: dict) -> str:
-    """The report's cell for whether a system's repeats trained alike: yes (the same bits),
-    `to X` (differing at rounding, X the largest relative difference: where a plan follows
-    measured times, system.cost_model online) or NO (X)."""
-    if s["losses_identical_over_repeats"]:
+def _same_over_repeats(spread: float) -> str:
+    """The report's cell for whether a system's repeats trained alike, from the largest relative
+    difference of their losses: yes (0: the same bits), `to X` (at rounding: where a plan
+    follows measured times, system.cost_model online) or NO (X)."""
+    if spread == 0.0:
         return "yes"
-    spread = s.get("max_rel_loss_diff_over_repeats", math.inf)
     return f"to {spread:.1e}" if spread <= LOSS_ROUNDING else f"NO ({spread:.1e})"
 
 
@@ -433,12 +432,9 @@ def _ab_report(args, result: dict, figures: dict, ref_name: str):
     result["reference"] = ref_name
     if ref:
         for name, r in result["systems"].items():
-            r[f"max_rel_loss_diff_vs_{ref_name}"] = max(
-                abs(a - b) / abs(b) for a, b in zip(r["loss"], ref["loss"])
-            )
-            r[f"max_rel_grad_norm_diff_vs_{ref_name}"] = max(
-                abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["grad_norm"], ref["grad_norm"])
-            )
+            r[f"max_rel_loss_diff_vs_{ref_name}"] = _max_rel_diff(r["loss"], ref["loss"])
+            r[f"max_rel_grad_norm_diff_vs_{ref_name}"] = _max_rel_diff(r["grad_norm"],
+                                                                        ref["grad_norm"])
             # the same repeat's runs ran back to back: their ratio is the paired figure
             ratios = [a["tokens_per_s"] / b["tokens_per_s"]
                       for a, b in zip(figures[name], figures[ref_name])]
@@ -509,7 +505,7 @@ def _ab_markdown(r: dict) -> str:
         lines.append(
             f"| {system_label(name, r.get('distca_server', 'replica'))} | {s['loss'][-1]:.5f} "
             f"| {diff:.2e} | {gdiff:.2e} "
-            f"| {_same_over_repeats(s)} "
+            f"| {_same_over_repeats(s['max_rel_loss_diff_over_repeats'])} "
             f"| {sum(s['attn_work_max_over_mean']) / n:.3f} "
             f"| {_fmt_spread(rep['attn_time_max_over_mean'])} "
             f"| {_fmt_spread(kernel) if kernel else '-'} | {moe} "
