@@ -42,7 +42,9 @@ class LoopGroup:
         self._cond = threading.Condition()
         self._calls: dict = {}
         self._seq = {m: 0 for m in self.members}
-        self._mail: dict = {}  # (sender, receiver) -> queued point-to-point messages
+        self._mail: dict = {}  # (sender, receiver) -> {number: point-to-point message}
+        self._sent: dict = {}  # (sender, receiver) -> messages posted
+        self._taken: dict = {}  # (sender, receiver) -> receives posted
 
     def rank(self) -> int:
         return self.members.index(_ME.id)
@@ -126,9 +128,10 @@ def _all_gather_rows(x, group: LoopGroup, counter, kind):
 
 
 def _send_recv(transfers, group: LoopGroup, counter, async_op=False):
-    """Point-to-point messages: each send queued (a copy) for its receiver, in order per
-    (sender, receiver) pair; each receive takes the next message its sender queued for it,
-    which must have its size."""
+    """Point-to-point messages, matched per (sender, receiver) pair in the order they are
+    posted, as NCCL matches them: the n-th send a member posts to another (a copy) is the n-th
+    receive that one posts from it, which must have its kind and size - whenever either end
+    waits."""
     me = group.rank()
     recvs = []
     for kind, sends, rs in transfers:
@@ -136,23 +139,28 @@ def _send_recv(transfers, group: LoopGroup, counter, async_op=False):
             counter.add(kind, sum(t.numel() * t.element_size() for _, t in sends))
         with group._cond:
             for j, t in sends:
-                group._mail.setdefault((me, j), []).append((kind, t.detach().clone()))
+                n = group._sent.get((me, j), 0)
+                group._sent[(me, j)] = n + 1
+                group._mail.setdefault((me, j), {})[n] = (kind, t.detach().clone())
+            for j, t in rs:
+                n = group._taken.get((j, me), 0)
+                group._taken[(j, me)] = n + 1
+                recvs.append((kind, j, t, n))
             group._cond.notify_all()
-        recvs += [(kind, j, t) for j, t in rs]
 
     def finish():
-        for kind, j, t in recvs:
+        for kind, j, t, n in recvs:
             with group._cond:
-                ok = group._cond.wait_for(lambda: group._mail.get((j, me)) or _ABORT.is_set(),
-                                          60.0)
+                ok = group._cond.wait_for(
+                    lambda: n in group._mail.get((j, me), {}) or _ABORT.is_set(), 60.0)
                 if _ABORT.is_set():
                     raise Aborted(f"{group.name}: another member failed")
                 if not ok:
                     raise TimeoutError(f"{group.name}: {kind} from member {j} not sent in 60 s")
-                sent_kind, x = group._mail[(j, me)].pop(0)
+                sent_kind, x = group._mail[(j, me)].pop(n)
             if sent_kind != kind or x.numel() != t.numel():
                 raise ValueError(f"{kind}: member {me} expects {t.numel()} elements from member "
-                                 f"{j}, whose next message is {sent_kind} of {x.numel()}")
+                                 f"{j}, whose message {n} is {sent_kind} of {x.numel()}")
             t.data.copy_(x.view_as(t))  # (outside autograd's version counters, as NCCL)
 
     w = _Work(finish)

@@ -368,9 +368,12 @@ def _checks(res: dict, cpu: bool, skip_train: bool) -> dict:
     if "rowops" not in out:  # the exchange's fused gathers and scatters: one launch each
         r = res["rowops"]
         out["rowops"] = _check(r["ok"], f"triton {r['triton']}, add err {r['add_err']:.2g}, "
-                               f"gather {r['gather_ms']['fused']:.2f} ms fused / "
+                               f"sum err {r['sum_err']:.2g} (deterministic "
+                               f"{r['sum_deterministic']}), gather "
+                               f"{r['gather_ms']['fused']:.2f} ms fused / "
                                f"{r['gather_ms']['torch']:.2f} ms torch, scatter "
-                               f"{r['scatter_ms']['fused']:.2f} / {r['scatter_ms']['torch']:.2f}")
+                               f"{r['scatter_ms']['fused']:.2f} / {r['scatter_ms']['torch']:.2f}, "
+                               f"sum {r['sum_ms']:.2f}")
     if "sync" not in out:
         sync = res["sync"]
         bad = [n for n, v in sync.items() if v != "ok" and not v.startswith("skipped")]

@@ -22,7 +22,12 @@ layer's dO and the saved output are freed before any kernel backward begins:
             sub-chunks last first), the direct call's own backward (its dQ/dK/dV are X's),
             local packs added in, each sub-chunk's kernel backward on the executor straight
             back to the owners (an in-place range's dQ into dQ itself), the other returned
-            dQ written and every dK/dV added (one scatter), Ulysses back.
+            dQ written and the dK/dV returned added, each K/V vector's returns summed first
+            (one row op), Ulysses back. With rebuild, where the plan says so, the executed
+            units' backward runs first (`meta.early_return_groups`): in-place dQ lands in
+            dO, the K/V returns wait summed per vector, and an executor posts the next
+            sub-chunk's messages ahead only where it holds no more than its direct backward
+            will.
 
 `per_doc_attention` (wlb, cp > 1): K and V all-gathered in the CP group, the rank's chunks of
 every document in one kernel call on a key pack gathered from them, dK/dV reduce-scattered back;
@@ -35,8 +40,9 @@ go through `kernels.Backend.attend` with their own autograd graph: the forward k
 output is written in place (through `.data`) only on rows the call gave no keys: the kernel's
 backward reads O only through rowsum(dO * O) of rows with keys, so its gradients do not change.
 
-Gradients of K/V rows read by tiles on several members are summed in the compute dtype, one
-addition per member that read them (the kernels sum inside a call in fp32).
+The gradients a K/V vector read on several members gets back, one per member, are summed in
+fp32 in send order and rounded once, then added to the owner's own once (`rowops.sum_rows_`:
+no atomics, the same bits in either backward order); the kernels sum inside a call in fp32.
 
 Shape legend (shared by the attention modules; `meta` gives the program's details):
   C cp ranks; t slots of one cp rank; S' = C t rows of X; h, h_kv query and KV heads of a rank
@@ -347,11 +353,13 @@ class PlannedAttention(torch.autograd.Function):
         # rebuild, where the plan says it lowers the group's peak: the executed units' backward
         # and every return before dX exists (their dQ lands in a buffer, added below)
         early = bool(executed) and env.rebuild and prog.early_returns
-        if executed:
-            ex.post_grads(dof, executed, rebuilt)
+        if executed:  # early: the executed units' backward held to what the direct one holds
+            ex.post_grads(dof, executed, rebuilt, sum(x.numel() for x in direct.leaves) // d
+                          if early else None)
         del rebuilt
-        if early:
-            ex.return_grads(executed, counts, None)
+        if early:  # a dQ range returned in place lands in dO (its rows: zero-key in the direct
+            # call), the K/V gradients are summed per vector as they wait for dK/dV
+            ex.return_grads(executed, counts, dof)
             ex.wait_returns()
         dq, dk, dv = direct.backward(do, counts)
         del direct
@@ -624,44 +632,87 @@ class _Exchange:
         _scatter_outputs(of, lpacks, [self.prog.send_q.idx if whole else self.m.q_rest], [back])
         del self.o_back, self.o_works
 
-    def post_grads(self, dof, executed: list, rebuilt=None) -> None:
+    def post_grads(self, dof, executed: list, rebuilt=None, budget: int | None = None) -> None:
         """dO of the moved units to their executors, last sub-chunk first (the order their
         backward runs in); with `rebuilt` (ExecEnv.rebuild: this rank's O and X flat), their O
         and Q / K / V too, into the memory of the executed calls (a pack sub-chunk's through
-        buffers its packs gather from)."""
-        p = self.prog
+        buffers its packs gather from). Every sub-chunk's messages are posted now - or, with
+        `budget` (the early order: this rank's X in vectors), the first sub-chunk's, and each
+        next one's while `return_grads` runs the one before (`_ahead`)."""
         srcs, qs, kinds = [dof], [True], ["pool.do"]
         if rebuilt is not None:
             srcs += list(rebuilt)
             qs += [True, True, False, False]
             kinds += ["pool.o.rebuild", "pool.q.rebuild", "pool.k.rebuild", "pool.v.rebuild"]
         gathered = self._outgoing(srcs, qs)  # one gather builds what is not sent in place
+        self.grad_msgs = (kinds, qs, srcs, gathered, rebuilt is not None)
         self.d_o, self.do_works, self.again = {}, {}, {}
-        for i in reversed(range(len(p.subchunks))):
-            sc = p.subchunks[i]
-            self.d_o[i] = self.new(sc.n_q_recv)
-            bufs = [self.d_o[i]]
-            if rebuilt is not None:
-                graph = executed[i]
-                if sc.call is not None:  # straight into the call's output and inputs
-                    again = graph[0][1].restore()
-                else:
-                    again = [self.new(sc.n_q_recv if q else sc.n_kv_recv) if graph else
-                             self.new(0) for q in qs[1:]]
-                self.again[i] = again
-                bufs += again
-            self.do_works[i] = self._send(i, list(zip(kinds, qs, srcs, gathered, bufs)))
+        self.turns = list(reversed(range(len(self.prog.subchunks))))
+        self.posted, self.budget = 0, budget
+        while self.posted < (1 if budget is not None else len(self.turns)):
+            self._post_grad(executed)
 
-    def return_grads(self, executed: list, counts: CallCounts, dqf) -> None:
+    def _post_grad(self, executed: list) -> None:
+        """The next sub-chunk's backward messages (in turn), into buffers made for them now."""
+        i = self.turns[self.posted]
+        self.posted += 1
+        kinds, qs, srcs, gathered, again_too = self.grad_msgs
+        sc = self.prog.subchunks[i]
+        self.d_o[i] = self.new(sc.n_q_recv)
+        bufs = [self.d_o[i]]
+        if again_too:
+            graph = executed[i]
+            if sc.call is not None:  # straight into the call's output and inputs
+                again = graph[0][1].restore()
+            else:
+                again = [self.new(sc.n_q_recv if q else sc.n_kv_recv) if graph else
+                         self.new(0) for q in qs[1:]]
+            self.again[i] = again
+            bufs += again
+        self.do_works[i] = self._send(i, list(zip(kinds, qs, srcs, gathered, bufs)))
+        if self.posted == len(self.turns):
+            del self.grad_msgs
+
+    def _footprint(self, i: int, graph: list) -> tuple:
+        """(vectors its backward messages land in, vectors its backward makes, vectors it
+        returns) of sub-chunk i on this executor, from the program's counts (host integers)."""
+        sc = self.prog.subchunks[i]
+        q, kv = sc.n_q_recv, sc.n_kv_recv
+        packs = [pk for pk, _ in graph] if sc.call is None else []
+        inputs = 3 * q + 2 * kv + sum(2 * pk.q.size + 2 * pk.k.size for pk in packs)
+        work = q + 2 * kv + sum(pk.q.size + 2 * pk.k.size for pk in packs)
+        return inputs, work, q + 2 * kv
+
+    def _ahead(self, t: int, executed: list, returned: int) -> None:
+        """Before the backward of turn t (the early order): the next sub-chunk's messages
+        posted now - their transfer under this one's kernel - where this rank then holds no
+        more than its direct backward will (its X again, as dX, and the returns that wait for
+        it), else right after this kernel (`return_grads`). One sub-chunk ahead at most, so
+        every member posts its transfers in one order."""
+        if self.posted != t + 1 or self.posted == len(self.turns):
+            return
+        m = self.m
+        waiting = self.dq_ret[0].shape[0] + 2 * (
+            m.kv_distinct if m.kv_distinct < self.prog.n_kv_send else self.prog.n_kv_send)
+        landing = self.dq_ret[0].shape[0] + 2 * self.prog.n_kv_send
+        inputs, work, _ = self._footprint(self.turns[t], executed[self.turns[t]])
+        nxt = self._footprint(self.turns[t + 1], executed[self.turns[t + 1]])[0]
+        if landing + returned + inputs + work + nxt <= self.budget + waiting:
+            self._post_grad(executed)
+
+    def return_grads(self, executed: list, counts: CallCounts, dest) -> None:
         """Each sub-chunk's kernel backward on this executor (last first), its dQ / dK / dV
-        straight back to the owners (in place: dQ into `dqf`, this rank's dQ; None: every
-        returned dQ into a buffer, before the direct call's backward made dQ)."""
+        straight back to the owners. A dQ range returned in place lands in `dest` at its own
+        vectors: this rank's dQ, or - before the direct call's backward has made it - its dO,
+        whose rows of moved units the direct call gives no keys (`add_returned` moves them)."""
         p, d = self.prog, self.d
-        self.dq_ret = self._back(dqf)
-        self.dk_ret, self.dv_ret = (self.new(p.n_kv_send), True), (self.new(p.n_kv_send), True)
-        self.ret_works = []
-        for i in reversed(range(len(p.subchunks))):
+        self.dq_ret, self.dq_dest = self._back(dest), dest
+        self.kv_ret = (self.new(p.n_kv_send), self.new(p.n_kv_send), False)
+        self.ret_works, returned = [], 0
+        for t, i in enumerate(self.turns):
             sc, graph = p.subchunks[i], executed[i]
+            if self.budget is not None:
+                self._ahead(t, executed, returned)
             _wait(self.do_works[i], self.env)
             g = self.d_o.pop(i)
             bufs = self.again.pop(i, None)
@@ -680,28 +731,55 @@ class _Exchange:
                 gk, gv = gkv.view(2, sc.n_kv_recv, d)
                 _packs_backward(graph, g, gq, gk, gv, counts)
             del g
-            self.ret_works += self._return(i, [("pool.dq", True, gq, dqf, self.dq_ret),
-                                               ("pool.dk", False, gk, None, self.dk_ret),
-                                               ("pool.dv", False, gv, None, self.dv_ret)])
+            if self.posted == t + 1 and self.posted < len(self.turns):
+                self._post_grad(executed)  # not ahead: now, this sub-chunk's inputs freed
+            returned += self._footprint(i, graph)[2]
+            self.ret_works += self._return(i, [("pool.dq", True, gq, dest, self.dq_ret),
+                                               ("pool.dk", False, gk, None,
+                                                (self.kv_ret[0], True)),
+                                               ("pool.dv", False, gv, None,
+                                                (self.kv_ret[1], True))])
             executed[i] = None
-        del self.d_o, self.do_works, self.again
+        del self.d_o, self.do_works, self.again, self.turns
 
     def wait_returns(self) -> None:
-        """Wait for every return `return_grads` posted (what this rank sent is freed with them,
-        what it received waits in its buffers for `add_returned`)."""
+        """Wait for every return `return_grads` posted (what this rank sent is freed with them)
+        and, where a K/V vector went to several executors, sum the K/V gradients received per
+        vector into one buffer of the distinct vectors sent (the received ones freed): what
+        waits for `add_returned` is a dQ range that did not land in place and each K/V vector's
+        gradient once."""
         _wait(self.ret_works, self.env)
         self.ret_works = []
+        m = self.m
+        dk, dv, _ = self.kv_ret
+        if m.kv_distinct == dk.shape[0]:  # each vector returned once: nothing to sum
+            return
+        acc = self.new(2 * m.kv_distinct)
+        sk, sv = acc[:m.kv_distinct], acc[m.kv_distinct:]
+        rowops.sum_into([sk, sv], [None, None], [dk, dv], [m.kv_order, m.kv_order],
+                        [m.kv_offs, m.kv_offs], [False, False])
+        self.kv_ret = (sk, sv, True)
 
     def add_returned(self, dqf, dkf, dvf) -> None:
-        """The gradients of this rank's moved units: dQ written (each query vector ran once;
-        in place, only what did not land there), dK / dV added to the local ones."""
+        """The gradients of this rank's moved units, in one op: dQ written (each query vector
+        ran once; what landed in dQ in place stays, what landed in dO moves to dQ), dK / dV
+        added to the local ones, each vector's returns summed first in send order (or already,
+        by `wait_returns`)."""
         _wait(self.ret_works, self.env)
-        p = self.prog
-        (dq, whole), (dk, _), (dv, _) = self.dq_ret, self.dk_ret, self.dv_ret
-        rowops.scatter([dqf, dkf, dvf], [p.send_q.idx if whole else self.m.q_rest,
-                                         p.send_kv.idx, p.send_kv.idx],
-                       [dq, dk, dv], [False, True, True])
-        del self.ret_works, self.dq_ret, self.dk_ret, self.dv_ret
+        p, m = self.prog, self.m
+        (dq, whole), (dk, dv, summed) = self.dq_ret, self.kv_ret
+        order, offs = (None, None) if summed else (m.kv_order, m.kv_offs)
+        dsts, rows, srcs, idxs = [dqf, dkf, dvf], [p.send_q.idx if whole else m.q_rest,
+                                                  m.kv_rows, m.kv_rows], [dq, dk, dv], \
+            [None, order, order]
+        if self.dq_dest is not None and self.dq_dest is not dqf and not whole:
+            dsts.append(dqf)  # the in-place ranges that landed in dO
+            rows.append(m.q_in)
+            srcs.append(self.dq_dest)
+            idxs.append(m.q_in)
+        rowops.sum_into(dsts, rows, srcs, idxs, [None, offs, offs, None][:len(dsts)],
+                        [False, True, True, False][:len(dsts)])
+        del self.ret_works, self.dq_ret, self.dq_dest, self.kv_ret
 
 
 def per_doc_attention(q, k, v, prog: WlbProgram, env: ExecEnv) -> torch.Tensor:

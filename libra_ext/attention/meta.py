@@ -956,8 +956,9 @@ class Messages:
     into ranges (`SubChunk.q_ranges`, ...), in place where they can be: a range that is one
     contiguous run of X-flat vectors is sent from X itself, and its returned O / dQ land in O
     / dQ there; the other ranges travel through one fused gather (out) and one fused scatter
-    (back). K and V gradients always come back into a buffer: they are added to the local
-    ones."""
+    (back). K and V gradients always come back into a buffer: they are summed per K/V vector
+    (`kv_rows`, `kv_order`, `kv_offs`: a vector sent to several executors gets each one's) and
+    added to the local ones."""
 
     q_send: list
     """[k]: (member, vectors, first Xq-flat vector or -1, offset in the gathered rest or -1,
@@ -972,6 +973,16 @@ class Messages:
     q_rest: torch.Tensor
     """Xq-flat vectors of the ranges that travel gathered, in send order (device)."""
     kv_rest: torch.Tensor
+    q_in: torch.Tensor
+    """Xq-flat vectors of the ranges sent in place, in send order (device)."""
+    kv_rows: torch.Tensor
+    """The distinct Xk-flat vectors sent, ascending (device; `kv_distinct` of them)."""
+    kv_order: torch.Tensor
+    """Positions among every sent K vector (send_kv's order), grouped by kv_rows, in send order
+    within a group (device)."""
+    kv_offs: torch.Tensor
+    """kv_rows' groups in kv_order: [kv_distinct + 1] offsets (device)."""
+    kv_distinct: int
 
     @property
     def in_place(self) -> int:
@@ -979,15 +990,60 @@ class Messages:
         return sum(x >= 0 for row in self.q_send + self.kv_send for _, _, x, _, _ in row)
 
 
-def _messages(prog: "SlotProgram") -> "Messages | None":
+def distinct_vectors(runs: np.ndarray) -> int:
+    """How many distinct vectors a Gather's runs [n, 4] (base, rows, width, stride) address,
+    from the runs alone (O(runs x width) host work, none per vector): each run's columns are
+    intervals of rows in their residue class modulo the stride, and the classes' intervals are
+    merged. Runs must keep within their row (base mod stride + width <= stride), as the
+    compiler's do."""
+    runs = np.asarray(runs, dtype=_I64).reshape(-1, 4)
+    runs = runs[runs[:, 1] * runs[:, 2] > 0]
+    if not len(runs):
+        return 0
+    base, rows, width, stride = runs.T
+    if len(np.unique(stride)) > 1:
+        raise ValueError("distinct_vectors: runs of several strides")
+    if (stride <= 0).any() or (base % stride + width > stride).any():
+        raise ValueError("distinct_vectors: a run leaves its row (base mod stride + width > "
+                         "stride)")
+    col = np.repeat(np.arange(len(runs)), width)
+    j = np.arange(len(col)) - np.repeat(np.cumsum(width) - width, width)
+    first = base[col] + j  # each column's first vector
+    s = stride[col]
+    span = int((first // s + rows[col]).max()) + 1
+    start = (first % s) * span + first // s  # residue classes laid end to end
+    end = start + rows[col]
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], end[order]
+    reach = np.maximum.accumulate(end)
+    before = np.concatenate([[start[0]], reach[:-1]])
+    return int(np.maximum(0, end - np.maximum(start, before)).sum())
+
+
+def _sums(idx: torch.Tensor, distinct: int) -> tuple:
+    """(the distinct vectors of idx ascending, positions of idx grouped by them in order, the
+    groups' offsets): a fixed number of device ops, sized from the host-known `distinct`."""
+    if not idx.numel():
+        return idx[:0], idx[:0], idx.new_zeros(1)
+    srt, order = torch.sort(idx.long(), stable=True)
+    new = torch.ones_like(srt, dtype=torch.bool)
+    new[1:] = srt[1:] != srt[:-1]
+    group = torch.cumsum(new, 0) - 1
+    rows = srt.new_empty(distinct).scatter_(0, group, srt)
+    offs = torch.searchsorted(group, torch.arange(distinct + 1, device=idx.device))
+    return rows.to(torch.int32), order.to(torch.int32), offs.to(torch.int32)
+
+
+def _messages(prog: "SlotProgram", kv_runs: np.ndarray) -> "Messages | None":
     """The layout of `prog`'s pool messages from its ranges (its send gathers' device indices
-    expanded already): O(ranges), no work per vector; None without sub-chunks."""
+    expanded already; `kv_runs` send_kv's runs on the host): O(ranges), no work per vector;
+    None without sub-chunks."""
     subs = prog.subchunks
     if not subs:
         return None
 
     def sends(attr, idx):
-        out, parts, pos, off = [], [], 0, 0
+        out, parts, placed, pos, off = [], [], [], 0, 0
         for sc in subs:
             row = []
             for j, n, x in getattr(sc, attr):
@@ -995,11 +1051,16 @@ def _messages(prog: "SlotProgram") -> "Messages | None":
                 if x < 0:
                     parts.append((pos, n))
                     off += n
+                else:
+                    placed.append((pos, n))
                 pos += n
             out.append(row)
+        def cut(ps):
+            return torch.cat([idx[a:a + n] for a, n in ps]) if ps else idx[:0]
+
         if off == pos:  # everything gathered: the whole gather's indices as they are
-            return out, idx
-        return out, torch.cat([idx[a:a + n] for a, n in parts]) if parts else idx[:0]
+            return out, idx, idx[:0]
+        return out, cut(parts), cut(placed)
 
     def recvs(attr):
         out = []
@@ -1011,10 +1072,11 @@ def _messages(prog: "SlotProgram") -> "Messages | None":
             out.append(row)
         return out
 
-    q_send, q_rest = sends("q_ranges", prog.send_q.idx)
-    kv_send, kv_rest = sends("kv_ranges", prog.send_kv.idx)
+    q_send, q_rest, q_in = sends("q_ranges", prog.send_q.idx)
+    kv_send, kv_rest, _ = sends("kv_ranges", prog.send_kv.idx)
+    distinct = distinct_vectors(kv_runs)
     return Messages(q_send, kv_send, recvs("q_recv_ranges"), recvs("kv_recv_ranges"),
-                    q_rest, kv_rest)
+                    q_rest, kv_rest, q_in, *_sums(prog.send_kv.idx, distinct), distinct)
 
 
 def _walk(prog):
@@ -1144,6 +1206,7 @@ def upload(prog, device: torch.device | str, pin: bool | None = None, device_buf
         buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
     host_np = host.numpy()
     o = 0
+    kv_runs = None
     for (h, a), n in zip(_walk(dev), prog.sizes):
         v, hv = buf[o : o + n], host_np[o : o + n]
         o += n
@@ -1157,7 +1220,9 @@ def upload(prog, device: torch.device | str, pin: bool | None = None, device_buf
         else:
             h.runs = v.view(-1, 4)
             h.idx = expand_runs(h.runs, h.size)
+            if isinstance(dev, SlotProgram) and h is dev.send_kv:
+                kv_runs = hv
     dev._keep = [host, buf]
     if isinstance(dev, SlotProgram):
-        dev.messages = _messages(dev)
+        dev.messages = _messages(dev, kv_runs)
     return dev

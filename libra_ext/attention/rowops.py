@@ -7,6 +7,12 @@ op here, and one kernel launch on a GPU:
 
   gather_rows_(outs, srcs, idxs)             outs[p][r] = srcs[p][idxs[p][r]]
   scatter_rows_(dsts, idxs, srcs, adds)      dsts[p][idxs[p][r]] = srcs[p][r]   (adds[p]: +=)
+  sum_rows_(dsts, rows, srcs, idxs, offs, adds)
+      dsts[p][rows[p][j]] = sum over k in [offs[p][j], offs[p][j+1]) of srcs[p][idxs[p][k]]
+      (adds[p]: +=), each sum in fp32 in k order and rounded once; an empty rows / idxs / offs
+      stands for the identity (j, k, one k per j). It sums the K/V gradients returned for
+      rows that several pool members read, deterministically (no atomics: an output row is
+      addressed once per part), and moves rows between two buffers at the same index.
 
 Every tensor is [rows, d] with unit stride along d and one dtype per call; indices are int32 or
 int64 on the same device. On CUDA, with Triton installed, one Triton kernel runs every part: a
@@ -101,6 +107,73 @@ def _scatter_fake(dsts, idxs, srcs, adds) -> None:
     _check("scatter_rows_", dsts, srcs, idxs)
 
 
+def _sum_parts(rows: list, idxs: list, offs: list) -> list:
+    """Per part of a `sum_rows_` call, (outputs, source rows read)."""
+    out = []
+    for r, i, o in zip(rows, idxs, offs):
+        n = int(r.shape[0]) if r.numel() else int(o.shape[0]) - 1 if o.numel() else \
+            int(i.shape[0])
+        out.append((n, int(i.shape[0]) if i.numel() else n))
+    return out
+
+
+def _check_sum(dsts, rows, srcs, idxs, offs, adds) -> list:
+    _check("sum_rows_", dsts, srcs, idxs)
+    if not (len(rows) == len(offs) == len(adds) == len(dsts)):
+        raise ValueError(f"sum_rows_: {len(rows)} row indices, {len(offs)} offsets and "
+                         f"{len(adds)} add flags for {len(dsts)} parts")
+    parts = _sum_parts(rows, idxs, offs)
+    for p, ((n, k), r, i, o) in enumerate(zip(parts, rows, idxs, offs)):
+        for what, x in (("row index", r), ("offsets", o)):
+            if x.dim() != 1 or x.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"sum_rows_: part {p}'s {what} must be 1-D int32 / int64, "
+                                 f"got {tuple(x.shape)} {x.dtype}")
+        if o.numel() and not i.numel():
+            raise ValueError(f"sum_rows_: part {p} has offsets but no source index")
+        if not (r.numel() or o.numel() or i.numel()):
+            raise ValueError(f"sum_rows_: part {p} has no row index, offsets or source index")
+        if r.numel() and o.numel() and o.shape[0] != n + 1:
+            raise ValueError(f"sum_rows_: part {p} has {n} rows and {o.shape[0]} offsets "
+                             f"(rows + 1 expected)")
+        if not r.numel() and n > dsts[p].shape[0]:
+            raise ValueError(f"sum_rows_: part {p} writes {n} rows into {dsts[p].shape[0]}")
+        if not i.numel() and k > srcs[p].shape[0]:
+            raise ValueError(f"sum_rows_: part {p} reads {k} rows of {srcs[p].shape[0]}")
+    return parts
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sum_rows_", mutates_args=("dsts",))
+def sum_rows_(dsts: list[Tensor], rows: list[Tensor], srcs: list[Tensor], idxs: list[Tensor],
+              offs: list[Tensor], adds: list[bool]) -> None:
+    """dsts[p][rows[p][j]] (+)= sum of srcs[p][idxs[p][k]], k in [offs[p][j], offs[p][j+1])
+    for every part p, in one op (see the module; an output row is addressed once per part)."""
+    parts = _check_sum(dsts, rows, srcs, idxs, offs, adds)
+    if _use_triton(dsts[0]) and dsts[0].dtype in _TRITON_DTYPES:
+        _launch_sum(dsts, rows, srcs, idxs, offs, adds, parts)
+        return
+    for d, r, s, i, o, add, (n, k) in zip(dsts, rows, srcs, idxs, offs, adds, parts):
+        acc = torch.promote_types(s.dtype, torch.float32)
+        x = (s.index_select(0, i) if i.numel() else s[:k]).to(acc)
+        if o.numel():  # each output's run of sources, summed in order
+            seg = torch.repeat_interleave(torch.arange(n, device=s.device), o.diff(),
+                                          output_size=k)
+            x = x.new_zeros(n, x.shape[1]).index_add_(0, seg, x)
+        x = x.to(d.dtype)
+        if r.numel() and add:
+            d.index_add_(0, r, x)
+        elif r.numel():
+            d.index_put_((r,), x)
+        elif add:
+            d[:n].add_(x)
+        else:
+            d[:n].copy_(x)
+
+
+@sum_rows_.register_fake
+def _sum_fake(dsts, rows, srcs, idxs, offs, adds) -> None:
+    _check_sum(dsts, rows, srcs, idxs, offs, adds)
+
+
 def gather(srcs: list, idxs: list, out: Tensor | None = None) -> tuple[Tensor, list]:
     """The parts gathered into one new [rows, d] buffer, part after part (or into `out`).
     Returns (the buffer, each part's rows as a view of it)."""
@@ -117,6 +190,27 @@ def gather_into(outs: list, srcs: list, idxs: list) -> None:
     """`gather_rows_` into given buffers (nothing launched when no part has rows)."""
     if any(int(i.shape[0]) for i in idxs):
         gather_rows_(outs, srcs, idxs)
+
+
+def sum_into(dsts: list, rows: list, srcs: list, idxs: list, offs: list, adds: list) -> None:
+    """`sum_rows_` over the parts that have outputs (an empty call launches nothing); None for a
+    row index, source index or offsets: the identity. A part has as many outputs as its row
+    index has entries, else its offsets groups, else its source index entries."""
+    parts = []
+    for p in range(len(dsts)):
+        r, i, o = rows[p], idxs[p], offs[p]
+        n = int(r.shape[0]) if r is not None else int(o.shape[0]) - 1 if o is not None else \
+            int(i.shape[0]) if i is not None else None
+        if n is None:
+            raise ValueError(f"sum_into: part {p} has no row index, offsets or source index")
+        if n:
+            empty = None if None not in (r, i, o) else \
+                torch.empty(0, dtype=torch.int32, device=dsts[p].device)
+            r, i, o = (x if x is not None else empty for x in (r, i, o))
+            parts.append((dsts[p], r, srcs[p], i, o, adds[p]))
+    if parts:
+        sum_rows_(*(list(x) for x in zip(*parts)))
+
 
 
 def scatter(dsts: list, idxs: list, srcs: list, adds: list) -> None:
@@ -164,6 +258,8 @@ def have_triton() -> bool:
 
 
 BLOCK_ROWS = 16
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""What `sum_rows_`'s kernel sums (in fp32); fp64 takes the torch path."""
 
 
 def _launch(bufs: list, srcs: list, idxs: list, gather: bool, adds: tuple) -> None:
@@ -184,6 +280,34 @@ def _launch(bufs: list, srcs: list, idxs: list, gather: bool, adds: tuple) -> No
     grid = (triton.cdiv(max(rows), BLOCK_ROWS), parts)
     kernel[grid](*args, d, GATHER=gather, ADDS=add_mask, BLOCK_R=BLOCK_ROWS,
                  BLOCK_D=triton.next_power_of_2(d))
+
+
+def _launch_sum(dsts, rows, srcs, idxs, offs, adds, parts) -> None:
+    """`sum_rows_`'s one launch: a grid of (output row blocks of the largest part, parts)."""
+    n = [p[0] for p in parts]
+    if not max(n):
+        return
+    args = []
+    flags = 0
+    for p, (d, r, s, i, o) in enumerate(zip(dsts, rows, srcs, idxs, offs)):
+        args += [d, r if r.numel() else d, s, i if i.numel() else d, o if o.numel() else d,
+                 n[p], d.stride(0), s.stride(0)]
+        flags |= (bool(r.numel()) << (4 * p)) | (bool(i.numel()) << (4 * p + 1)) | \
+            (bool(o.numel()) << (4 * p + 2)) | (bool(adds[p]) << (4 * p + 3))
+    args += args[:8] * (MAX_PARTS - len(dsts))
+    triton, kernel = _sum_kernel()
+    grid = (triton.cdiv(max(n), BLOCK_ROWS), len(dsts))
+    kernel[grid](*args, dsts[0].shape[1], FLAGS=flags, BLOCK_R=BLOCK_ROWS,
+                 BLOCK_D=triton.next_power_of_2(dsts[0].shape[1]))
+
+
+@functools.cache
+def _sum_kernel():
+    """(triton, `sum_rows_`'s kernel), imported at first use as `_kernel` is."""
+    # deferred: Triton reads TRITON_INTERPRET when the kernel is defined
+    from libra_ext.attention import _rowops_kernel as k
+
+    return k.triton, k.sum_kernel
 
 
 @functools.cache

@@ -235,9 +235,11 @@ def sync_free(device, systems=("libra", "ulysses", "wlb"), context=32_768, dtype
 def row_ops(device, dtype=torch.bfloat16, rows=1 << 20, d=128, reps=5, seed=4) -> dict:
     """The fused row ops against per-part torch ops on `device`: Q / K / V gathered out of X
     (rows, rows / 8, rows / 8 indices into buffers of 2 rows, rows / 4, rows / 4), then dQ
-    written and dK / dV added back with K/V rows repeated (each twice on average). Equal for
-    gathers and writes; adds within the dtype's tolerance of a float64 sum (atomic additions on
-    a GPU take any order). Times (ms, median of `reps`) both ways."""
+    written and dK / dV added back with K/V rows repeated (each twice on average), and the K
+    gradients summed per distinct row (`sum_rows_`). Equal for gathers and writes; adds and sums
+    within the dtype's tolerance of a float64 sum (atomic additions on a GPU take any order; the
+    sums take send order, the same bits on every run). Times (ms, median of `reps`) both
+    ways."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     src = [torch.randn(n, d, device=device, dtype=dtype, generator=gen)
@@ -278,13 +280,38 @@ def row_ops(device, dtype=torch.bfloat16, rows=1 << 20, d=128, reps=5, seed=4) -
     t_scatter_torch = timed(lambda: (dst[0].index_put_((wq,), views[0]),
                                      dst[1].index_add_(0, idx[1], views[1]),
                                      dst[2].index_add_(0, idx[2], views[2])))
+    # the K/V gradients returned: each vector's returns (idx[1]'s repeats) summed in send order
+    # into one buffer of the distinct vectors, then added at them (`sum_rows_`, no atomics)
+    srt, order = torch.sort(idx[1].long(), stable=True)
+    new = torch.ones_like(srt, dtype=torch.bool)
+    new[1:] = srt[1:] != srt[:-1]
+    group = torch.cumsum(new, 0) - 1
+    distinct = int(new.sum())  # (a host read, here only: the runtime knows it from the plan)
+    rows_u = srt.new_empty(distinct).scatter_(0, group, srt).to(torch.int32)
+    offs = torch.searchsorted(group, torch.arange(distinct + 1, device=device)).to(torch.int32)
+    order = order.to(torch.int32)
+    summed = views[1].new_empty(distinct, d)
+    rowops.sum_into([summed], [None], [views[1]], [order], [offs], [False])
+    ref = torch.zeros(distinct, d, device=device, dtype=torch.float64)
+    ref.index_add_(0, group, views[1].double()[order.long()])
+    sum_err = _err(summed, ref)
+    dk = torch.zeros_like(src[1])
+    rowops.sum_into([dk], [rows_u], [views[1]], [order], [offs], [True])
+    again = torch.zeros_like(src[1])
+    rowops.sum_into([again], [rows_u], [views[1]], [order], [offs], [True])
+    sum_deterministic = torch.equal(dk, again) and torch.equal(dk[rows_u.long()], summed)
+    t_sum = timed(lambda: rowops.sum_into([summed], [None], [views[1]], [order], [offs],
+                                          [False]))
     moved = sum(v.numel() * v.element_size() for v in views)
     return {
         "dtype": str(dtype).replace("torch.", ""), "rows": rows, "head_dim": d,
         "triton": rowops._use_triton(fused),
         "gather_equal": gather_ok, "write_equal": write_ok, "add_err": add_err,
+        "sum_err": sum_err, "sum_deterministic": sum_deterministic,
         "gather_ms": {"fused": t_fused, "torch": t_torch},
         "scatter_ms": {"fused": t_scatter, "torch": t_scatter_torch},
+        "sum_ms": t_sum,
         "gather_gb_per_s": 2 * moved / t_fused / 1e6 if t_fused else None,
-        "ok": gather_ok and write_ok and add_err <= tol and (rowops._use_triton(fused) or not cuda),
+        "ok": gather_ok and write_ok and add_err <= tol and sum_err <= tol and
+        sum_deterministic and (rowops._use_triton(fused) or not cuda),
     }

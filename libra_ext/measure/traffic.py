@@ -123,7 +123,8 @@ def op_bytes(func, args, kwargs, out, on) -> int:
 def _row_op_bytes(func, args, kwargs, on) -> int:
     """A row op's parts priced by the rules above: a gather part reads and writes its rows, a
     write part writes the rows it addresses and reads its source, an adding part also reads
-    the rows it adds to; the indices count once."""
+    the rows it adds to; a summing part reads each source row it sums; the indices count
+    once."""
     names = [a.name for a in func._schema.arguments]
     bound = dict(zip(names, args)) | dict(kwargs)
 
@@ -132,6 +133,14 @@ def _row_op_bytes(func, args, kwargs, on) -> int:
 
     if func.__name__.startswith("gather_rows_"):
         return sum(2 * nb(o) + nb(i) for o, i in zip(bound["outs"], bound["idxs"]))
+    if func.__name__.startswith("sum_rows_"):  # the source rows it reads, the rows it writes
+        total = 0
+        parts = rowops._sum_parts(bound["rows"], bound["idxs"], bound["offs"])
+        for (n, k), d, r, i, o, add in zip(parts, bound["dsts"], bound["rows"], bound["idxs"],
+                                            bound["offs"], bound["adds"]):
+            row = nb(d) // max(1, d.shape[0])
+            total += (k + (2 if add else 1) * n) * row + nb(r) + nb(i) + nb(o)
+        return total
     return sum((3 if add else 2) * nb(s) + nb(i)
                for s, i, add in zip(bound["srcs"], bound["idxs"], bound["adds"]))
 

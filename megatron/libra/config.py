@@ -98,7 +98,8 @@ class SystemConfig(PlannerKnobs):
     plain call (its Q/K/V and the layer's output): that, and the kernel's O freed after the
     forward and rebuilt in the backward by one more all-to-all of O over the CP group, and
     where the plan says it lowers the backward's peak, the executed units' backward run before
-    the direct call's (the first sub-chunk's dO exposed). wlb
+    the direct call's, holding no more than it will (the first sub-chunk's dO exposed, and a
+    sub-chunk's that an executor could not post ahead). wlb
     (owner or rebuild): its key and value packs freed after the forward and gathered again (K
     and V all-gathered once more) in the backward. Identical
     results under every setting; `libra simulate --attention-memory` prices the time owner and

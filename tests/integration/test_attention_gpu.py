@@ -116,9 +116,9 @@ def test_gpu_check_fails_a_wrong_result_and_never_counts_a_skip_as_a_pass():
         "sync": {"libra": "ok"},
         "rebuild": [{"backend": "varlen", "ok": True, "grad_err": 0.0, "bitwise": True,
                      "left_after_release": 65536, "stats_bytes": 64000}],
-        "rowops": {"ok": True, "triton": True, "add_err": 0.004,
-                   "gather_ms": {"fused": 1.1, "torch": 1.3},
-                   "scatter_ms": {"fused": 1.6, "torch": 2.0}},
+        "rowops": {"ok": True, "triton": True, "add_err": 0.004, "sum_err": 0.004,
+                   "sum_deterministic": True, "gather_ms": {"fused": 1.1, "torch": 1.3},
+                   "scatter_ms": {"fused": 1.6, "torch": 2.0}, "sum_ms": 0.4},
         "overhead": {"libra-256k/p50": {"systems": {
             "libra": {"host_copies": 0, "ratio": 1.01}}}},
         "calibration": {"peak_tflops": 400.0, "rows": [{"fwd_tflops": 380.0}]},

@@ -53,6 +53,62 @@ def test_a_scatter_writes_and_adds_as_index_put_and_index_add_do(dtype):
     assert torch.equal(dq, want_q) and torch.equal(dk, want_k)
 
 
+def _returned(n: int, rows: int, d: int, dtype, seed: int):
+    """K/V gradients returned for `n` sends of `rows` distinct vectors (some sent to several
+    executors): (sources, destination of each, its distinct destinations, the sends grouped by
+    them in send order, the groups' offsets)."""
+    g = torch.Generator().manual_seed(seed)
+    dest = torch.randint(0, rows, (n,), generator=g)
+    srt, order = torch.sort(dest, stable=True)
+    uniq = torch.unique(srt)
+    offs = torch.searchsorted(srt, torch.cat([uniq, uniq.new_tensor([rows])]))
+    src = torch.randn(n, d, generator=g).to(dtype)
+    return src, dest, uniq, order.to(torch.int32), offs.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_sum_adds_each_vector_s_returns_in_send_order_rounded_once(dtype):
+    src, dest, uniq, order, offs = _returned(57, 20, 8, dtype, seed=3)
+    u = len(uniq)
+    acc = torch.promote_types(dtype, torch.float32)
+    want = torch.empty(u, 8, dtype=dtype)
+    for j, r in enumerate(uniq):
+        s = torch.zeros(8, dtype=acc)
+        for x in src[dest == r]:  # in send order
+            s += x.to(acc)
+        want[j] = s.to(dtype)
+    out = torch.full((u, 8), float("nan"), dtype=dtype)  # every row written: no fill needed
+    rowops.sum_into([out], [None], [src], [order], [offs], [False])
+    assert torch.equal(out, want)
+    # the sums added at the distinct rows afterwards (the early order) or straight away (the
+    # late one): the same bits
+    dk = torch.randn(20, 8, dtype=torch.float64).to(dtype)
+    late = dk.clone()
+    rowops.sum_into([dk], [uniq.to(torch.int32)], [out], [None], [None], [True])
+    rowops.sum_into([late], [uniq], [src], [order], [offs], [True])
+    assert torch.equal(dk, late)
+
+
+def test_a_sum_moves_rows_between_buffers_at_one_index_and_writes_others_where_told():
+    g = torch.Generator().manual_seed(4)
+    dq, do = torch.randn(40, 8, generator=g), torch.randn(40, 8, generator=g)
+    rest, at = torch.randn(5, 8, generator=g), torch.tensor([3, 9, 20, 21, 33])
+    same = torch.tensor([0, 1, 2, 30, 31], dtype=torch.int32)
+    want = dq.clone()
+    want[same.long()] = do[same.long()]
+    want[at] = rest
+    rowops.sum_into([dq, dq], [same, at], [do, rest], [same, None], [None, None],
+                    [False, False])
+    assert torch.equal(dq, want)
+    with traffic.TrafficProbe("cpu") as probe:  # one op: the rows read and written
+        probe.start("sum")
+        rowops.sum_into([dq, dq], [same, at], [do, rest], [same, None], [None, None],
+                        [False, False])
+        probe.start("done")
+    ph, row = probe.phases["sum"], 8 * 4
+    assert ph.ops == 1 and ph.bytes == 2 * 10 * row + 2 * 5 * 4 + 5 * 8
+
+
 def test_bad_parts_are_refused_naming_the_part():
     x, i = torch.zeros(4, 8), torch.zeros(2, dtype=torch.int32)
     cases = [
@@ -67,6 +123,20 @@ def test_bad_parts_are_refused_naming_the_part():
         (lambda: rowops.scatter_rows_([x], [i], [torch.zeros(2, 8)], [True, False]),
          "2 add flags for 1 parts"),
         (lambda: rowops.gather_rows_([x] * 7, [x] * 7, [i] * 7), "1 to 6 parts"),
+        (lambda: rowops.sum_rows_([x], [i], [x], [i], [i], [False]),
+         "part 0 has 2 rows and 2 offsets"),
+        (lambda: rowops.sum_rows_([x], [i[:0]], [x], [i[:0]], [i], [False]),
+         "part 0 has offsets but no source index"),
+        (lambda: rowops.sum_rows_([x], [i.float()], [x], [i], [i[:0]], [False]),
+         "part 0's row index must be 1-D int32 / int64"),
+        (lambda: rowops.sum_rows_([x], [i[:0]], [torch.zeros(2, 8)], [i[:0]], [i[:0]],
+                                  [False]), "part 0 has no row index, offsets or source"),
+        (lambda: rowops.sum_rows_([torch.zeros(1, 8)], [i[:0]], [x], [i], [i[:0]], [False]),
+         "part 0 writes 2 rows into 1"),
+        (lambda: rowops.sum_rows_([x], [i], [x], [i], [i[:0]], [False, True]),
+         "1 row indices, 1 offsets and 2 add flags for 1 parts"),
+        (lambda: rowops.sum_into([x], [None], [x], [None], [None], [False]),
+         "part 0 has no row index, offsets or source index"),
     ]
     for call, words in cases:
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
@@ -146,6 +216,30 @@ _INTERPRETED = textwrap.dedent("""
     want.index_add_(0, ik, sk)
     rowops.scatter([dk, dk], [ik, ik[:0]], [sk, sk[:0]], [True, False])
     assert torch.allclose(dk, want, atol=1e-6), (dk - want).abs().max()
+    # sums: each destination's returns in send order, written compact or added at distinct rows
+    for dtype in (torch.float32, torch.bfloat16):
+        dest = torch.randint(0, 20, (70,), generator=g)
+        srt, order = torch.sort(dest, stable=True)
+        uniq = torch.unique(srt)
+        offs = torch.searchsorted(srt, torch.cat([uniq, uniq.new_tensor([20])])).int()
+        srcs = [torch.randn(70, 100, generator=g).to(dtype) for _ in range(2)]
+        outs = [torch.empty(len(uniq), 100, dtype=dtype) for _ in range(2)]
+        rowops.sum_into(outs, [None, None], srcs, [order.int()] * 2, [offs] * 2, [False] * 2)
+        for o, s in zip(outs, srcs):
+            want = torch.zeros(len(uniq), 100).index_add_(
+                0, torch.searchsorted(uniq, dest), s.float()).to(dtype)
+            assert torch.allclose(o.float(), want.float(), rtol=1e-2, atol=1e-5), dtype
+        dk = torch.randn(20, 100, generator=g).to(dtype)
+        want = dk.float().index_add_(0, uniq, outs[0].float()).to(dtype)
+        same = torch.tensor([1, 5, 6], dtype=torch.int32)
+        dq, do = torch.randn(9, 100, generator=g).to(dtype), torch.randn(9, 100, generator=g).to(dtype)
+        wq = dq.clone()
+        wq[same.long()] = do[same.long()]
+        rowops.sum_into([dk, dq], [uniq.int(), same], [outs[0], do], [None, same], [None, None],
+                        [True, False])
+        # (the interpreter rounds fp32 to bf16 its own way: one bf16 step apart at most)
+        assert torch.allclose(dk.float(), want.float(), rtol=1e-2, atol=0), dtype
+        assert torch.equal(dq, wq), dtype
     print("interpreted ok")
 """)
 
