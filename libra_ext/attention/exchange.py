@@ -358,8 +358,10 @@ class PlannedAttention(torch.autograd.Function):
                           if early else None)
         del rebuilt
         if early:  # a dQ range returned in place lands in dO (its rows: zero-key in the direct
-            # call), the K/V gradients are summed per vector as they wait for dK/dV
-            ex.return_grads(executed, counts, dof)
+            # call) where dO is this operator's own (C > 1: _UlyssesOut made it; at C = 1 it is
+            # autograd's, which others may hold: a buffer then), the K/V gradients are summed
+            # per vector as they wait for dK/dV
+            ex.return_grads(executed, counts, dof if C > 1 else None)
             ex.wait_returns()
         dq, dk, dv = direct.backward(do, counts)
         del direct
@@ -704,7 +706,8 @@ class _Exchange:
         """Each sub-chunk's kernel backward on this executor (last first), its dQ / dK / dV
         straight back to the owners. A dQ range returned in place lands in `dest` at its own
         vectors: this rank's dQ, or - before the direct call's backward has made it - its dO,
-        whose rows of moved units the direct call gives no keys (`add_returned` moves them)."""
+        whose rows of moved units the direct call gives no keys (`add_returned` moves them);
+        None: every returned dQ in a buffer."""
         p, d = self.prog, self.d
         self.dq_ret, self.dq_dest = self._back(dest), dest
         self.kv_ret = (self.new(p.n_kv_send), self.new(p.n_kv_send), False)

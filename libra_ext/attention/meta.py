@@ -307,8 +307,11 @@ def early_return_groups(plan: StepPlan) -> np.ndarray:
     units' memory; early, max_m max((PEAK_BASE - 1) X_m + E_m + R_m, PEAK_BASE X_m + R_m) -
     the executed units' backward before dX exists, then the direct backward beside the returns
     waiting to be added. Early where it is lower: a function of the plan alone, the same on
-    every member. Cached on the plan. The specification of the C++ compiler's
-    `early_returns` (cpp/src/program.cpp), which the sampler's programs carry."""
+    every member. The early term is an upper bound: the operator lands returned dQ in dO, sums
+    a K/V vector's returns before the direct backward and posts a sub-chunk ahead only where
+    it fits (`exchange._Exchange`), so an early group holds less than R_m and E_m at once.
+    Cached on the plan. The specification of the C++ compiler's `early_returns`
+    (cpp/src/program.cpp), which the sampler's programs carry."""
     cached = getattr(plan, "_early_returns", None)
     if cached is not None:
         return cached

@@ -99,7 +99,11 @@ def run_pool(plan, replica, slot, chunks, hkv, seed=0, pipelined=True, memory="k
         pad = torch.Generator().manual_seed(1000 * seed + 10 * m + c)  # (the same each run)
         g[torch.as_tensor(idx < 0)] = torch.randn(int((idx < 0).sum()), h, d, generator=pad,
                                                   dtype=torch.float64)  # must not leak
+        given = g.clone()
         grads = torch.autograd.grad(out, leaves, g.view(out.shape))
+        # the output gradient autograd hands the operator is read, never written (another
+        # consumer of the same tensor may read it after)
+        assert torch.equal(g, given), "the output gradient was written"
         if fused:
             grads = grads[0].split([h, hkv, hkv], dim=1)
         return prog, out.detach().view(-1, h, d), grads, env.counter, idx
