@@ -693,9 +693,7 @@ class _Exchange:
         every member posts its transfers in one order."""
         if self.posted != t + 1 or self.posted == len(self.turns):
             return
-        m = self.m
-        waiting = self.dq_ret[0].shape[0] + 2 * (
-            m.kv_distinct if m.kv_distinct < self.prog.n_kv_send else self.prog.n_kv_send)
+        waiting = self.dq_ret[0].shape[0] + 2 * self.m.kv_distinct  # (<= n_kv_send)
         landing = self.dq_ret[0].shape[0] + 2 * self.prog.n_kv_send
         inputs, work, _ = self._footprint(self.turns[t], executed[self.turns[t]])
         nxt = self._footprint(self.turns[t + 1], executed[self.turns[t + 1]])[0]

@@ -1023,9 +1023,10 @@ def distinct_vectors(runs: np.ndarray) -> int:
     return int(np.maximum(0, end - np.maximum(start, before)).sum())
 
 
-def _sums(idx: torch.Tensor, distinct: int) -> tuple:
+def vector_groups(idx: torch.Tensor, distinct: int) -> tuple:
     """(the distinct vectors of idx ascending, positions of idx grouped by them in order, the
-    groups' offsets): a fixed number of device ops, sized from the host-known `distinct`."""
+    groups' offsets): what `rowops.sum_rows_` sums repeated vectors by - a fixed number of
+    device ops, sized from the host-known `distinct`."""
     if not idx.numel():
         return idx[:0], idx[:0], idx.new_zeros(1)
     srt, order = torch.sort(idx.long(), stable=True)
@@ -1058,6 +1059,7 @@ def _messages(prog: "SlotProgram", kv_runs: np.ndarray) -> "Messages | None":
                     placed.append((pos, n))
                 pos += n
             out.append(row)
+
         def cut(ps):
             return torch.cat([idx[a:a + n] for a, n in ps]) if ps else idx[:0]
 
@@ -1079,7 +1081,8 @@ def _messages(prog: "SlotProgram", kv_runs: np.ndarray) -> "Messages | None":
     kv_send, kv_rest, _ = sends("kv_ranges", prog.send_kv.idx)
     distinct = distinct_vectors(kv_runs)
     return Messages(q_send, kv_send, recvs("q_recv_ranges"), recvs("kv_recv_ranges"),
-                    q_rest, kv_rest, q_in, *_sums(prog.send_kv.idx, distinct), distinct)
+                    q_rest, kv_rest, q_in, *vector_groups(prog.send_kv.idx, distinct),
+                    distinct)
 
 
 def _walk(prog):

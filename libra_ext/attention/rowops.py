@@ -212,7 +212,6 @@ def sum_into(dsts: list, rows: list, srcs: list, idxs: list, offs: list, adds: l
         sum_rows_(*(list(x) for x in zip(*parts)))
 
 
-
 def scatter(dsts: list, idxs: list, srcs: list, adds: list) -> None:
     """`scatter_rows_` over the parts that move rows (an empty call launches nothing)."""
     keep = [p for p in range(len(dsts)) if idxs[p].shape[0]]

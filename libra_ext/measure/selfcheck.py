@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from libra_ext.attention import kernels, rowops
+from libra_ext.attention import kernels, meta, rowops
 from libra_ext.attention.comm import GroupCache
 from libra_ext.attention.core import Runtime, core_attention
 from libra_ext.attention.counters import CallCounts
@@ -282,18 +282,13 @@ def row_ops(device, dtype=torch.bfloat16, rows=1 << 20, d=128, reps=5, seed=4) -
                                      dst[2].index_add_(0, idx[2], views[2])))
     # the K/V gradients returned: each vector's returns (idx[1]'s repeats) summed in send order
     # into one buffer of the distinct vectors, then added at them (`sum_rows_`, no atomics)
-    srt, order = torch.sort(idx[1].long(), stable=True)
-    new = torch.ones_like(srt, dtype=torch.bool)
-    new[1:] = srt[1:] != srt[:-1]
-    group = torch.cumsum(new, 0) - 1
-    distinct = int(new.sum())  # (a host read, here only: the runtime knows it from the plan)
-    rows_u = srt.new_empty(distinct).scatter_(0, group, srt).to(torch.int32)
-    offs = torch.searchsorted(group, torch.arange(distinct + 1, device=device)).to(torch.int32)
-    order = order.to(torch.int32)
+    distinct = len(torch.unique(idx[1]))  # (a host read, here only: the runtime knows it
+    # from the plan's runs)
+    rows_u, order, offs = meta.vector_groups(idx[1], distinct)
     summed = views[1].new_empty(distinct, d)
     rowops.sum_into([summed], [None], [views[1]], [order], [offs], [False])
     ref = torch.zeros(distinct, d, device=device, dtype=torch.float64)
-    ref.index_add_(0, group, views[1].double()[order.long()])
+    ref.index_add_(0, torch.searchsorted(rows_u, idx[1].to(torch.int32)), views[1].double())
     sum_err = _err(summed, ref)
     dk = torch.zeros_like(src[1])
     rowops.sum_into([dk], [rows_u], [views[1]], [order], [offs], [True])

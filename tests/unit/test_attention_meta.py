@@ -424,7 +424,7 @@ def test_the_k_v_vectors_sent_are_grouped_per_vector_from_their_runs(kvl, items)
     idx = meta.expand_runs(torch.as_tensor(runs), g.size)
     distinct = meta.distinct_vectors(runs)
     assert distinct == len(torch.unique(idx))
-    rows, order, offs = meta._sums(idx, distinct)
+    rows, order, offs = meta.vector_groups(idx, distinct)
     assert torch.equal(rows.long(), torch.unique(idx).long())
     assert offs.tolist()[0] == 0 and offs.tolist()[-1] == g.size
     for j in range(distinct):
