@@ -5,7 +5,9 @@
 
 1. kernels: every usable backend (te, flash, varlen) against the float64 reference, bf16,
    output and gradients, on whole documents, query tiles against longer prefixes, one-row
-   tiles, GQA/MQA and several segments per call; and the causal alignment each implements;
+   tiles, GQA/MQA, several segments per call and zero-key / zero-query segments (a keyless
+   row's output overwritten and its dO arbitrary, as the runtime leaves them); and the causal
+   alignment each implements;
 2. sync: the single-rank operator of libra, ulysses and wlb (metadata upload, forward,
    backward) under torch.cuda.set_sync_debug_mode("error"); rebuild: per backend, one call's
    output and inputs released and refilled (system.attention_memory = rebuild) - gradients as

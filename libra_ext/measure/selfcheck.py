@@ -3,7 +3,11 @@ tools/gpu_check.py (which writes their numbers to one JSON file):
 
 - `kernel_cases`: every usable backend against the dense reference (float64) on segment
   layouts that matter here - whole documents, query tiles against longer prefixes (bottom-right
-  causal), one-row tiles, GQA and MQA, several segments per call - output and q/k/v gradients;
+  causal), one-row tiles, GQA and MQA, several segments per call, and the zero-key and
+  zero-query segments the runtime's calls put around their work - output and q/k/v gradients,
+  with a keyless row's output overwritten and its output gradient arbitrary before the
+  backward, as the runtime writes them (docs/plan_contract.md); where query and key rows are
+  the same tokens, also on head slices of one buffer, as a fused QKV projection leaves them;
 - `alignment`: which causal alignment a backend implements (must be bottom-right);
 - `sync_free`: the single-rank operator, forward and backward, under
   `torch.cuda.set_sync_debug_mode("error")` (any hidden device sync raises);
@@ -42,6 +46,10 @@ CASES = (
     ((1,), (64,), 2, 1),
     ((3, 100, 17, 64), (10, 300, 17, 64), 8, 1),
     ((512, 7), (512, 900), 4, 2),
+    # zero-key segments (rows of moved units, padding: no keys, whatever O and dO hold there)
+    # between and after zero-query ones (keys no row of the call reads: dK = dV = 0)
+    ((7, 0, 40, 16, 9), (0, 30, 64, 16, 0), 4, 2),
+    ((100, 37, 1), (100, 37, 1), 8, 2),  # documents of one packed sequence
 )
 
 TOLERANCE = {torch.bfloat16: (2e-2, 4e-2), torch.float16: (4e-3, 8e-3), torch.float32: (1e-5, 1e-4)}
@@ -53,11 +61,18 @@ def usable_backends(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     return [b for b in kernels.BACKENDS if why_not(b, p) is None]
 
 
-def _run(backend: str, q, k, v, seg, scale, dout):
+def _run(backend: str, q, k, v, seg, scale, dout, keyless=None):
+    """(output, dq, dk, dv) of one call of `backend`; with `keyless` (the rows of zero-key
+    segments) their output is overwritten before the backward, as the runtime writes other
+    values there in place (the output returned is the kernel's own)."""
     b = kernels._FACTORIES[backend]()
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     out = b.attend(q, k, v, seg, scale)
-    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+    got = out
+    if keyless is not None and keyless.numel():
+        got = out.detach().clone()
+        out.data[keyless] = torch.randn_like(out.data[keyless])
+    return (got, *torch.autograd.grad(out, (q, k, v), dout))
 
 
 def _reference(q, k, v, ql, kl, scale, dout, top_left=False):
@@ -79,8 +94,18 @@ def _err(got, want) -> float:
     return float((got.double() - want).abs().max()) / scale
 
 
+def _fused(q, k, v) -> tuple:
+    """q, k, v as head slices of one [n, hq + 2 hk, d] buffer (the same values), as a fused QKV
+    projection leaves them: at one cp rank the runtime calls the kernel on the layer's own."""
+    buf = torch.cat([q, k, v], dim=1)
+    hq, hk = q.shape[1], k.shape[1]
+    return buf[:, :hq], buf[:, hq:hq + hk], buf[:, hq + hk:]
+
+
 def kernel_cases(device, dtype=torch.bfloat16, backends=None, head_dim=64, seed=0) -> list[dict]:
-    """Every (backend, case): relative max error of the output and of the q/k/v gradients."""
+    """Every (backend, case, inputs): relative max error of the output (rows with keys) and of
+    the q/k/v gradients; `inputs` "contiguous", or "views" (head slices of one buffer, where a
+    case's query and key rows are the same tokens)."""
     device = torch.device(device)
     backends = backends or usable_backends(device, dtype, head_dim)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -95,22 +120,29 @@ def kernel_cases(device, dtype=torch.bfloat16, backends=None, head_dim=64, seed=
         seg = segments_on(np.r_[0, np.cumsum(ql)], np.r_[0, np.cumsum(kl)], device)
         scale = head_dim**-0.5
         want = _reference(q, k, v, ql, kl, scale, dout)
+        keyed = torch.as_tensor(np.repeat(np.asarray(kl) > 0, ql), device=device)
+        keyless = torch.nonzero(~keyed).flatten()
+        inputs = [("contiguous", (q, k, v))] + ([("views", _fused(q, k, v))]
+                                                if tuple(ql) == tuple(kl) else [])
         for name in backends:
-            got = _run(name, q, k, v, seg, scale, dout)
-            err_out = _err(got[0], want[0])
-            err_grad = max(_err(a, b) for a, b in zip(got[1:], want[1:]))
-            results.append(
-                {
-                    "backend": name,
-                    "dtype": str(dtype).replace("torch.", ""),
-                    "q_lens": list(ql),
-                    "k_lens": list(kl),
-                    "heads": [hq, hk],
-                    "err_out": err_out,
-                    "err_grad": err_grad,
-                    "ok": err_out <= out_tol and err_grad <= grad_tol,
-                }
-            )
+            for layout, qkv in inputs:
+                got = _run(name, *qkv, seg, scale, dout, keyless)
+                err_out = _err(got[0][keyed], want[0][keyed])  # a keyless row's output is free
+                err_grad = max(_err(a, b) for a, b in zip(got[1:], want[1:]))
+                results.append(
+                    {
+                        "backend": name,
+                        "dtype": str(dtype).replace("torch.", ""),
+                        "q_lens": list(ql),
+                        "k_lens": list(kl),
+                        "heads": [hq, hk],
+                        "inputs": layout,
+                        "keyless_rows": int(keyless.numel()),
+                        "err_out": err_out,
+                        "err_grad": err_grad,
+                        "ok": err_out <= out_tol and err_grad <= grad_tol,
+                    }
+                )
     return results
 
 

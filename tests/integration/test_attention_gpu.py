@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from libra_ext.attention import kernels
 from libra_ext.measure import selfcheck
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -50,6 +52,58 @@ def test_reference_checks_pass_on_cpu():
     assert cases and all(c["ok"] for c in cases), cases
     r = selfcheck.alignment("cpu", torch.float32, "reference")
     assert r["aligned"] == "bottom-right" and r["err_top_left"] > 0.01
+
+
+class _LeakyKeylessRows(torch.autograd.Function):
+    """The reference kernel, except that its backward hands a zero-key row's output gradient
+    on to that row's dQ (as a kernel would that attended such rows to something)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seg, scale):
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            out = kernels.ReferenceBackend().attend(*leaves, seg, scale)
+        ctx.graph, ctx.seg = (out, leaves), seg
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        (out, leaves), seg = ctx.graph, ctx.seg
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+        keyless = torch.as_tensor(np.repeat(np.diff(seg.host_k) == 0, np.diff(seg.host_q)))
+        dq[keyless] += dout[keyless]
+        return dq, dk, dv, None, None
+
+
+def test_the_kernel_check_fails_a_kernel_that_leaks_through_zero_key_rows(monkeypatch):
+    class Leaky(kernels.Backend):
+        name = "leaky"
+
+        def attend(self, q, k, v, seg, scale, key=None):
+            return _LeakyKeylessRows.apply(q, k, v, seg, scale)
+
+    monkeypatch.setitem(kernels._FACTORIES, "leaky", Leaky)
+    cases = selfcheck.kernel_cases("cpu", torch.float32, ["leaky"])
+    assert any(c["keyless_rows"] for c in cases)
+    # every case without zero-key segments passes; the one with them fails on its gradients
+    assert [c["ok"] for c in cases] == [c["keyless_rows"] == 0 for c in cases], cases
+    bad = [c for c in cases if c["keyless_rows"]]
+    assert all(c["err_out"] <= 1e-5 < c["err_grad"] for c in bad), bad
+
+
+def test_the_kernel_check_fails_a_kernel_that_reads_head_slices_as_contiguous(monkeypatch):
+    class Blind(kernels.Backend):
+        name = "blind"
+
+        def attend(self, q, k, v, seg, scale, key=None):
+            q, k, v = (torch.as_strided(x, x.shape, torch.empty(x.shape).stride(),
+                                        x.storage_offset()) for x in (q, k, v))
+            return kernels.ReferenceBackend().attend(q, k, v, seg, scale)
+
+    monkeypatch.setitem(kernels._FACTORIES, "blind", Blind)
+    cases = selfcheck.kernel_cases("cpu", torch.float32, ["blind"])
+    assert {c["inputs"] for c in cases} == {"contiguous", "views"}
+    assert [c["ok"] for c in cases] == [c["inputs"] == "contiguous" for c in cases], cases
 
 
 @pytest.mark.slow
