@@ -84,6 +84,16 @@ refuses to run on a GPU: its memory grows with them, the fused kernels' does not
 
 _HALF = (torch.float16, torch.bfloat16)
 
+MIN_MAX_SEQLEN = 128
+"""A call's max_seqlen is its longest segment rounded up to a power of two, at least this: the
+kernels' grids are sized by it, and shape-keyed caches (TE's cuDNN graphs) see few values."""
+
+
+def rounded_max(lengths) -> int:
+    """The longest of `lengths` rounded up to a power of two (at least MIN_MAX_SEQLEN)."""
+    m = int(np.max(lengths, initial=0))
+    return max(MIN_MAX_SEQLEN, 1 << max(0, m - 1).bit_length())
+
 
 @dataclass(frozen=True)
 class Segments:
@@ -95,6 +105,7 @@ class Segments:
     cu_k: torch.Tensor
     """[n_seg + 1] int32 key offsets, on the compute device."""
     max_q: int
+    """The longest segment's query rows, as the kernels take it (`rounded_max` unless given)."""
     max_k: int
     host_q: np.ndarray
     """[n_seg + 1] the same offsets on the host."""
@@ -108,12 +119,12 @@ class Segments:
                   reference_work: bool = False, max_q: int | None = None,
                   max_k: int | None = None) -> "Segments":
         """Device offsets with their host copies; the longest segments (`max_q`, `max_k`, or
-        from the host copies); with `reference_work`, the reference kernel's work items too."""
+        from the host copies, rounded up as the runtime's calls pass them: `rounded_max`); with
+        `reference_work`, the reference kernel's work items too."""
         hq = np.asarray(host_q, dtype=np.int64)
         hk = np.asarray(host_k, dtype=np.int64)
-        seg = cls(cu_q, cu_k,
-                  int(np.diff(hq).max(initial=0)) if max_q is None else int(max_q),
-                  int(np.diff(hk).max(initial=0)) if max_k is None else int(max_k), hq, hk)
+        seg = cls(cu_q, cu_k, rounded_max(np.diff(hq)) if max_q is None else int(max_q),
+                  rounded_max(np.diff(hk)) if max_k is None else int(max_k), hq, hk)
         if reference_work:
             work = reference_kernel.work_items(seg, cu_q.device)
             seg = dataclasses.replace(seg, work=tuple(work))
@@ -324,7 +335,8 @@ def backend_for(q: torch.Tensor, forced: str | None = None) -> Backend:
 
 
 def segments_on(host_q, host_k, device) -> Segments:
-    """Segments from host offsets (tests and one-off calls; the runtime builds them ahead)."""
+    """Segments from host offsets (tests, checks and measurements; the runtime builds them
+    ahead), with max_seqlen rounded up as the runtime's calls pass it."""
     return Segments.from_host(
         torch.as_tensor(np.asarray(host_q), dtype=torch.int32, device=device),
         torch.as_tensor(np.asarray(host_k), dtype=torch.int32, device=device),

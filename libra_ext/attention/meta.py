@@ -45,24 +45,13 @@ import torch
 from libra_ext import _planner as _core
 from libra_ext import costmodel
 from libra_ext.attention import thd
-from libra_ext.attention.kernels import Segments
+from libra_ext.attention.kernels import Segments, rounded_max
 from libra_ext.planner import StepPlan
 
 _I64 = np.int64
 INDEX_DTYPE = np.int32
 """The staged (and device) arrays' dtype: every index of a rank's buffers is below 2^31, and the
 device ops take int32 indices (index_select, index_add_, index_put_; cu_seqlens are int32)."""
-
-MIN_MAX_SEQLEN = 128
-"""A call's max_seqlen is its longest segment rounded up to a power of two, at least this: the
-kernels' grids are sized by it, and shape-keyed caches (TE's cuDNN graphs) see few values."""
-
-
-def rounded_max(lengths) -> int:
-    """The longest of `lengths` rounded up to a power of two (at least MIN_MAX_SEQLEN)."""
-    m = int(np.max(lengths, initial=0))
-    return max(MIN_MAX_SEQLEN, 1 << max(0, m - 1).bit_length())
-
 
 # ------------------------------------------------------------------------------------------
 # Descriptors

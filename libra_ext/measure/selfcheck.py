@@ -8,6 +8,7 @@ tools/gpu_check.py (which writes their numbers to one JSON file):
   with a keyless row's output overwritten and its output gradient arbitrary before the
   backward, as the runtime writes them (docs/plan_contract.md); where query and key rows are
   the same tokens, also on head slices of one buffer, as a fused QKV projection leaves them;
+  max_seqlen rounded up as the runtime passes it (`kernels.rounded_max`);
 - `alignment`: which causal alignment a backend implements (must be bottom-right);
 - `sync_free`: the single-rank operator, forward and backward, under
   `torch.cuda.set_sync_debug_mode("error")` (any hidden device sync raises);
@@ -137,6 +138,7 @@ def kernel_cases(device, dtype=torch.bfloat16, backends=None, head_dim=64, seed=
                         "k_lens": list(kl),
                         "heads": [hq, hk],
                         "inputs": layout,
+                        "max_seqlen": [seg.max_q, seg.max_k],
                         "keyless_rows": int(keyless.numel()),
                         "err_out": err_out,
                         "err_grad": err_grad,

@@ -85,6 +85,17 @@ def test_batched_reference_matches_per_segment_math(monkeypatch, hq, hk):
         assert torch.allclose(got, ref, atol=1e-10)
 
 
+def test_one_off_segments_pass_max_seqlen_rounded_as_the_runtime_does():
+    """Checks, replay, calibration and benchmarks call the kernels as the runtime's calls do:
+    the longest segment rounded up to a power of two, at least 128 (or as given)."""
+    seg = kernels.segments_on([0, 5, 305], [0, 0, 700], "cpu")
+    assert (seg.max_q, seg.max_k) == (512, 1024)
+    assert kernels.segments_on([0, 1], [0, 1], "cpu").max_q == kernels.MIN_MAX_SEQLEN
+    assert kernels.segments_on([0, 256], [0, 256], "cpu").max_q == 256  # a power of two stays
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    assert kernels.Segments.from_host(cu, cu, [0, 3], [0, 3], max_q=3, max_k=3).max_q == 3
+
+
 def test_local_tokens_of_every_sequence_match_the_zigzag_split():
     # the rows every EP rank pads its MoE tokens to come from these, one step ahead
     rng = np.random.default_rng(3)
