@@ -16,7 +16,7 @@ namespace {
 
 using V = std::vector<i64>;
 
-constexpr i64 kMinMaxSeqlen = 128;  // meta.MIN_MAX_SEQLEN
+constexpr i64 kMinMaxSeqlen = 128;  // kernels.MIN_MAX_SEQLEN
 constexpr i64 kClassKey = 1000003;  // (heads, KV heads) class key: hc * kClassKey + hk
 
 i64 at(const ArrayView& a, i64 i, const char* field) {

@@ -1,13 +1,15 @@
 """Defects planted on purpose (`python -m megatron.libra.gpu_ready --mutate NAME`), so that the tests
 can show the gate failing on each: a host index tensor in a device op, a host read in the
 forward, a device op per document, a micro-batch copied to the device field by field with
-blocking copies, and MoE layers that exchange and read their token counts in every layer."""
+blocking copies, MoE layers that exchange and read their token counts in every layer, and
+kernel calls given their exact longest segment as max_seqlen (not rounded up)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from libra_ext.attention import core, exchange
+from libra_ext.attention import core, exchange, kernels
 from megatron.libra import batch, moe_layer
 
 
@@ -56,6 +58,18 @@ def _blocking_batch_copies() -> None:
     batch.MicroBatch.to = to
 
 
+def _exact_max_seqlen() -> None:
+    original = kernels.Segments.from_host.__func__
+
+    def from_host(cls, cu_q, cu_k, host_q, host_k, reference_work=False, max_q=None,
+                  max_k=None):  # each call's longest segment as it is, not rounded up
+        lq, lk = np.diff(np.asarray(host_q)), np.diff(np.asarray(host_k))
+        return original(cls, cu_q, cu_k, host_q, host_k, reference_work,
+                        int(lq.max(initial=0)), int(lk.max(initial=0)))
+
+    kernels.Segments.from_host = classmethod(from_host)
+
+
 def _moe_counts_per_layer() -> None:
     original = moe_layer.set_step_rows
     # the step's row count never set: every MoE layer all-gathers and reads the token counts
@@ -64,7 +78,8 @@ def _moe_counts_per_layer() -> None:
 
 MUTATIONS = {"host-index": _host_index, "item": _item, "per-document-loop": _per_document_loop,
              "blocking-batch-copies": _blocking_batch_copies,
-             "moe-counts-per-layer": _moe_counts_per_layer}
+             "moe-counts-per-layer": _moe_counts_per_layer,
+             "exact-max-seqlen": _exact_max_seqlen}
 
 
 def apply(name: str) -> None:

@@ -5,7 +5,8 @@ Kernels. One pair of custom ops (`libra_gate::attn_fwd` / `attn_bwd`, with fake
 implementations and autograd) behaves like a flash kernel: it returns O and the LSE, keeps Q, K,
 V, O and the LSE for its backward, and checks what every real kernel requires - every tensor on
 the query's device, cu_seqlens int32 and 1-D, maximum lengths as host integers (a tensor there
-would be read on the host), GQA only where the entry point supports it. The entry points wrap it
+would be read on the host) and rounded up as the runtime rounds them (`kernels.rounded_max`),
+GQA only where the entry point supports it. The entry points wrap it
 with the signatures of Transformer Engine's `DotProductAttention` (THD), flash-attn 2's and 3's
 `flash_attn_varlen_func`, and PyTorch's `varlen_attn` of 2.11 (GQA as ATen's flash kernel
 takes it) and 2.13 (`enable_gqa`); `use_backend(name)` puts one in place of the real one in
@@ -109,10 +110,21 @@ def _int(x, name: str) -> int:
     return x
 
 
+def _max_seqlen(x, name: str) -> int:
+    """A call's max_seqlen: a host int, rounded up as the runtime rounds it."""
+    x = _int(x, name)
+    if x != kernels.rounded_max([x]):
+        raise StandInError(
+            f"{name} {x} is not rounded up as the runtime's calls round it (a power of two, at "
+            f"least {kernels.MIN_MAX_SEQLEN}: kernels.rounded_max): a shape-keyed cache (TE's "
+            "cuDNN graphs) would see a new value nearly every step")
+    return x
+
+
 def _call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return attn_fwd(q, k, v, cu_q, cu_k, _int(max_q, "max_seqlen_q"), _int(max_k, "max_seqlen_k"),
-                    scale, bool(causal))
+    return attn_fwd(q, k, v, cu_q, cu_k, _max_seqlen(max_q, "max_seqlen_q"),
+                    _max_seqlen(max_k, "max_seqlen_k"), scale, bool(causal))
 
 
 # -- entry points, each with its library's signature -------------------------------------------
