@@ -82,11 +82,16 @@ def _ranks(nproc: int, args: list[str], timeout: int = 600, tiny: bool = True,
            env: dict | None = None) -> subprocess.CompletedProcess:
     from libra_ext.distributed import free_port
 
-    cmd = [sys.executable, "-c", RANKS, str(nproc), str(free_port()),
-           str(ROOT / "pretrain_gpt_libra.py"), *(TINY if tiny else []), *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=env)
+    for attempt in range(2):
+        cmd = [sys.executable, "-c", RANKS, str(nproc), str(free_port()),
+               str(ROOT / "pretrain_gpt_libra.py"), *(TINY if tiny else []), *args]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                           env=env)
+        # the rendezvous port can be taken between free_port() and rank 0's bind, seconds
+        # later, by another run's sockets (two runs go at a time): once more on a new port
+        if p.returncode == 0 or "EADDRINUSE" not in p.stderr or attempt:
+            return p
 
 
 def _losses(out: str) -> list[float]:
