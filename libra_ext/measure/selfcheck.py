@@ -100,6 +100,12 @@ def _err(got, want) -> float:
     return float((got.double() - want).abs().max()) / scale
 
 
+def keyless_rows(seg) -> torch.Tensor:
+    """[n_q] bool, on the segments' device: the query rows of `seg`'s zero-key segments."""
+    return torch.as_tensor(np.repeat(np.diff(seg.host_k) == 0, np.diff(seg.host_q)),
+                           device=seg.cu_q.device)
+
+
 def _fused(q, k, v) -> tuple:
     """q, k, v as head slices of one [n, hq + 2 hk, d] buffer (the same values), as a fused QKV
     projection leaves them: at one cp rank the runtime calls the kernel on the layer's own."""
@@ -126,7 +132,7 @@ def kernel_cases(device, dtype=torch.bfloat16, backends=None, head_dim=64, seed=
         seg = segments_on(np.r_[0, np.cumsum(ql)], np.r_[0, np.cumsum(kl)], device)
         scale = head_dim**-0.5
         want = _reference(q, k, v, ql, kl, scale, dout)
-        keyed = torch.as_tensor(np.repeat(np.asarray(kl) > 0, ql), device=device)
+        keyed = ~keyless_rows(seg)
         keyless = torch.nonzero(~keyed).flatten()
         inputs = [("contiguous", (q, k, v))] + ([("views", _fused(q, k, v))]
                                                 if tuple(ql) == tuple(kl) else [])
